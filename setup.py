@@ -1,0 +1,31 @@
+"""tvm-evt: a training compiler for PyTorch models on TVM Relax with CUTLASS EVT epilogue fusion."""
+from setuptools import setup
+
+setup(
+    name="tvm-evt",
+    version="0.1.0",
+    description="Training compiler for PyTorch models: TVM Relax training graphs with "
+    "CUTLASS SM90 Epilogue-Visitor-Tree fusion",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=["tvm_evt", "tvm_evt.relax_passes", "tvm_evt.codegen"],
+    package_dir={
+        "tvm_evt": "python/tvm_evt",
+        "tvm_evt.relax_passes": "relax_passes",
+        "tvm_evt.codegen": "codegen",
+    },
+    install_requires=[
+        "apache-tvm==0.27.0.post1",
+        "numpy",
+        "torch>=2.4",
+        "mip>=2.0,<3",
+        "highspy",
+        "xgboost",
+        "nvidia-cutlass==4.2.0.0",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest>=7", "pytest-xdist"]},
+    entry_points={"console_scripts": ["tvm-evt=tvm_evt.cli:main"]},
+)
