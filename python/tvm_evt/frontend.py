@@ -1,0 +1,310 @@
+"""PyTorch → Relax import for training.
+
+`from_torch` exports a model (optionally together with a torch loss module) through
+`torch.export` and translates the graph with TVM's `ExportedProgramImporter`, driven here so
+that training needs are met:
+
+* parameters *and* buffers stay function inputs, named by their torch names
+  (``encoder.0.qkv.weight``); TVM's own driver binds buffers as constants and drops their
+  mutations, which would freeze BatchNorm running statistics;
+* buffer mutations (``running_mean`` updates, ...) are returned after the loss, so ``main``
+  returns ``(loss, *new_buffers)`` and the training step writes them back;
+* the importer's gaps and training-mode mistakes are fixed by `tvm_evt.converters.CONVERT_MAP`
+  (dropout is real dropout, adaptive max pooling, ...);
+* every Relax binding remembers the aten op and the torch module path it came from, so a
+  missing converter or gradient rule is reported as ``aten.foo in encoder.0.ffn``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import tvm
+from tvm import relax
+
+from .errors import UnsupportedOpError
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a Relax binding came from in the torch program."""
+
+    aten_op: str
+    module_path: str
+
+    def __str__(self) -> str:
+        return f"{self.aten_op} in module '{self.module_path or '<top>'}'"
+
+
+@dataclasses.dataclass
+class ImportedModel:
+    """A Relax module with main(*inputs, *params, *buffers) -> (loss, *new_buffers)."""
+
+    mod: tvm.IRModule
+    input_names: list[str]
+    param_names: list[str]
+    buffer_names: list[str]
+    mutated_buffers: list[str]  # buffers whose new value main returns after the loss, in order
+    param_values: "OrderedDict[str, object]"  # torch tensors (initial values)
+    buffer_values: "OrderedDict[str, object]"
+    origins: dict  # relax.Var -> Origin
+    input_specs: list[tuple[tuple[int, ...], str]]  # (shape, dtype) per user input
+
+
+class _WithLoss:
+    """Builds `loss_fn(model(*inputs), target)` as one torch module for tracing."""
+
+    def __new__(cls, model, loss_fn):
+        import torch
+
+        class WithLoss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.loss_fn = loss_fn
+
+            def forward(self, *args):
+                *inputs, target = args
+                return self.loss_fn(self.model(*inputs), target)
+
+        return WithLoss()
+
+
+def _module_path(node, strip_prefix: str) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    if strip_prefix and path.startswith(strip_prefix):
+        path = path[len(strip_prefix) :]
+    return path
+
+
+def _aten_name(node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return f"aten.{name}" if not name.startswith("aten.") else name
+
+
+def _make_importer(convert_map: dict, origin_log: list, strip_prefix: str):
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    importer = ExportedProgramImporter()
+    importer.update_convert_map(convert_map)
+    custom_ops = set(convert_map)
+
+    def traced(fn: Callable, takes_importer: bool) -> Callable:
+        def convert(node):
+            origin = Origin(_aten_name(node), _module_path(node, strip_prefix))
+            try:
+                out = fn(node, importer) if takes_importer else fn(node)
+            except UnsupportedOpError:
+                raise
+            except Exception as err:  # the importer raises bare asserts / TVM errors
+                raise UnsupportedOpError(
+                    origin.aten_op, origin.module_path, f"conversion failed: {err}"
+                ) from err
+            origin_log.append((out, origin))
+            return out
+
+        return convert
+
+    for name, fn in list(importer.convert_map.items()):
+        importer.convert_map[name] = traced(fn, name in custom_ops)
+    # every wrapper takes (node) alone, custom converters included
+    return importer, set()
+
+
+def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: str = ""):
+    """Translate an ExportedProgram into an `ImportedModel` (see module docstring)."""
+    import torch
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    from .converters import CONVERT_MAP
+
+    convert_map = dict(CONVERT_MAP, **(convert_map or {}))
+    ep = ep.run_decompositions()
+    nodes = list(ep.graph.nodes)
+
+    origin_log: list = []
+    importer, custom_ops = _make_importer(convert_map, origin_log, strip_prefix)
+
+    for node in nodes:
+        if node.op == "call_function" and node.target.__name__ not in importer.convert_map:
+            raise UnsupportedOpError(
+                _aten_name(node), _module_path(node, strip_prefix), "no converter to Relax"
+            )
+
+    params_buffers, user_inputs, _ = importer.create_input_vars(ep)
+    sig = ep.graph_signature
+    strip = lambda n: n[len(strip_prefix) :] if strip_prefix and n.startswith(strip_prefix) else n
+
+    param_vars, buffer_vars, const_binding = [], [], {}
+    param_values, buffer_values = OrderedDict(), OrderedDict()
+    state = ep.state_dict
+    named_buffers = dict(ep.named_buffers())
+    for spec in sig.input_specs:
+        if spec.kind is InputKind.PARAMETER:
+            var = params_buffers[spec.arg.name]
+            name = strip(spec.target)
+            param_vars.append(relax.Var(name, var.ty))
+            param_values[name] = state[spec.target]
+        elif spec.kind is InputKind.BUFFER:
+            var = params_buffers[spec.arg.name]
+            name = strip(spec.target)
+            buffer_vars.append(relax.Var(name, var.ty))
+            buffer_values[name] = named_buffers[spec.target]
+        elif spec.kind in (InputKind.CONSTANT_TENSOR,):
+            const_binding[spec.arg.name] = ep.constants[spec.target]
+        elif spec.kind is InputKind.USER_INPUT:
+            continue
+        else:
+            raise UnsupportedOpError("input", spec.arg.name, f"unsupported input kind {spec.kind}")
+
+    # the importer resolves placeholders by node name; hand it our renamed vars
+    renamed = OrderedDict(user_inputs)
+    arg_to_var = {}
+    pi = bi = 0
+    for spec in sig.input_specs:
+        if spec.kind is InputKind.PARAMETER:
+            arg_to_var[spec.arg.name] = param_vars[pi]
+            pi += 1
+        elif spec.kind is InputKind.BUFFER:
+            arg_to_var[spec.arg.name] = buffer_vars[bi]
+            bi += 1
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            arg_to_var[spec.arg.name] = params_buffers[spec.arg.name]
+    renamed.update(arg_to_var)
+
+    mutated = [
+        (i, strip(spec.target))
+        for i, spec in enumerate(sig.output_specs)
+        if spec.kind is OutputKind.BUFFER_MUTATION
+    ]
+    user_out = [
+        i
+        for i, spec in enumerate(sig.output_specs)
+        if spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)
+    ]
+    other = [
+        spec
+        for spec in sig.output_specs
+        if spec.kind
+        not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT, OutputKind.BUFFER_MUTATION)
+    ]
+    if other:
+        raise UnsupportedOpError(
+            "output", str(other[0].target), f"unsupported output kind {other[0].kind}"
+        )
+    if len(user_out) != 1:
+        raise ValueError(
+            f"the traced model returns {len(user_out)} values; a training model must return "
+            "one scalar loss (or pass loss_fn=... to compile_training)"
+        )
+
+    bb = relax.BlockBuilder()
+    importer.block_builder = bb
+    func_params = list(user_inputs.values()) + param_vars + buffer_vars
+    const_params = [params_buffers[n] for n in const_binding]
+    with bb.function("main", params=func_params + const_params, attrs={"num_input": len(user_inputs)}):
+        with bb.dataflow():
+            outs = importer._translate_fx_graph(ep.graph_module, nodes, renamed, custom_ops)
+            outs = list(outs)
+            loss = outs[user_out[0]]
+            if not isinstance(loss, relax.Expr) or loss.ty.ndim != 0:
+                raise ValueError(
+                    "the traced model must return a scalar loss tensor; got "
+                    f"{getattr(loss, 'struct_info', loss)} (pass loss_fn=... to compile_training)"
+                )
+            ret = [loss] + [outs[i] for i, _ in mutated]
+            # a Tuple literal, not a var bound to one: Gradient indexes it with target_index
+            ret = [bb.emit_output(r) for r in ret]
+        bb.emit_func_output(relax.Tuple(ret))
+    mod = bb.get()
+    if const_binding:
+        mod = relax.transform.BindParams(
+            "main",
+            {n: importer._convert_pytorch_tensor_to_tvm(t) for n, t in const_binding.items()},
+        )(mod)
+
+    origins = {var: origin for var, origin in origin_log if isinstance(var, relax.Var)}
+    input_specs = []
+    for var in user_inputs.values():
+        sinfo = var.ty
+        input_specs.append((tuple(int(s) for s in sinfo.shape), str(sinfo.dtype)))
+    return ImportedModel(
+        mod=mod,
+        input_names=list(user_inputs),
+        param_names=list(param_values),
+        buffer_names=list(buffer_values),
+        mutated_buffers=[name for _, name in mutated],
+        param_values=param_values,
+        buffer_values=buffer_values,
+        origins=origins,
+        input_specs=input_specs,
+    )
+
+
+def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
+    """Import a torch model for training.
+
+    The model runs in training mode.  Without `loss_fn` it must return a scalar loss; with
+    `loss_fn` (a torch loss module such as ``nn.CrossEntropyLoss()``) the last example input
+    is the loss target and `loss_fn(model(*inputs[:-1]), inputs[-1])` is traced as one graph.
+    A Relax ``tvm.IRModule`` is accepted too and wrapped as is (its ``main`` must return a
+    scalar loss, parameters after the first ``num_input`` arguments).
+    """
+    if isinstance(model, tvm.IRModule):
+        return _wrap_irmodule(model)
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module or a tvm.IRModule, got {type(model).__name__}")
+    example_inputs = tuple(example_inputs)
+    prefix = ""
+    traced = model
+    if loss_fn is not None:
+        traced, prefix = _WithLoss(model, loss_fn), "model."
+    traced.train()
+    try:
+        ep = torch.export.export(traced, example_inputs)
+    except Exception as err:
+        raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
+    return import_exported_program(ep, strip_prefix=prefix)
+
+
+def _wrap_irmodule(mod: tvm.IRModule) -> ImportedModel:
+    func = mod["main"]
+    num_input = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 1
+    params = list(func.params)
+    ret = func.ty.ret
+    if isinstance(ret, relax.TensorType) or not hasattr(ret, "fields"):
+        # normalise to the (loss,) tuple convention
+        body = func.body
+        new_func = relax.Function(params, relax.SeqExpr(body.blocks, relax.Tuple([body.body])),
+                                  attrs=func.attrs)
+        mod = tvm.IRModule({"main": new_func}) if len(mod.functions) == 1 else _replace(mod, new_func)
+    names = [p.name for p in params]
+    return ImportedModel(
+        mod=mod,
+        input_names=names[:num_input],
+        param_names=names[num_input:],
+        buffer_names=[],
+        mutated_buffers=[],
+        param_values=OrderedDict(),
+        buffer_values=OrderedDict(),
+        origins={},
+        input_specs=[
+            (tuple(int(s) for s in p.ty.shape), str(p.ty.dtype))
+            for p in params[:num_input]
+        ],
+    )
+
+
+def _replace(mod: tvm.IRModule, func) -> tvm.IRModule:
+    mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions))
+    mod["main"] = func
+    return mod

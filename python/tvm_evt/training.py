@@ -1,0 +1,304 @@
+"""compile_training: a PyTorch model in, a compiled training step out.
+
+The training graph is built by `relax_passes` in this order:
+
+1. import (`frontend.from_torch`): ``main(*inputs, *params, *buffers) -> (loss, *new_buffers)``;
+2. `check_differentiable`: every op between a parameter and the loss has a gradient rule;
+3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
+4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
+5. ``relax.transform.Gradient``: ``main_adjoint``;
+6. `AppendOptimizer`: ``train_step`` = forward + backward + update, one dataflow graph;
+7. build for the target (llvm on CPU, CUDA on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .errors import InputMismatchError, UnsupportedOpError
+from .frontend import ImportedModel, from_torch
+from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
+from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
+from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
+from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
+from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
+
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+_TORCH_DTYPES = {
+    "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
+    "int64": "int64", "int32": "int32", "bool": "bool", "uint8": "uint8", "int8": "int8",
+}
+
+
+# ---------------------------------------------------------------------------- targets
+
+
+def default_target() -> dict:
+    """CUDA (with the GPU's arch) when a GPU is present, else llvm."""
+    dev = tvm.cuda(0)
+    if dev.exist:
+        major, minor = (int(x) for x in dev.compute_version.split("."))
+        arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+        return {"kind": "cuda", "arch": arch}
+    return {"kind": "llvm"}
+
+
+def as_target(target) -> tvm.target.Target:
+    if target is None:
+        target = default_target()
+    if isinstance(target, tvm.target.Target):
+        return target
+    if isinstance(target, str) and target in ("llvm", "cuda"):
+        target = {"kind": target}
+    return tvm.target.Target(target)
+
+
+# --------------------------------------------------------------- differentiability check
+
+
+def check_differentiable(imported: ImportedModel) -> None:
+    """Raise `UnsupportedOpError` for the first op on a parameter→loss path that has no
+    gradient rule, naming the aten op and torch module it came from."""
+    func = imported.mod["main"]
+    num_input = len(imported.input_names)
+    tainted = {p for p in func.params[num_input : num_input + len(imported.param_names)]}
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    origins = imported.origins
+    pending = []  # bindings whose origin is the next recorded one
+    for binding in bindings:
+        value = binding.value
+        uses = []
+        relax.analysis.post_order_visit(value, lambda e: uses.append(e) if isinstance(e, relax.Var) else None)
+        if any(u in tainted for u in uses):
+            tainted.add(binding.var)
+            if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+                if value.op.get_attr("FPrimalGradient") is None:
+                    pending.append(value.op.name)
+        if pending and binding.var in origins:
+            origin = origins[binding.var]
+            raise UnsupportedOpError(
+                origin.aten_op, origin.module_path, f"no gradient rule for {pending[0]}"
+            )
+    if pending:
+        raise UnsupportedOpError(pending[0], "", "no gradient rule")
+
+
+# --------------------------------------------------------------------- graph building
+
+
+def _resolve_optimizer(optimizer):
+    if optimizer is None:
+        return SGD(lr=1e-3)
+    if isinstance(optimizer, (SGD, AdamW)):
+        return optimizer
+    return from_torch_optimizer(optimizer)
+
+
+@dataclasses.dataclass
+class TrainingGraph:
+    """The Relax training module (main, main_adjoint, train_step) and how to call it."""
+
+    mod: tvm.IRModule
+    layout: StepLayout
+    loss_scale: DynamicLossScale | None
+    has_seed: bool
+
+
+def build_training_module(imported: ImportedModel, optimizer, precision: str = "fp32") -> TrainingGraph:
+    """Steps 2-6 of the module docstring."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    check_differentiable(imported)
+    passes = [LowerDropout(), relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination()]
+    low = PRECISIONS[precision]
+    loss_scale = None
+    if low is not None:
+        passes.append(AutoMixedPrecision(low))
+        if low == "float16":
+            loss_scale = DynamicLossScale()
+            passes.append(ScaleLoss())
+    mod = tvm.transform.Sequential(passes)(imported.mod)
+    main = mod["main"]
+    n_in, n_p = len(imported.input_names), len(imported.param_names)
+    params = list(main.params[n_in : n_in + n_p])
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    mod = relax.transform.Gradient("main", require_grads=params, target_index=0)(mod)
+    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale)
+    mod = appender(mod)
+    has_seed = any(p.name == SEED_PARAM for p in main.params)
+    return TrainingGraph(mod, appender.layout, loss_scale, has_seed)
+
+
+# ---------------------------------------------------------------------------- runtime
+
+
+def _to_tvm(t, device):
+    """torch tensor → TVM tensor on `device`, zero-copy through DLPack when possible."""
+    import torch
+
+    if device.dlpack_device_type() == 2 and t.device.type != "cuda":  # kDLCUDA
+        t = t.to(f"cuda:{device.index}")
+    elif device.dlpack_device_type() == 1 and t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    try:
+        return tvm.runtime.from_dlpack(t)
+    except Exception:  # misaligned storage (TVM asks for 64-byte alignment): copy
+        if t.dtype == torch.bfloat16:
+            return tvm.runtime.from_dlpack(t.clone())
+        return tvm.runtime.tensor(t.detach().cpu().numpy(), device)
+
+
+def _to_torch(x):
+    import torch
+
+    return torch.from_dlpack(x)
+
+
+class TrainingStep:
+    """A compiled training step.  ``step(*inputs)`` runs forward, backward and the update
+    and returns the loss; see `loss_and_grads`, `parameters`, `load_parameters`."""
+
+    def __init__(self, imported: ImportedModel, graph: "TrainingGraph", executable, target,
+                 compile_seconds: float, seed: int = 0):
+        layout, loss_scale = graph.layout, graph.loss_scale
+        self.imported = imported
+        self.graph = graph
+        self.target = target
+        self.layout = layout
+        self.compile_seconds = compile_seconds
+        self.device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+        self.vm = relax.VirtualMachine(executable, self.device)
+        self._train = self.vm["train_step"]
+        self._adjoint = self.vm["main_adjoint"]
+        self._has_seed = graph.has_seed
+        self._seed = int(seed)
+        self._calls = 0
+        self._params = [self._tensor(v) for v in imported.param_values.values()]
+        self._buffers = {k: self._tensor(v) for k, v in imported.buffer_values.items()}
+        zeros = lambda p: tvm.runtime.tensor(np.zeros(p.shape, dtype=p.dtype), self.device)
+        self._slots = [zeros(self._params[i]) for _ in layout.slots for i in range(layout.num_params)]
+        self._step = self._scalar(0.0)
+        self._scaler = []
+        if loss_scale is not None:
+            self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
+
+    # -- helpers
+    def _scalar(self, value: float):
+        return tvm.runtime.tensor(np.array(value, dtype="float32"), self.device)
+
+    def _tensor(self, t):
+        return _to_tvm(t.detach(), self.device)
+
+    def _check_inputs(self, inputs: Sequence) -> list:
+        specs, names = self.imported.input_specs, self.imported.input_names
+        if len(inputs) != len(specs):
+            raise InputMismatchError(
+                f"training step takes {len(specs)} inputs ({', '.join(names)}), got {len(inputs)}"
+            )
+        out = []
+        for name, t, (shape, dtype) in zip(names, inputs, specs):
+            got_dtype = str(t.dtype).replace("torch.", "")
+            if tuple(t.shape) != shape or _TORCH_DTYPES.get(got_dtype, got_dtype) != dtype:
+                raise InputMismatchError(
+                    f"input '{name}': expected shape {list(shape)} dtype {dtype}, "
+                    f"got shape {list(t.shape)} dtype {got_dtype}"
+                )
+            out.append(_to_tvm(t, self.device))
+        return out
+
+    def _rest(self, advance_seed: bool) -> list:
+        rest = [self._buffers[n] for n in self.imported.buffer_names]
+        if self._has_seed:
+            words = np.array([self._seed & 0xFFFFFFFF, self._calls & 0xFFFFFFFF], dtype="uint32")
+            if advance_seed:
+                self._calls += 1
+            rest.append(tvm.runtime.tensor(words, self.device))
+        return rest
+
+    def _write_buffers(self, new_buffers) -> None:
+        for name, value in zip(self.imported.mutated_buffers, new_buffers):
+            self._buffers[name] = value
+
+    # -- public API
+    def __call__(self, *inputs):
+        args = self._check_inputs(inputs) + self._params + self._rest(advance_seed=True)
+        args += self._slots + [self._step] + self._scaler
+        out = self._train(*args)
+        lay = self.layout
+        i = 1
+        self._params = [out[i + k] for k in range(lay.num_params)]
+        i += lay.num_params
+        self._write_buffers([out[i + k] for k in range(lay.num_new_buffers)])
+        i += lay.num_new_buffers
+        self._slots = [out[i + k] for k in range(lay.num_slot_tensors)]
+        i += lay.num_slot_tensors
+        self._step = out[i]
+        self._scaler = [out[i + 1 + k] for k in range(len(self._scaler))]
+        return _to_torch(out[0])
+
+    def loss_and_grads(self, *inputs):
+        """(loss, {param_name: grad}) without updating anything."""
+        args = self._check_inputs(inputs) + self._params + self._rest(advance_seed=False)
+        if self.layout.loss_scaling:
+            args.append(self._scalar(1.0))
+        out = self._adjoint(*args)
+        loss, grads = out[0][0], out[1]
+        names = self.imported.param_names
+        return _to_torch(loss), {n: _to_torch(grads[k]) for k, n in enumerate(names)}
+
+    def parameters(self) -> dict:
+        """{name: tensor} of the current parameters (and buffers, e.g. BatchNorm statistics)."""
+        params = {n: _to_torch(v) for n, v in zip(self.imported.param_names, self._params)}
+        params.update({n: _to_torch(v) for n, v in self._buffers.items()})
+        return params
+
+    def load_parameters(self, state_dict: dict) -> None:
+        """Load parameters/buffers by torch name (e.g. a model's ``state_dict()``)."""
+        names = self.imported.param_names
+        unknown = [k for k in state_dict if k not in names and k not in self._buffers]
+        if unknown:
+            raise KeyError(f"unknown parameter names: {unknown[:5]}")
+        for k, v in state_dict.items():
+            if k in self._buffers:
+                self._buffers[k] = self._tensor(v)
+            else:
+                idx = names.index(k)
+                want = tuple(self._params[idx].shape)
+                if tuple(v.shape) != want:
+                    raise InputMismatchError(f"parameter '{k}': expected shape {list(want)}, got {list(v.shape)}")
+                self._params[idx] = self._tensor(v)
+
+    @property
+    def step_count(self) -> int:
+        return int(self._step.numpy())
+
+
+def compile_training(
+    model,
+    example_inputs: Sequence,
+    loss_fn=None,
+    optimizer=None,
+    target=None,
+    precision: str = "fp32",
+    seed: int = 0,
+) -> TrainingStep:
+    """Compile forward + backward + optimizer update of `model` into one training step.
+
+    `target=None` picks CUDA when a GPU is present, else llvm; `optimizer` defaults to
+    ``SGD(lr=1e-3)`` and may be a tvm_evt optimizer or a torch.optim.SGD/AdamW instance.
+    With `loss_fn`, the last input is the loss target.
+    """
+    start = time.perf_counter()
+    imported = from_torch(model, example_inputs, loss_fn)
+    graph = build_training_module(imported, optimizer, precision)
+    tgt = as_target(target)
+    executable = tvm.compile(graph.mod, target=tgt)
+    return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)

@@ -1,0 +1,35 @@
+"""One helper for passes that rewrite a function's bindings and then its returned fields."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from tvm import relax
+
+
+def rewrite_function(
+    mutator,
+    func: relax.Function,
+    fix_output: Callable[[relax.BlockBuilder, int, relax.Expr], relax.Expr],
+    extra_params: Sequence[relax.Var] = (),
+) -> relax.Function:
+    """Run `mutator` over the bindings of `func`, then map each returned field through
+    `fix_output(builder, index, field)` in a trailing dataflow block.  The result keeps the
+    parameters (plus `extra_params`), attributes and purity of `func`."""
+    body = func.body
+    blocks = [mutator.visit_binding_block(b) for b in body.blocks]
+    ret = body.body
+    is_tuple = isinstance(ret, relax.Tuple)
+    fields = list(ret.fields) if is_tuple else [ret]
+    bb = mutator.builder_
+    bb._begin_dataflow_block()
+    outs = [bb.emit_output(fix_output(bb, i, mutator.visit_expr(f))) for i, f in enumerate(fields)]
+    blocks.append(bb._end_block())
+    new_ret = relax.Tuple(outs) if is_tuple else outs[0]
+    return relax.Function(
+        list(func.params) + list(extra_params),
+        relax.SeqExpr(blocks, new_ret),
+        None,
+        func.is_pure,
+        func.attrs,
+    )

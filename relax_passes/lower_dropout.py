@@ -1,0 +1,102 @@
+"""LowerDropout: training-mode ``relax.nn.dropout`` into a Philox mask multiply.
+
+Each dropout site ``d = R.nn.dropout(x, rate)`` becomes
+
+    keep = reshape(call_tir(dropout_keep_<numel>_<p>, (seed, site)), x.shape)   # bool
+    d    = (where(keep, x, 0) * (1 / (1 - p)), keep)
+
+where ``seed`` is a new trailing parameter ``rng_seed: R.Tensor((2,), "uint32")`` of the
+function and ``site`` numbers the dropout ops in binding order.  The gradient of ``where`` routes
+``grad`` through the very same ``keep`` mask and none into the RNG — see `philox` for the
+counter convention.  Functions without dropout are untouched.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .philox import dropout_keep_primfunc
+
+SEED_PARAM = "rng_seed"
+
+
+DROPOUT = tvm.ir.Op.get("relax.nn.dropout")
+
+
+def _has_dropout(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(
+        func.body, lambda e: found.append(1) if isinstance(e, relax.Call) and e.op == DROPOUT else None
+    )
+    return bool(found)
+
+
+@mutator
+class _DropoutLowerer(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, seed: relax.Var):
+        super().__init__(mod)
+        self.seed = seed
+        self.sites = 0
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op != DROPOUT:
+            return call
+        x = call.args[0]
+        rate = float(call.attrs.rate)
+        sinfo = x.ty
+        shape = [int(s) for s in sinfo.shape]
+        numel = 1
+        for s in shape:
+            numel *= s
+        dtype = str(sinfo.dtype)
+        site = self.sites
+        self.sites += 1
+        if rate == 0.0:
+            return relax.Tuple([x, relax.op.ones_like(x, "bool")])
+        tag = f"{rate:.6g}".replace(".", "p")
+        gvar = self._keep_func(f"dropout_keep_{numel}_{tag}", numel, rate)
+        flat = self.builder_.emit(
+            relax.call_tir(
+                gvar, [self.seed, relax.const(site, "uint32")], relax.TensorType((numel,), "bool")
+            )
+        )
+        keep = self.builder_.emit(relax.op.reshape(flat, shape))
+        # where() treats its condition as non-differentiable: no gradient reaches the RNG
+        kept = self.builder_.emit(relax.op.where(keep, x, relax.const(0, dtype)))
+        out = self.builder_.emit(relax.op.multiply(kept, relax.const(1.0 / (1.0 - rate), dtype)))
+        return relax.Tuple([out, keep])
+
+    def _keep_func(self, name: str, numel: int, rate: float) -> relax.GlobalVar:
+        mod = self.builder_.get()
+        for gv in mod.get_global_vars():
+            if gv.name_hint == name:
+                return gv
+        func = dropout_keep_primfunc(numel, rate).with_attr("global_symbol", name)
+        return self.builder_.add_func(func, name)
+
+
+@tvm.transform.module_pass(opt_level=0, name="LowerDropout")
+class LowerDropout:
+    """Replace relax.nn.dropout with a Philox mask seeded by a new ``rng_seed`` parameter."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        targets = [
+            (gv, f)
+            for gv, f in mod.functions_items()
+            if isinstance(f, relax.Function) and _has_dropout(f)
+        ]
+        if not targets:
+            return mod
+        for gv, func in targets:
+            seed = relax.Var(SEED_PARAM, relax.TensorType((2,), "uint32"))
+            lowerer = _DropoutLowerer(mod, seed)
+            body = lowerer.visit_expr(func.body)
+            new_func = relax.Function(
+                list(func.params) + [seed], body, func.ret_ty, func.is_pure, func.attrs
+            )
+            lowerer.builder_.update_func(gv, new_func)
+            mod = lowerer.builder_.get()
+        return mod
