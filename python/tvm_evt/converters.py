@@ -1,0 +1,451 @@
+"""Training-mode fixes for TVM 0.27's ``torch.export`` importer.
+
+Pass :data:`CONVERT_MAP` as ``custom_convert_map`` to
+``tvm.relax.frontend.torch.from_exported_program`` when importing a model exported with
+``model.train()``. Each converter has the custom-converter signature
+``fn(node: torch.fx.Node, importer) -> relax.Expr`` and reads its operands from ``importer.env``.
+
+What the stock importer gets wrong, and what the converters here emit instead:
+
+* **Dropout is the identity.** ``native_dropout``, ``dropout`` and ``dropout_`` become
+  ``relax.op.nn.dropout(x, rate)`` (a later pass lowers it to a Philox RNG mask).
+  ``feature_dropout``, ``alpha_dropout`` and ``feature_alpha_dropout``, which only survive with
+  ``run_ep_decomposition=False``, keep their own semantics (per-channel mask, SELU-preserving
+  affine correction) with the random mask drawn by ``relax.op.nn.dropout``. With the default
+  decomposition those three become ``bernoulli.p(empty, 1 - p)``, which the stock importer maps to
+  the identity of an uninitialised tensor; ``bernoulli.p`` here draws the mask the same way.
+  Dropout with ``p == 0`` or ``train=False`` is the identity and emits no ``relax.nn.dropout``.
+* **Training-mode BatchNorm.** ``_native_batch_norm_legit_functional`` comes back with its running
+  statistics at the wrong tuple positions (the batch mean at index 1, zeros at 3 and 4), updates
+  the running variance with the biased variance, and the undecomposed ``batch_norm.default`` is
+  always imported in inference mode. Both are emitted here as explicit
+  ``mean``/``variance``/``sqrt`` ops (all differentiable in Relax) that normalise with the batch
+  statistics and return torch's five outputs ``(out, save_mean, save_rstd, new_running_mean,
+  new_running_var)``, the running variance updated with Bessel's correction as torch does.
+* **Missing pools.** ``adaptive_max_pool1d`` and ``adaptive_max_pool2d`` (XML-CNN's dynamic max
+  pooling) become ``max_pool2d`` with kernel = stride = the window, preceded by a ``take`` that
+  lays out the overlapping windows when the input length is not a multiple of the output length.
+* **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``; with either it is
+  expanded here into ``matmul -> softmax -> dropout -> matmul``.
+
+How BatchNorm's buffer mutations appear: ``torch.export`` lists ``running_mean``,
+``running_var`` and ``num_batches_tracked`` as ``BUFFER_MUTATION`` outputs. The importer binds
+every buffer as a constant (even with ``keep_params_as_input=True``) and keeps only
+``USER_OUTPUT``/``LOSS_OUTPUT`` outputs, so ``main`` returns just the loss; the new running
+statistics computed by these converters are dead code that ``DeadCodeElimination`` removes. The
+loss is still exact because training-mode BatchNorm never reads the running statistics. A
+training loop that needs the running statistics must keep them on the torch side or import them
+by another route (see :func:`buffer_mutations`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import fx
+from tvm import relax
+
+__all__ = ["CONVERT_MAP", "buffer_mutations"]
+
+Converter = Callable[[fx.Node, object], object]
+
+_SELU_ALPHA_SCALE = 1.7580993408473766  # SELU's alpha * scale, the fixed point alpha-dropout keeps
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    """The ``index``-th argument of ``node``, or its keyword ``name``, or ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _shape(x: relax.Expr) -> list[int]:
+    return [int(s) for s in x.ty.shape.values]
+
+
+def _dtype(x: relax.Expr) -> str:
+    return str(x.ty.dtype)
+
+
+def _const(value: float, like: relax.Expr) -> relax.Constant:
+    return relax.const(value, _dtype(like))
+
+
+def buffer_mutations(exported_program: torch.export.ExportedProgram) -> list[str]:
+    """Names of the buffers the program mutates (``running_mean`` etc.), in output order.
+
+    The importer drops these outputs; this lists what was dropped.
+    """
+    kind = torch.export.graph_signature.OutputKind.BUFFER_MUTATION
+    return [
+        spec.target
+        for spec in exported_program.graph_signature.output_specs
+        if spec.kind is kind
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout
+# --------------------------------------------------------------------------------------------
+
+
+def _dropout_args(node: fx.Node) -> tuple[float, bool]:
+    p = float(_arg(node, 1, "p", 0.5))
+    train = _arg(node, 2, "train", True)
+    return p, bool(train) if train is not None else True
+
+
+def _keep_mask(importer, like: relax.Expr, shape: Sequence[int], p: float) -> relax.Expr:
+    """A float tensor of ``shape`` with each element 1 with probability ``1 - p``, else 0."""
+    bb = importer.block_builder
+    dtype = _dtype(like)
+    if p <= 0.0:
+        return bb.emit(relax.op.ones(relax.ShapeExpr(shape), dtype))
+    if p >= 1.0:
+        return bb.emit(relax.op.zeros(relax.ShapeExpr(shape), dtype))
+    ones = bb.emit(relax.op.ones(relax.ShapeExpr(shape), dtype))
+    return bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(ones, p)), 1))
+
+
+def _dropout_tensor(importer, x: relax.Expr, p: float, train: bool) -> relax.Expr:
+    bb = importer.block_builder
+    if not train or p == 0.0:
+        return x
+    if p >= 1.0:
+        return bb.emit(relax.op.zeros_like(x))
+    return bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(x, p)), 0))
+
+
+def _convert_dropout(node: fx.Node, importer) -> relax.Expr:
+    """``aten.dropout(x, p, train) -> Tensor`` (also ``dropout_``)."""
+    p, train = _dropout_args(node)
+    return _dropout_tensor(importer, importer.env[node.args[0]], p, train)
+
+
+def _convert_native_dropout(node: fx.Node, importer) -> tuple[relax.Expr, relax.Expr]:
+    """``aten.native_dropout(x, p, train) -> (Tensor, bool mask)``."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    p, train = _dropout_args(node)
+    if not train or p == 0.0 or p >= 1.0:
+        keep = 0.0 if p >= 1.0 and train else 1.0
+        out = _dropout_tensor(importer, x, p, train)
+        mask = bb.emit(relax.op.full_like(x, _const(keep, x), dtype="bool"))
+        return out, mask
+    pair = bb.emit(relax.op.nn.dropout(x, p))
+    out = bb.emit(relax.TupleGetItem(pair, 0))
+    mask = bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(pair, 1)), "bool"))
+    return out, mask
+
+
+def _feature_noise_shape(x: relax.Expr) -> list[int]:
+    """Per-channel noise shape: ``(N, C, 1, ...)``, or ``(C, 1, ...)`` for unbatched input."""
+    shape = _shape(x)
+    keep = 2 if len(shape) > 2 else 1
+    return shape[:keep] + [1] * (len(shape) - keep)
+
+
+def _convert_feature_dropout(node: fx.Node, importer) -> relax.Expr:
+    """``aten.feature_dropout(x, p, train)``: drop whole channels (``nn.Dropout2d``)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    p, train = _dropout_args(node)
+    if not train or p == 0.0:
+        return x
+    if p >= 1.0:
+        return bb.emit(relax.op.zeros_like(x))
+    mask = _keep_mask(importer, x, _feature_noise_shape(x), p)
+    return bb.emit(relax.op.multiply(x, relax.op.multiply(mask, _const(1.0 / (1.0 - p), x))))
+
+
+def _make_alpha_dropout(per_channel: bool) -> Converter:
+    """``alpha_dropout``: ``a * (x * b + alpha' * (b - 1 + p))`` with ``b ~ Bernoulli(1 - p)``,
+    ``a = 1 / sqrt((alpha'^2 p + 1)(1 - p))``, exactly as ATen's ``_dropout_impl``."""
+
+    def convert(node: fx.Node, importer) -> relax.Expr:
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        p, train = _dropout_args(node)
+        if not train or p == 0.0:
+            return x
+        if p >= 1.0:
+            return bb.emit(relax.op.zeros_like(x))
+        shape = _feature_noise_shape(x) if per_channel else _shape(x)
+        b = _keep_mask(importer, x, shape, p)
+        a = 1.0 / math.sqrt((_SELU_ALPHA_SCALE**2 * p + 1.0) * (1.0 - p))
+        kept = bb.emit(relax.op.multiply(x, b))
+        shift = bb.emit(
+            relax.op.multiply(relax.op.add(b, _const(p - 1.0, x)), _const(_SELU_ALPHA_SCALE, x))
+        )
+        return bb.emit(relax.op.multiply(relax.op.add(kept, shift), _const(a, x)))
+
+    return convert
+
+
+def _convert_bernoulli_p(node: fx.Node, importer) -> relax.Expr:
+    """``aten.bernoulli.p(x, p)``: a 0/1 tensor shaped like ``x``, 1 with probability ``p``.
+
+    This is how the default decomposition writes ``feature_dropout``/``alpha_dropout``; the
+    sample is the keep-mask of a ``relax.nn.dropout`` with rate ``1 - p``.
+    """
+    x = importer.env[node.args[0]]
+    p = float(_arg(node, 1, "p", 0.5))
+    return _keep_mask(importer, x, _shape(x), 1.0 - p)
+
+
+# --------------------------------------------------------------------------------------------
+# BatchNorm
+# --------------------------------------------------------------------------------------------
+
+
+def _batch_norm_train(
+    importer,
+    x: relax.Expr,
+    weight: relax.Expr | None,
+    bias: relax.Expr | None,
+    running_mean: relax.Expr | None,
+    running_var: relax.Expr | None,
+    momentum: float,
+    eps: float,
+) -> tuple[relax.Expr, ...]:
+    """Batch-statistics BatchNorm: ``(out, save_mean, save_rstd, new_mean, new_var)``."""
+    bb = importer.block_builder
+    shape = _shape(x)
+    channels = shape[1]
+    axes = [0] + list(range(2, len(shape)))
+    count = int(np.prod([shape[a] for a in axes]))
+    bshape = [1, channels] + [1] * (len(shape) - 2)
+
+    mean = bb.emit(relax.op.mean(x, axes, keepdims=True))
+    var = bb.emit(relax.op.variance(x, axes, keepdims=True))
+    std = bb.emit(relax.op.sqrt(relax.op.add(var, _const(eps, x))))
+    out = bb.emit(relax.op.divide(relax.op.subtract(x, mean), std))
+    if weight is not None:
+        out = bb.emit(relax.op.multiply(out, relax.op.reshape(weight, bshape)))
+    if bias is not None:
+        out = bb.emit(relax.op.add(out, relax.op.reshape(bias, bshape)))
+
+    save_mean = bb.emit(relax.op.reshape(mean, [channels]))
+    save_rstd = bb.emit(relax.op.divide(_const(1.0, x), relax.op.reshape(std, [channels])))
+    new_mean, new_var = running_mean, running_var
+    if running_mean is not None:
+        new_mean = bb.emit(
+            relax.op.add(
+                relax.op.multiply(running_mean, _const(1.0 - momentum, x)),
+                relax.op.multiply(save_mean, _const(momentum, x)),
+            )
+        )
+    if running_var is not None:
+        unbiased = momentum * count / max(count - 1, 1)
+        new_var = bb.emit(
+            relax.op.add(
+                relax.op.multiply(running_var, _const(1.0 - momentum, x)),
+                relax.op.multiply(relax.op.reshape(var, [channels]), _const(unbiased, x)),
+            )
+        )
+    return out, save_mean, save_rstd, new_mean, new_var
+
+
+def _batch_norm_eval(
+    importer,
+    x: relax.Expr,
+    weight: relax.Expr | None,
+    bias: relax.Expr | None,
+    running_mean: relax.Expr,
+    running_var: relax.Expr,
+    eps: float,
+) -> relax.Expr:
+    bb = importer.block_builder
+    shape = _shape(x)
+    bshape = [1, shape[1]] + [1] * (len(shape) - 2)
+    std = relax.op.sqrt(relax.op.add(relax.op.reshape(running_var, bshape), _const(eps, x)))
+    out = bb.emit(
+        relax.op.divide(relax.op.subtract(x, relax.op.reshape(running_mean, bshape)), std)
+    )
+    if weight is not None:
+        out = bb.emit(relax.op.multiply(out, relax.op.reshape(weight, bshape)))
+    if bias is not None:
+        out = bb.emit(relax.op.add(out, relax.op.reshape(bias, bshape)))
+    return out
+
+
+def _optional(importer, node: fx.Node, index: int) -> relax.Expr | None:
+    arg = node.args[index] if len(node.args) > index else None
+    return importer.env[arg] if arg is not None else None
+
+
+def _convert_batch_norm_functional(node: fx.Node, importer) -> tuple[relax.Expr, ...]:
+    """``_native_batch_norm_legit_functional(x, w, b, rm, rv, training, momentum, eps)``."""
+    x = importer.env[node.args[0]]
+    weight, bias = _optional(importer, node, 1), _optional(importer, node, 2)
+    running_mean, running_var = importer.env[node.args[3]], importer.env[node.args[4]]
+    training = _arg(node, 5, "training", True)
+    momentum = float(_arg(node, 6, "momentum", 0.1))
+    eps = float(_arg(node, 7, "eps", 1e-5))
+    if training:
+        return _batch_norm_train(
+            importer, x, weight, bias, running_mean, running_var, momentum, eps
+        )
+    out = _batch_norm_eval(importer, x, weight, bias, running_mean, running_var, eps)
+    empty = importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr([0]), _dtype(x)))
+    return out, empty, empty, running_mean, running_var
+
+
+def _convert_batch_norm(node: fx.Node, importer) -> relax.Expr:
+    """``batch_norm(x, w, b, rm, rv, training, momentum, eps, cudnn_enabled) -> Tensor``."""
+    x = importer.env[node.args[0]]
+    weight, bias = _optional(importer, node, 1), _optional(importer, node, 2)
+    running_mean, running_var = _optional(importer, node, 3), _optional(importer, node, 4)
+    training = bool(_arg(node, 5, "training", False))
+    momentum = _arg(node, 6, "momentum", 0.1)
+    eps = float(_arg(node, 7, "eps", 1e-5))
+    if training or running_mean is None:
+        momentum = 0.1 if momentum is None else float(momentum)
+        return _batch_norm_train(
+            importer, x, weight, bias, running_mean, running_var, momentum, eps
+        )[0]
+    return _batch_norm_eval(importer, x, weight, bias, running_mean, running_var, eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Adaptive max pooling
+# --------------------------------------------------------------------------------------------
+
+
+def _adaptive_windows(length: int, out: int) -> tuple[list[int] | None, int]:
+    """Indices that lay PyTorch's adaptive windows end to end, and the (padded) window size.
+
+    Window ``i`` covers ``[floor(i * L / O), ceil((i + 1) * L / O))``; short windows repeat their
+    last index, which leaves their maximum unchanged. ``None`` when the windows tile evenly.
+    """
+    if length % out == 0:
+        return None, length // out
+    bounds = [((i * length) // out, -((-(i + 1) * length) // out)) for i in range(out)]
+    window = max(end - start for start, end in bounds)
+    indices = []
+    for start, end in bounds:
+        indices += list(range(start, end)) + [end - 1] * (window - (end - start))
+    return indices, window
+
+
+def _check_indices_unused(node: fx.Node) -> None:
+    for user in node.users:
+        if user.target is not operator.getitem:
+            raise NotImplementedError(f"{node.target}: only getitem users are supported")
+        if user.args[1] == 1 and user.users:
+            raise NotImplementedError(f"{node.target}: the indices output is not supported")
+
+
+def _adaptive_max_pool(importer, x: relax.Expr, output_size: Sequence[int]) -> relax.Expr:
+    """Adaptive max pooling over the last ``len(output_size)`` (1 or 2) axes of ``x``."""
+    bb = importer.block_builder
+    shape = _shape(x)
+    spatial = len(output_size)
+    kernel = []
+    for axis, out in zip(range(len(shape) - spatial, len(shape)), output_size):
+        indices, window = _adaptive_windows(shape[axis], int(out))
+        if indices is not None:
+            x = bb.emit(relax.op.take(x, relax.const(np.array(indices, "int64")), axis=axis))
+        kernel.append(window)
+    # Pool as NCHW: fold leading axes into N, C and give 1-D input a unit height.
+    lead = shape[: len(shape) - spatial]
+    pooled_shape = _shape(x)[len(shape) - spatial :]
+    if spatial == 1:
+        pooled_shape, kernel = [1, *pooled_shape], [1, *kernel]
+    nc = [1, 1] + lead if len(lead) < 2 else lead
+    nc = [int(np.prod(nc[:-1])), nc[-1]]
+    x = bb.emit(relax.op.reshape(x, nc + pooled_shape))
+    y = bb.emit(relax.op.nn.max_pool2d(x, pool_size=kernel, strides=kernel, layout="NCHW"))
+    return bb.emit(relax.op.reshape(y, lead + [int(s) for s in output_size]))
+
+
+def _make_adaptive_max_pool(spatial: int) -> Converter:
+    def convert(node: fx.Node, importer) -> tuple[relax.Expr, None]:
+        _check_indices_unused(node)
+        output_size = node.args[1]
+        if isinstance(output_size, int):
+            output_size = [output_size] * spatial
+        return _adaptive_max_pool(importer, importer.env[node.args[0]], output_size), None
+
+    return convert
+
+
+# --------------------------------------------------------------------------------------------
+# Scaled dot-product attention
+# --------------------------------------------------------------------------------------------
+
+
+def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
+    """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa)``.
+
+    Without dropout and custom scale this is the importer's ``relax.nn.attention``; otherwise it
+    is written out with explicit matmul, softmax and dropout.
+    """
+    attn_mask = _arg(node, 3, "attn_mask")
+    dropout_p = float(_arg(node, 4, "dropout_p", 0.0))
+    is_causal = bool(_arg(node, 5, "is_causal", False))
+    scale = _arg(node, 6, "scale")
+    if _arg(node, 7, "enable_gqa", False):
+        raise NotImplementedError("scaled_dot_product_attention: enable_gqa is not supported")
+    mask = importer.env[attn_mask] if attn_mask is not None else None
+    float_mask = mask is None or _dtype(mask).startswith(("float", "bfloat"))
+    if dropout_p == 0.0 and scale is None and float_mask:
+        return importer._scaled_dot_product_attention(node)  # pylint: disable=protected-access
+
+    bb = importer.block_builder
+    q, k, v = (importer.env[a] for a in node.args[:3])
+    q_shape, k_shape = _shape(q), _shape(k)
+    scale = 1.0 / math.sqrt(q_shape[-1]) if scale is None else float(scale)
+    axes = list(range(len(k_shape)))
+    axes[-1], axes[-2] = axes[-2], axes[-1]
+    scores = bb.emit(relax.op.matmul(q, relax.op.permute_dims(k, axes)))
+    scores = bb.emit(relax.op.multiply(scores, _const(scale, q)))
+    seq_q, seq_k = q_shape[-2], k_shape[-2]
+    if is_causal:
+        causal = np.where(np.tril(np.ones((seq_q, seq_k), dtype=bool)), 0.0, -np.inf)
+        scores = bb.emit(relax.op.add(scores, relax.const(causal.astype(_dtype(q)))))
+    if mask is not None:
+        if float_mask:
+            scores = bb.emit(relax.op.add(scores, mask))
+        else:
+            scores = bb.emit(relax.op.where(mask, scores, _const(-np.inf, q)))
+    probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+    probs = _dropout_tensor(importer, probs, dropout_p, True)
+    return bb.emit(relax.op.matmul(probs, v))
+
+
+# --------------------------------------------------------------------------------------------
+# The map
+# --------------------------------------------------------------------------------------------
+
+CONVERT_MAP: dict[str, Converter] = {
+    # dropout family
+    "dropout.default": _convert_dropout,
+    "dropout_.default": _convert_dropout,
+    "native_dropout.default": _convert_native_dropout,
+    "feature_dropout.default": _convert_feature_dropout,
+    "feature_dropout_.default": _convert_feature_dropout,
+    "alpha_dropout.default": _make_alpha_dropout(per_channel=False),
+    "alpha_dropout_.default": _make_alpha_dropout(per_channel=False),
+    "feature_alpha_dropout.default": _make_alpha_dropout(per_channel=True),
+    "feature_alpha_dropout_.default": _make_alpha_dropout(per_channel=True),
+    "bernoulli.p": _convert_bernoulli_p,
+    # batch norm in training mode
+    "_native_batch_norm_legit_functional.default": _convert_batch_norm_functional,
+    "batch_norm.default": _convert_batch_norm,
+    # XML-CNN's dynamic max pooling
+    "adaptive_max_pool1d.default": _make_adaptive_max_pool(spatial=1),
+    "adaptive_max_pool2d.default": _make_adaptive_max_pool(spatial=2),
+    # attention with dropout or a custom scale
+    "scaled_dot_product_attention.default": _convert_sdpa,
+}
+"""Converters to pass as ``custom_convert_map``; keys are ATen ``overloadpacket.overload`` names."""
