@@ -152,10 +152,9 @@ def evaluate(p: Partition, params) -> list[np.ndarray]:
                 else:
                     v = BINARY[node.op](ins[0], ins[1])
         elif isinstance(node, Dropout):
-            seed = int(np.asarray(params[node.seed_param]).reshape(-1)[0])
-            offset = int(np.asarray(params[node.offset_param]).reshape(-1)[0])
+            seed = tuple(int(s) for s in np.asarray(params[node.seed_param]).reshape(-1)[:2])
             g = p.gemm
-            keep = philox.dropout_keep((g.batch, g.m, g.n), seed, offset, node.p)
+            keep = philox.dropout_keep((g.batch, g.m, g.n), seed, node.site, node.p)
             keep = keep.reshape(tuple(p.batch_shape) + (g.m, g.n))
             v = np.where(keep, ins[0] * np.float64(philox.dropout_scale(node.p)), 0.0)
         elif isinstance(node, AuxStore):

@@ -71,7 +71,8 @@ OTHER_OPS = ("relax.matmul", "relax.astype", "relax.where", "relax.call_pure_pac
 
 # Extern functions (called through R.call_pure_packed) the training graph uses for the forms
 # Relax has no operator for.  Arguments in order:
-#   DROPOUT_EXTERN(x, seed: int64 scalar tensor, offset: int64 scalar tensor, p: R.prim_value(float))
+#   DROPOUT_EXTERN(x, seed: uint32[2] tensor, site: R.prim_value(int), p: R.prim_value(float))
+#       -> keep ? x / (1 - p) : 0, keep by the Philox convention of ``tvm_evt.codegen.philox``
 #   RELU_BACKWARD_EXTERN(grad, x)   -> grad * (x > 0)
 #   GELU_BACKWARD_EXTERN(grad, x)   -> grad * gelu'(x)  (erf form)
 DROPOUT_EXTERN = "tvm_evt.philox_dropout"
@@ -146,7 +147,7 @@ class _Builder:
             data = expr.value.numpy()
             if data.size != 1:
                 raise Unsupported(f"non-scalar constant of shape {data.shape} in the epilogue")
-            return self.add(ScalarBroadcast(value=float(data.reshape(-1)[0]), dtype=str(data.dtype)))
+            return self.add(ScalarBroadcast(value=float(data.reshape(-1)[0]), dtype=str(data.dtype), shape=()))
         raise Unsupported(f"unsupported operand {type(expr).__name__}")
 
     # ---------------------------------------------------------------------------------- bindings
@@ -249,11 +250,11 @@ class _Builder:
         if name == DROPOUT_EXTERN:
             x = self.operand(call.args[1])
             seed = self._param_index(call.args[2], "dropout seed")
-            offset = self._param_index(call.args[3], "dropout offset")
-            p = call.args[4]
-            if not (isinstance(p, tvm.ir.expr.Constant) and isinstance(p.value, (int, float))):
-                raise Unsupported("dropout probability must be a compile-time R.prim_value")
-            return self.add(Dropout(inputs=(x,), p=float(p.value), seed_param=seed, offset_param=offset, dtype=dtype))
+            site, p = call.args[3], call.args[4]
+            for what, v in (("site", site), ("probability", p)):
+                if not (isinstance(v, tvm.ir.expr.Constant) and isinstance(v.value, (int, float))):
+                    raise Unsupported(f"dropout {what} must be a compile-time R.prim_value")
+            return self.add(Dropout(inputs=(x,), p=float(p.value), seed_param=seed, site=int(site.value), dtype=dtype))
         if name in EXTERN_BINARY:
             ins = tuple(self.operand(a) for a in call.args[1:3])
             return self.add(Compute(op=EXTERN_BINARY[name], inputs=ins, dtype=dtype))
@@ -263,8 +264,8 @@ class _Builder:
         for i, p in enumerate(self.params):
             if p.same_as(expr):
                 desc = _desc(p, what)
-                if desc.dtype != "int64" or math.prod(desc.shape) != 1:
-                    raise Unsupported(f"{what} must be an int64 scalar tensor, got {desc}")
+                if desc.dtype != "uint32" or desc.shape != (2,):
+                    raise Unsupported(f"{what} must be a uint32[2] tensor, got {desc}")
                 return i
         raise Unsupported(f"{what} must be a partition parameter")
 
@@ -333,6 +334,10 @@ def _bindings(func: relax.Function):
                 raise Unsupported("match_cast inside the partition")
             pairs.append((b.var, b.value))
     result = body.body
+    tuples = {var: value for var, value in pairs if isinstance(value, relax.Tuple)}
+    if isinstance(result, relax.Var) and result in tuples:  # gv = (a, b); return gv
+        result = tuples[result]
+        pairs = [(v, x) for v, x in pairs if not isinstance(x, relax.Tuple)]
     if isinstance(result, relax.Tuple):
         outputs = list(result.fields)
     else:
@@ -355,6 +360,50 @@ def _unwrap(func: relax.Function) -> relax.Function:
     return func
 
 
+def from_bindings(params, bindings, outputs, symbol: str) -> Partition:
+    """Analyse ``bindings`` [(var, value)] in dependency order over ``params``, yielding ``outputs``."""
+    builder = _Builder(params=list(params))
+    for var, value in bindings:
+        builder.bind(var, value)
+    return builder.finish(symbol, outputs)
+
+
+def from_check_context(ctx) -> Partition:
+    """Analyse what a ``FuseOpsByPattern`` check sees (``PatternCheckContext``).
+
+    Outputs are the root of the match plus every matched variable used outside the match
+    (FuseOpsByPattern turns those into extra outputs of the partition).
+    """
+    matched = dict(ctx.matched_bindings.items())
+    order, seen = [], set()
+
+    def visit(var):
+        if var in seen:
+            return
+        seen.add(var)
+        value = matched[var]
+        for arg in getattr(value, "args", []):
+            if isinstance(arg, relax.Var) and arg in matched:
+                visit(arg)
+        order.append(var)
+
+    for var in matched:
+        visit(var)
+    params, outputs = [], []
+    for var in order:
+        for arg in getattr(matched[var], "args", []):
+            if isinstance(arg, relax.Var) and arg not in matched and not any(arg.same_as(p) for p in params):
+                params.append(arg)
+    root = ctx.value_to_bound_var.get(ctx.matched_expr) if ctx.matched_expr in ctx.value_to_bound_var else None
+    for var in order:
+        users = ctx.var_usages.get(var, []) if var in ctx.var_usages else []
+        if var.same_as(root) or any(u not in matched for u in users):
+            outputs.append(var)
+    if root is None and order:
+        outputs.append(order[-1])
+    return from_bindings(params, [(v, matched[v]) for v in order], outputs, "evt_check")
+
+
 def from_function(func: relax.Function, symbol: str | None = None) -> Partition:
     """Analyse a partition function (see module docstring)."""
     if symbol is None:
@@ -362,7 +411,4 @@ def from_function(func: relax.Function, symbol: str | None = None) -> Partition:
         symbol = str(attrs["global_symbol"]) if "global_symbol" in attrs else "evt_kernel"
     inner = _unwrap(func)
     pairs, outputs = _bindings(inner)
-    builder = _Builder(params=list(inner.params))
-    for var, value in pairs:
-        builder.bind(var, value)
-    return builder.finish(symbol, outputs)
+    return from_bindings(inner.params, pairs, outputs, symbol)

@@ -95,14 +95,14 @@ class Compute(Node):
 
 @dataclass(frozen=True, kw_only=True)
 class Dropout(Node):
-    """``x * keep / (1 - p)`` with ``keep`` drawn from Philox4x32-10 (see ``tvm_evt.codegen.philox``).
+    """``keep ? x / (1 - p) : 0`` with ``keep`` drawn from Philox4x32-10 (see ``tvm_evt.codegen.philox``).
 
-    ``seed_param`` and ``offset_param`` are int64 scalar tensors read on the device.
+    ``seed_param`` is the uint32[2] seed tensor (read on the device); ``site`` the dropout site.
     """
 
     p: float
     seed_param: int
-    offset_param: int
+    site: int
 
 
 # ---------------------------------------------------------------------------------------- stores
