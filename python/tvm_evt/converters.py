@@ -15,10 +15,12 @@ What the stock importer gets wrong, and what the converters here emit instead:
   decomposition those three become ``bernoulli.p(empty, 1 - p)``, which the stock importer maps to
   the identity of an uninitialised tensor; ``bernoulli.p`` here draws the mask the same way.
   Dropout with ``p == 0`` or ``train=False`` is the identity and emits no ``relax.nn.dropout``.
-* **Training-mode BatchNorm.** ``_native_batch_norm_legit_functional`` comes back with its running
-  statistics at the wrong tuple positions (the batch mean at index 1, zeros at 3 and 4), updates
-  the running variance with the biased variance, and the undecomposed ``batch_norm.default`` is
-  always imported in inference mode. Both are emitted here as explicit
+* **Training-mode BatchNorm.** ``_native_batch_norm_legit_functional`` comes back as
+  ``(out, new_running_mean, 0, 0, 0)`` where torch has ``(out, save_mean, save_rstd,
+  new_running_mean, new_running_var)``, so the running-stat outputs (indices 3 and 4) are zeros;
+  ``relax.nn.batch_norm``'s own legalization would also update the running variance with the
+  biased variance; and the undecomposed ``batch_norm.default`` is always imported in inference
+  mode. Both are emitted here as explicit
   ``mean``/``variance``/``sqrt`` ops (all differentiable in Relax) that normalise with the batch
   statistics and return torch's five outputs ``(out, save_mean, save_rstd, new_running_mean,
   new_running_var)``, the running variance updated with Bessel's correction as torch does.
@@ -29,13 +31,15 @@ What the stock importer gets wrong, and what the converters here emit instead:
   expanded here into ``matmul -> softmax -> dropout -> matmul``.
 
 How BatchNorm's buffer mutations appear: ``torch.export`` lists ``running_mean``,
-``running_var`` and ``num_batches_tracked`` as ``BUFFER_MUTATION`` outputs. The importer binds
-every buffer as a constant (even with ``keep_params_as_input=True``) and keeps only
-``USER_OUTPUT``/``LOSS_OUTPUT`` outputs, so ``main`` returns just the loss; the new running
-statistics computed by these converters are dead code that ``DeadCodeElimination`` removes. The
-loss is still exact because training-mode BatchNorm never reads the running statistics. A
-training loop that needs the running statistics must keep them on the torch side or import them
-by another route (see :func:`buffer_mutations`).
+``running_var`` and ``num_batches_tracked`` as ``BUFFER_MUTATION`` outputs, which in the graph are
+``getitem(_native_batch_norm_legit_functional(...), 3)`` and ``(..., 4)`` and an ``add`` on the
+counter. TVM's own ``from_exported_program`` binds every buffer as a constant (even with
+``keep_params_as_input=True``) and keeps only ``USER_OUTPUT``/``LOSS_OUTPUT`` outputs, so its
+``main`` returns just the loss and the new statistics are dead code; the loss is still exact
+because training-mode BatchNorm never reads the running statistics.
+``tvm_evt.frontend.import_exported_program`` instead keeps buffers as parameters and returns
+the mutations after the loss, and then relies on indices 3 and 4 being right, as they are here.
+:func:`buffer_mutations` lists the mutated buffers of an exported program in output order.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ def _const(value: float, like: relax.Expr) -> relax.Constant:
 def buffer_mutations(exported_program: torch.export.ExportedProgram) -> list[str]:
     """Names of the buffers the program mutates (``running_mean`` etc.), in output order.
 
-    The importer drops these outputs; this lists what was dropped.
+    Only a functionalized program lists them: call it on ``ep.run_decompositions()``; the
+    training IR that ``torch.export.export`` returns still mutates buffers in place.
     """
     kind = torch.export.graph_signature.OutputKind.BUFFER_MUTATION
     return [
@@ -113,7 +118,9 @@ def _keep_mask(importer, like: relax.Expr, shape: Sequence[int], p: float) -> re
     if p >= 1.0:
         return bb.emit(relax.op.zeros(relax.ShapeExpr(shape), dtype))
     ones = bb.emit(relax.op.ones(relax.ShapeExpr(shape), dtype))
-    return bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(ones, p)), 1))
+    keep = bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(ones, p)), 1))
+    # relax.nn.dropout's mask is float, a lowered one may be bool: cast either way
+    return bb.emit(relax.op.astype(keep, dtype))
 
 
 def _dropout_tensor(importer, x: relax.Expr, p: float, train: bool) -> relax.Expr:
@@ -131,7 +138,7 @@ def _convert_dropout(node: fx.Node, importer) -> relax.Expr:
     return _dropout_tensor(importer, importer.env[node.args[0]], p, train)
 
 
-def _convert_native_dropout(node: fx.Node, importer) -> tuple[relax.Expr, relax.Expr]:
+def _convert_native_dropout(node: fx.Node, importer) -> relax.Expr:
     """``aten.native_dropout(x, p, train) -> (Tensor, bool mask)``."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
@@ -140,11 +147,11 @@ def _convert_native_dropout(node: fx.Node, importer) -> tuple[relax.Expr, relax.
         keep = 0.0 if p >= 1.0 and train else 1.0
         out = _dropout_tensor(importer, x, p, train)
         mask = bb.emit(relax.op.full_like(x, _const(keep, x), dtype="bool"))
-        return out, mask
-    pair = bb.emit(relax.op.nn.dropout(x, p))
-    out = bb.emit(relax.TupleGetItem(pair, 0))
-    mask = bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(pair, 1)), "bool"))
-    return out, mask
+    else:
+        pair = bb.emit(relax.op.nn.dropout(x, p))
+        out = bb.emit(relax.TupleGetItem(pair, 0))
+        mask = bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(pair, 1)), "bool"))
+    return bb.emit(relax.Tuple([out, mask]))
 
 
 def _feature_noise_shape(x: relax.Expr) -> list[int]:
@@ -283,7 +290,7 @@ def _optional(importer, node: fx.Node, index: int) -> relax.Expr | None:
     return importer.env[arg] if arg is not None else None
 
 
-def _convert_batch_norm_functional(node: fx.Node, importer) -> tuple[relax.Expr, ...]:
+def _convert_batch_norm_functional(node: fx.Node, importer) -> relax.Expr:
     """``_native_batch_norm_legit_functional(x, w, b, rm, rv, training, momentum, eps)``."""
     x = importer.env[node.args[0]]
     weight, bias = _optional(importer, node, 1), _optional(importer, node, 2)
@@ -291,29 +298,42 @@ def _convert_batch_norm_functional(node: fx.Node, importer) -> tuple[relax.Expr,
     training = _arg(node, 5, "training", True)
     momentum = float(_arg(node, 6, "momentum", 0.1))
     eps = float(_arg(node, 7, "eps", 1e-5))
+    bb = importer.block_builder
     if training:
-        return _batch_norm_train(
+        outputs = _batch_norm_train(
             importer, x, weight, bias, running_mean, running_var, momentum, eps
         )
-    out = _batch_norm_eval(importer, x, weight, bias, running_mean, running_var, eps)
-    empty = importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr([0]), _dtype(x)))
-    return out, empty, empty, running_mean, running_var
+    else:
+        out = _batch_norm_eval(importer, x, weight, bias, running_mean, running_var, eps)
+        empty = bb.emit(relax.op.zeros(relax.ShapeExpr([0]), _dtype(x)))
+        outputs = (out, empty, empty, running_mean, running_var)
+    return bb.emit(relax.Tuple(list(outputs)))
 
 
 def _convert_batch_norm(node: fx.Node, importer) -> relax.Expr:
-    """``batch_norm(x, w, b, rm, rv, training, momentum, eps, cudnn_enabled) -> Tensor``."""
+    """``batch_norm(x, w, b, rm, rv, training, momentum, eps, cudnn_enabled) -> Tensor``.
+
+    This op updates the running statistics in place (it appears only without decomposition,
+    before functionalization); like the importer's other in-place ops, the update rebinds the
+    buffers' nodes in ``importer.env`` so later reads see the new values.
+    """
     x = importer.env[node.args[0]]
     weight, bias = _optional(importer, node, 1), _optional(importer, node, 2)
     running_mean, running_var = _optional(importer, node, 3), _optional(importer, node, 4)
     training = bool(_arg(node, 5, "training", False))
     momentum = _arg(node, 6, "momentum", 0.1)
     eps = float(_arg(node, 7, "eps", 1e-5))
-    if training or running_mean is None:
-        momentum = 0.1 if momentum is None else float(momentum)
-        return _batch_norm_train(
-            importer, x, weight, bias, running_mean, running_var, momentum, eps
-        )[0]
-    return _batch_norm_eval(importer, x, weight, bias, running_mean, running_var, eps)
+    if not training and running_mean is not None:
+        return _batch_norm_eval(importer, x, weight, bias, running_mean, running_var, eps)
+    momentum = 0.1 if momentum is None else float(momentum)
+    out, _, _, new_mean, new_var = _batch_norm_train(
+        importer, x, weight, bias, running_mean, running_var, momentum, eps
+    )
+    if running_mean is not None:
+        importer.env[node.args[3]] = new_mean
+    if running_var is not None:
+        importer.env[node.args[4]] = new_var
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,8 +381,7 @@ def _adaptive_max_pool(importer, x: relax.Expr, output_size: Sequence[int]) -> r
     pooled_shape = _shape(x)[len(shape) - spatial :]
     if spatial == 1:
         pooled_shape, kernel = [1, *pooled_shape], [1, *kernel]
-    nc = [1, 1] + lead if len(lead) < 2 else lead
-    nc = [int(np.prod(nc[:-1])), nc[-1]]
+    nc = [int(np.prod(lead[:-1], dtype=np.int64)), lead[-1]]
     x = bb.emit(relax.op.reshape(x, nc + pooled_shape))
     y = bb.emit(relax.op.nn.max_pool2d(x, pool_size=kernel, strides=kernel, layout="NCHW"))
     return bb.emit(relax.op.reshape(y, lead + [int(s) for s in output_size]))

@@ -291,8 +291,8 @@ class BertForMaskedLM(nn.Module):
         return self.decoder(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(input_ids)
-        return F.cross_entropy(logits.reshape(-1, self.vocab), labels.reshape(-1), ignore_index=-100)
+        logits = self.logits(input_ids).reshape(-1, self.vocab)
+        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
 
 
 class GPT2Block(nn.Module):

@@ -1,0 +1,214 @@
+"""Every zoo model imports through ``from_exported_program`` + ``CONVERT_MAP`` in training mode and
+computes what torch computes; dropout becomes ``relax.nn.dropout``; BatchNorm updates its running
+statistics as torch does."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import tvm
+from torch import nn
+from tvm import relax
+from tvm.relax.frontend.torch import from_exported_program
+
+from tvm_evt.converters import CONVERT_MAP, buffer_mutations
+from tvm_evt.models import PRESETS, ZOO, ZooEntry
+
+RTOL = 1e-4
+
+
+class _OutputAndLoss(nn.Module):
+    """``(model output, loss)`` for entries with a separate loss; the model itself otherwise."""
+
+    def __init__(self, entry: ZooEntry):
+        super().__init__()
+        self.model = entry.model
+        self.entry = entry
+
+    def forward(self, *inputs):
+        model_inputs, targets = self.entry.split(inputs)
+        out = self.model(*model_inputs)
+        return out, self.entry.loss_fn(out, *targets)
+
+
+def _set_dropout(module: nn.Module, p: float) -> nn.Module:
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = p
+    return module
+
+
+def _import(module: nn.Module, inputs, **kwargs) -> tvm.IRModule:
+    ep = torch.export.export(module.train(), tuple(inputs))
+    return from_exported_program(
+        ep,
+        keep_params_as_input=True,
+        unwrap_unit_return_tuple=True,
+        custom_convert_map=CONVERT_MAP,
+        **kwargs,
+    )
+
+
+def _run(mod: tvm.IRModule, inputs) -> list[np.ndarray]:
+    params = list(mod["main"].attrs["params"]) if "params" in mod["main"].attrs else []
+    ex = tvm.compile(relax.transform.LegalizeOps()(mod), target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(t.numpy()) for t in inputs], *params)
+    if isinstance(out, tvm.runtime.Tensor):
+        return [out.numpy()]
+    return [o.numpy() for o in out]
+
+
+def _check(module: nn.Module, inputs, **import_kwargs) -> None:
+    """Import ``module`` in training mode, run it on ``inputs`` and compare with torch."""
+    # a copy: the eager run updates BatchNorm buffers in place, and the importer binds
+    # buffers as constants that share memory with them (DLPack)
+    expected = copy.deepcopy(module).train()(*inputs)
+    mod = _import(module, inputs, **import_kwargs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    actual = _run(mod, inputs)
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        want = want.detach().numpy()
+        assert got.shape == want.shape
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert err <= RTOL, f"relative error {err:.2e}"
+
+
+def _count_calls(mod: tvm.IRModule, op_name: str) -> int:
+    op = tvm.ir.Op.get(op_name)
+    found = []
+    relax.analysis.post_order_visit(
+        mod["main"].body,
+        lambda e: found.append(e) if isinstance(e, relax.Call) and e.op == op else None,
+    )
+    return len(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# The zoo
+# ---------------------------------------------------------------------------------------------
+
+
+# bert_tiny is bert_mlm's default configuration (checked below): compiling it twice buys nothing
+@pytest.mark.parametrize("name", sorted(set(ZOO) - {"bert_tiny"}))
+def test_zoo_model_matches_torch(name):
+    torch.manual_seed(0)
+    entry = ZOO[name]()
+    _set_dropout(entry.model, 0.0)
+    module = entry.model if entry.loss_fn is None else _OutputAndLoss(entry)
+    _check(module, entry.example_inputs())
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_entry_contract(name):
+    entry = ZOO[name]()
+    inputs = entry.example_inputs()
+    again = entry.example_inputs()
+    assert any(not torch.equal(a, b) for a, b in zip(inputs, again)), "inputs are not fresh"
+    loss = entry.training_module().train()(*inputs)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert entry.description
+
+
+def test_bert_tiny_is_the_default_mlm():
+    model = ZOO["bert_tiny"]().model
+    assert len(model.layers) == 2 and model.vocab == 1000
+    assert ZOO["bert_mlm"]().description == ZOO["bert_tiny"]().description
+
+
+def test_presets_build_real_sizes():
+    entry = PRESETS["bert_large_layer"]()
+    assert entry.model.intermediate.out_features == 4096
+    assert entry.model.attention.heads == 16
+    vit_b16 = PRESETS["vit_b16_block"]()
+    assert vit_b16.model.pos_embed.shape == (1, 197, 768)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, sites",
+    [("mlp", 2), ("bert_layer", 3), ("bert_layer_sdpa", 3), ("gpt2_block", 3), ("xml_cnn", 2)],
+)
+def test_dropout_becomes_relax_dropout(name, sites):
+    torch.manual_seed(0)
+    entry = ZOO[name]()
+    _set_dropout(entry.model, 0.1)
+    mod = _import(entry.training_module(), entry.example_inputs())
+    assert _count_calls(mod, "relax.nn.dropout") == sites
+
+
+def test_zero_dropout_emits_no_dropout():
+    entry = ZOO["bert_layer"]()
+    _set_dropout(entry.model, 0.0)
+    mod = _import(entry.training_module(), entry.example_inputs())
+    assert _count_calls(mod, "relax.nn.dropout") == 0
+
+
+class _DropoutFamily(nn.Module):
+    """Dropout2d, AlphaDropout and SDPA with dropout and a custom scale."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.channel = nn.Dropout2d(p)
+        self.alpha = nn.AlphaDropout(p)
+
+    def forward(self, x, q):
+        attn = F.scaled_dot_product_attention(q, q, q, dropout_p=self.p, scale=0.3)
+        return self.channel(x), self.alpha(x), attn
+
+
+@pytest.mark.parametrize("decompose", [True, False])
+def test_dropout_family(decompose):
+    inputs = (torch.randn(2, 3, 4, 4), torch.randn(2, 2, 5, 8))
+    _check(_DropoutFamily(0.0), inputs, run_ep_decomposition=decompose)
+    mod = _import(_DropoutFamily(0.25), inputs, run_ep_decomposition=decompose)
+    assert _count_calls(mod, "relax.nn.dropout") == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNorm running statistics, adaptive max pooling
+# ---------------------------------------------------------------------------------------------
+
+
+class _BatchNormStats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4, momentum=0.3)
+        with torch.no_grad():
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.5, 0.5)
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        y = self.bn(x)
+        return y, self.bn.running_mean * 1, self.bn.running_var * 1
+
+
+@pytest.mark.parametrize("decompose", [True, False])
+def test_batch_norm_updates_running_stats(decompose):
+    torch.manual_seed(0)
+    module = _BatchNormStats()
+    x = torch.randn(3, 4, 5, 5) * 2 + 1
+    ep = torch.export.export(module.train(), (x,))
+    mutated = buffer_mutations(ep.run_decompositions())
+    assert mutated == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    _check(_BatchNormStats(), (x,), run_ep_decomposition=decompose)
+
+
+class _AdaptiveMaxPool(nn.Module):
+    def forward(self, x):
+        return F.adaptive_max_pool1d(x.flatten(2), 6), F.adaptive_max_pool2d(x, (3, 2))
+
+
+@pytest.mark.parametrize("decompose", [True, False])
+def test_adaptive_max_pool_uneven_windows(decompose):
+    _check(_AdaptiveMaxPool(), (torch.randn(2, 3, 5, 7),), run_ep_decomposition=decompose)
