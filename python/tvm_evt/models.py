@@ -45,6 +45,7 @@ __all__ = [
     "MLP",
     "MultiHeadSelfAttention",
     "ViT",
+    "ViTBlock",
     "XMLCNN",
     "ZooEntry",
     "bert_layer",
