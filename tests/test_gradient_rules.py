@@ -1,0 +1,399 @@
+"""Gradient rules of tvm_evt.relax_passes.gradient_rules against torch autograd.
+
+Every case builds a one-op Relax function on random shapes and attributes, takes
+loss = sum(op(inputs) * w) with a random weight w, differentiates it with
+relax.transform.Gradient, compiles it for llvm, and compares the loss and the gradients with
+torch autograd in float64. The random seed is printed with every failure.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import tvm
+from tvm import relax, te, topi
+from tvm.relax import op as R
+
+import tvm_evt.relax_passes.gradient_rules as gradient_rules
+
+RTOL = 1e-4
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"numpy seed: {seed}")  # shown by pytest with a failure
+    return np.random.default_rng(seed)
+
+
+def randn(rng, *shape, low=None):
+    data = rng.standard_normal(shape)
+    if low is not None:
+        data = np.abs(data) + low
+    return data.astype("float32")
+
+
+def _rel_err(actual, expected):
+    expected = np.asarray(expected, dtype="float64")
+    actual = np.asarray(actual, dtype="float64")
+    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    denom = np.linalg.norm(expected)
+    return np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0)
+
+
+def check(rng, build, reference, *inputs, wrt=None, legalize=None, compare_loss=True):
+    """Compare loss = sum(build(*vars) * w) and its gradients with torch autograd.
+
+    build: relax vars -> relax tensor expr; reference: torch float64 tensors -> tensor;
+    wrt: indices of the inputs to differentiate (default: the float ones).
+    """
+    if wrt is None:
+        wrt = [i for i, a in enumerate(inputs) if a.dtype.kind == "f"]
+    tensors = [
+        torch.tensor(a, dtype=torch.float64 if a.dtype.kind == "f" else torch.int64, requires_grad=i in wrt)
+        for i, a in enumerate(inputs)
+    ]
+    out = reference(*tensors)
+    weight = randn(rng, *out.shape)
+    loss_ref = (out * torch.tensor(weight, dtype=torch.float64)).sum()
+    grads_ref = torch.autograd.grad(loss_ref, [tensors[i] for i in wrt], allow_unused=True)
+
+    params = [relax.Var(f"x{i}", relax.TensorType(a.shape, str(a.dtype))) for i, a in enumerate(inputs)]
+    w = relax.Var("w", relax.TensorType(weight.shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", params + [w]):
+        with bb.dataflow():
+            y = bb.emit(build(*params))
+            assert list(y.ty.shape) == list(out.shape), f"relax {y.ty.shape} vs torch {out.shape}"
+            loss = bb.emit_output(bb.emit(R.sum(R.multiply(y, w))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main", require_grads=[params[i] for i in wrt])(bb.get())
+    if legalize:
+        mod = relax.transform.LegalizeOps(customize_legalize_map=legalize)(mod)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    loss_tvm, grads_tvm = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs + (weight,)])
+
+    where = f"(input shapes {[a.shape for a in inputs]})"
+    if compare_loss:
+        assert _rel_err(loss_tvm.numpy(), loss_ref.detach().numpy()) <= RTOL, f"loss {where}"
+    for k, (got, ref) in enumerate(zip(grads_tvm, grads_ref)):
+        ref = np.zeros(inputs[wrt[k]].shape) if ref is None else ref.numpy()
+        err = _rel_err(got.numpy(), ref)
+        assert err <= RTOL, f"grad of input {wrt[k]}: rel err {err:.2e} {where}"
+
+
+def test_check_detects_a_wrong_gradient(rng):
+    """The harness must fail on a reference with the same values but another gradient."""
+    x = randn(rng, 3, 4)
+    same_value_other_grad = lambda t: torch.sin(t.detach()) + 2.0 * (t - t.detach())  # noqa: E731
+    with pytest.raises(AssertionError, match="grad of input 0"):
+        check(rng, R.sin, same_value_other_grad, x)
+
+
+##################### Elementwise #####################
+
+UNARY = [
+    ("erf", R.erf, torch.erf, None),
+    ("rsqrt", R.rsqrt, torch.rsqrt, 0.2),
+    ("square", R.square, torch.square, None),
+    ("tan", R.tan, torch.tan, None),
+    ("gelu", R.nn.gelu, F.gelu, None),
+    ("gelu_tanh", R.nn.gelu_tanh, lambda t: F.gelu(t, approximate="tanh"), None),
+    ("log_softmax", lambda x: R.nn.log_softmax(x, -1), lambda t: F.log_softmax(t, -1), None),
+    ("silu", R.nn.silu, F.silu, None),
+]
+
+
+@pytest.mark.parametrize("name,relax_fn,torch_fn,low", UNARY, ids=[u[0] for u in UNARY])
+def test_unary(rng, name, relax_fn, torch_fn, low):
+    shape = rng.integers(1, 6, size=rng.integers(1, 4))
+    x = randn(rng, *shape, low=low)
+    if name == "tan":
+        x = np.clip(x, -1.2, 1.2)
+    check(rng, relax_fn, torch_fn, x)
+
+
+def test_leakyrelu_softplus_clip(rng):
+    x = randn(rng, 4, 7) * 4
+    alpha, beta, threshold = rng.uniform(0.01, 0.5), rng.uniform(0.5, 2), rng.uniform(1, 4)
+    lo, hi = -rng.uniform(0.2, 2), rng.uniform(0.2, 2)
+    check(rng, lambda v: R.nn.leakyrelu(v, alpha), lambda t: F.leaky_relu(t, alpha), x)
+    check(rng, lambda v: R.nn.softplus(v, beta, threshold), lambda t: F.softplus(t, beta, threshold), x)
+    check(rng, lambda v: R.clip(v, lo, hi), lambda t: torch.clamp(t, lo, hi), x)
+
+
+##################### Reductions #####################
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_max_min(rng, kind, ties):
+    shape = list(rng.integers(2, 6, size=3))
+    x = (rng.integers(-2, 3, size=shape) if ties else rng.standard_normal(shape)).astype("float32")
+    axis = sorted(rng.choice(3, size=rng.integers(1, 4), replace=False).tolist())
+    if rng.random() < 0.3:
+        axis = None
+    keepdims = bool(rng.integers(2)) and axis is not None
+    relax_fn = R.max if kind == "max" else R.min
+    torch_fn = torch.amax if kind == "max" else torch.amin
+    dims = tuple(range(3)) if axis is None else tuple(axis)
+    check(rng, lambda v: relax_fn(v, axis, keepdims), lambda t: torch_fn(t, dims, keepdims), x)
+
+
+def test_mean(rng):
+    x = randn(rng, 3, 4, 5)
+    axis = sorted(rng.choice(3, size=rng.integers(1, 3), replace=False).tolist())
+    check(rng, lambda v: R.mean(v, axis, keepdims=False), lambda t: t.mean(axis), x)
+
+
+##################### Normalization #####################
+
+
+def test_layer_norm(rng):
+    nnorm = int(rng.integers(1, 3))
+    shape = [int(d) for d in rng.integers(2, 6, size=nnorm + int(rng.integers(1, 3)))]
+    x, g, b = randn(rng, *shape), randn(rng, *shape[-nnorm:]), randn(rng, *shape[-nnorm:])
+    axes = list(range(-nnorm, 0))
+    check(
+        rng,
+        lambda v, gv, bv: R.nn.layer_norm(v, gv, bv, axes, 1e-5),
+        lambda t, gt, bt: F.layer_norm(t, shape[-nnorm:], gt, bt, 1e-5),
+        x, g, b,
+    )
+
+
+def test_rms_norm(rng):
+    shape = [int(d) for d in rng.integers(2, 7, size=3)]
+    x, w = randn(rng, *shape), randn(rng, shape[-1])
+    check(rng, lambda v, wv: R.nn.rms_norm(v, wv, [-1], 1e-6), lambda t, wt: F.rms_norm(t, shape[-1:], wt, 1e-6), x, w)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm(rng, training):
+    shape = [int(d) for d in rng.integers(2, 5, size=int(rng.integers(2, 5)))]
+    c = shape[1]
+    x, g, b = randn(rng, *shape), randn(rng, c), randn(rng, c)
+    mean, var = randn(rng, c), randn(rng, c, low=0.5)
+
+    def build(v, gv, bv, mv, vv):
+        return relax.TupleGetItem(R.nn.batch_norm(v, gv, bv, mv, vv, 1, 1e-5, training=training), 0)
+
+    def reference(t, gt, bt, mt, vt):
+        return F.batch_norm(t, mt.clone(), vt.clone(), gt, bt, training=training, eps=1e-5)
+
+    check(rng, build, reference, x, g, b, mean, var, wrt=[0, 1, 2])
+
+
+def test_dropout(rng):
+    """With a deterministic training lowering: out = x * mask / (1 - p), mask 0/1."""
+    rate = float(rng.uniform(0.1, 0.6))
+    x = randn(rng, 4, 9)
+    mask = (np.add.outer(np.arange(4) * 7, np.arange(9) * 3) % 3 != 0).astype("float32")
+
+    def training_dropout(bb, call):
+        def fn(data):
+            keep = te.compute(data.shape, lambda i, j: tvm.tirx.Select((i * 7 + j * 3) % 3 != 0, 1.0, 0.0).astype(data.dtype))
+            return [topi.multiply(data, keep) * (1.0 / (1.0 - rate)), keep]
+
+        return bb.call_te(fn, call.args[0])
+
+    check(
+        rng,
+        lambda v: relax.TupleGetItem(R.nn.dropout(v, rate), 0),
+        lambda t: t * torch.tensor(mask, dtype=torch.float64) / (1 - rate),
+        x,
+        legalize={"relax.nn.dropout": training_dropout},
+    )
+
+
+##################### Attention #####################
+
+
+def _attention_reference(q, k, v, bias, scale, causal):
+    s, s_kv = q.shape[1], k.shape[1]
+    scores = torch.einsum("bsnd,btnd->bnst", q, k) * scale
+    if bias is not None:
+        scores = scores + bias
+    if causal is not None:
+        offset = 0 if causal == "TopLeft" else abs(s - s_kv)
+        keep = torch.tensor(np.tril(np.ones((s, s_kv), dtype=bool), k=offset))
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.einsum("bnst,btnd->bsnd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("causal", [None, "TopLeft", "BottomRight"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_attention(rng, causal, with_bias):
+    b, s, n, d = (int(x) for x in rng.integers(1, 5, size=4))
+    s_kv, d_v = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    if causal == "TopLeft":
+        s_kv = max(s_kv, s)  # every query row keeps at least one key
+    q, k, v = randn(rng, b, s, n, d), randn(rng, b, s_kv, n, d), randn(rng, b, s_kv, n, d_v)
+    use_scale = bool(rng.integers(2))
+    scale = float(rng.uniform(0.1, 1.0)) if use_scale else 1.0 / math.sqrt(d)
+    relax_scale = tvm.tirx.FloatImm("float32", scale) if use_scale else None
+    inputs = (q, k, v) + ((randn(rng, 1, n, s, s_kv),) if with_bias else ())
+
+    def build(qv, kv, vv, bias=None):
+        return R.nn.attention(qv, kv, vv, bias, relax_scale, causal)
+
+    def reference(qt, kt, vt, bias=None):
+        return _attention_reference(qt, kt, vt, bias, scale, causal)
+
+    check(rng, build, reference, *inputs)
+
+
+##################### Manipulation and indexing #####################
+
+
+def test_squeeze_flatten_tile_repeat(rng):
+    x = randn(rng, 3, 1, 4)
+    check(rng, lambda v: R.squeeze(v, [1]), lambda t: t.squeeze(1), x)
+    check(rng, R.flatten, lambda t: t.flatten(), x)
+    reps = [int(r) for r in rng.integers(1, 4, size=rng.integers(1, 5))]
+    check(rng, lambda v: R.tile(v, reps), lambda t: t.tile(reps), x)
+    r, axis = int(rng.integers(1, 4)), int(rng.integers(-3, 3))
+    check(rng, lambda v: R.repeat(v, r, axis), lambda t: t.repeat_interleave(r, axis), x)
+    check(rng, lambda v: R.repeat(v, r), lambda t: t.repeat_interleave(r), x)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_tril_triu(rng, upper):
+    x, k = randn(rng, 2, 5, 6), int(rng.integers(-2, 3))
+    relax_fn, torch_fn = (R.triu, torch.triu) if upper else (R.tril, torch.tril)
+    check(rng, lambda v: relax_fn(v, k), lambda t: torch_fn(t, k), x)
+
+
+def test_pad(rng):
+    x = randn(rng, 2, 3, 4)
+    widths = [int(w) for w in rng.integers(0, 3, size=6)]
+    torch_pad = [w for i in reversed(range(3)) for w in widths[2 * i : 2 * i + 2]]
+    check(rng, lambda v: R.nn.pad(v, widths, "constant", 0.0), lambda t: F.pad(t, torch_pad), x)
+
+
+def _random_slices(rng, shape):
+    """Random non-empty python slices over random axes (negative begin/end, ends past the size)."""
+    axes = sorted(rng.choice(len(shape), size=rng.integers(1, len(shape) + 1), replace=False).tolist())
+    while True:
+        slices = [slice(None)] * len(shape)
+        for a in axes:
+            b0, e0 = int(rng.integers(-shape[a], shape[a])), int(rng.integers(-shape[a], shape[a] + 3))
+            slices[a] = slice(b0, e0, int(rng.integers(1, 4)))
+        if 0 not in np.empty(shape)[tuple(slices)].shape:
+            return axes, [slices[a] for a in axes], tuple(slices)
+
+
+def test_strided_slice(rng):
+    shape = [int(d) for d in rng.integers(3, 9, size=3)]
+    axes, per_axis, slices = _random_slices(rng, shape)
+    begin, end, strides = ([getattr(sl, f) for sl in per_axis] for f in ("start", "stop", "step"))
+    check(rng, lambda v: R.strided_slice(v, axes, begin, end, strides), lambda t: t[slices], randn(rng, *shape))
+
+
+def test_strided_slice_negative_stride(rng):
+    x = randn(rng, 4, 7)
+    check(rng, lambda v: R.strided_slice(v, [1], [5], [0], [-2]), lambda t: t.flip(1)[:, 1:7:2], x)
+
+
+def test_gather_elements_topk(rng):
+    x = randn(rng, 3, 6)
+    idx = rng.integers(0, 6, size=(3, 8)).astype("int64")
+    check(rng, lambda v, i: R.gather_elements(v, i, 1), lambda t, i: torch.gather(t, 1, i), x, idx)
+    k = int(rng.integers(1, 6))
+    check(
+        rng,
+        lambda v: relax.TupleGetItem(R.topk(v, k, -1, "both", True, "int64"), 0),
+        lambda t: torch.topk(t, k, -1).values,
+        x,
+    )
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_take_repeated_indices(rng, axis):
+    """Embedding-style take: indices repeat, so gradients must accumulate."""
+    table = randn(rng, 4, 5)
+    idx = rng.integers(0, table.shape[axis], size=(3, 6)).astype("int64")
+    check(rng, lambda v, i: R.take(v, i, axis), lambda t, i: torch.index_select(t, axis, i.flatten()).reshape(
+        (3, 6, 5) if axis == 0 else (4, 3, 6)), table, idx)
+    flat_idx = idx[0]
+    check(rng, lambda v, i: R.take(v, i, axis), lambda t, i: torch.index_select(t, axis, i), table, flat_idx)
+
+
+##################### Convolution and pooling #####################
+
+
+def test_conv1d(rng):
+    groups = int(rng.choice([1, 2]))
+    cin, cout = 2 * int(rng.integers(1, 3)), 2 * int(rng.integers(1, 3))
+    kw, stride, dilation = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    pad = int(rng.integers(0, 3))
+    x, w = randn(rng, 2, cin, int(rng.integers(8, 13))), randn(rng, cout, cin // groups, kw)
+    check(
+        rng,
+        lambda v, wv: R.nn.conv1d(v, wv, stride, pad, dilation, groups),
+        lambda t, wt: F.conv1d(t, wt, None, stride, pad, dilation, groups),
+        x, w,
+    )
+
+
+def test_conv2d(rng):
+    groups = int(rng.choice([1, 2]))
+    cin, cout = 2 * int(rng.integers(1, 3)), 2 * int(rng.integers(1, 3))
+    kh, stride, pad = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(0, 2))
+    x, w = randn(rng, 2, cin, 7, 8), randn(rng, cout, cin // groups, kh, kh)
+    check(
+        rng,
+        lambda v, wv: R.nn.conv2d(v, wv, stride, pad, 1, groups),
+        lambda t, wt: F.conv2d(t, wt, None, stride, pad, 1, groups),
+        x, w,
+    )
+
+
+def _pool_params(rng):
+    k = int(rng.integers(2, 4))
+    return dict(
+        kernel=k,
+        stride=int(rng.integers(1, 3)),
+        pad=int(rng.integers(0, k // 2 + 1)),
+        dilation=int(rng.integers(1, 3)),
+        ceil=bool(rng.integers(2)),
+        include_pad=bool(rng.integers(2)),
+    )
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("ties", [False, True])
+def test_max_pool(rng, ndim, ties):
+    """Includes windows that do not tile the input (ceil_mode, trailing elements) and ties."""
+    shape = [2, 3] + [int(d) for d in rng.integers(5, 10, size=ndim)]
+    x = (rng.integers(-1, 2, size=shape) if ties else rng.standard_normal(shape)).astype("float32")
+    p = _pool_params(rng)
+    relax_fn, torch_fn = (R.nn.max_pool1d, F.max_pool1d) if ndim == 1 else (R.nn.max_pool2d, F.max_pool2d)
+    args = (p["kernel"], p["stride"], p["pad"], p["dilation"])
+    check(rng, lambda v: relax_fn(v, *args, ceil_mode=p["ceil"]), lambda t: torch_fn(t, *args, ceil_mode=p["ceil"]), x)
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_avg_pool(rng, ndim):
+    x = randn(rng, *([2, 3] + [int(d) for d in rng.integers(5, 10, size=ndim)]))
+    p = _pool_params(rng)
+    relax_fn, torch_fn = (R.nn.avg_pool1d, F.avg_pool1d) if ndim == 1 else (R.nn.avg_pool2d, F.avg_pool2d)
+    args = (p["kernel"], p["stride"], p["pad"])
+    flags = dict(ceil_mode=p["ceil"], count_include_pad=p["include_pad"])
+    check(rng, lambda v: relax_fn(v, *args, **flags), lambda t: torch_fn(t, *args, **flags), x)
+
+
+def test_adaptive_avg_pool(rng):
+    x1 = randn(rng, 2, 3, int(rng.integers(3, 11)))
+    o1 = int(rng.integers(1, 6))
+    check(rng, lambda v: R.nn.adaptive_avg_pool1d(v, o1), lambda t: F.adaptive_avg_pool1d(t, o1), x1)
+    x2 = randn(rng, 2, 2, int(rng.integers(3, 9)), int(rng.integers(3, 9)))
+    o2 = (int(rng.integers(1, 5)), int(rng.integers(1, 5)))
+    check(rng, lambda v: R.nn.adaptive_avg_pool2d(v, o2), lambda t: F.adaptive_avg_pool2d(t, o2), x2)
+
+
+def test_registered():
+    for name in list(gradient_rules.GRADIENT_RULES) + list(gradient_rules.NO_GRAD_OPS):
+        assert tvm.ir.Op.get(name).get_attr("FPrimalGradient") is not None, name
