@@ -1,0 +1,100 @@
+"""Build: the content-addressed cache (fast) and a real nvcc build of emitted kernels (slow)."""
+import os
+import shutil
+import time
+
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.codegen import emit, from_function, lower
+from tvm_evt.codegen.build import cache, link_module, toolchain
+from tvm_evt.codegen.frontend import DROPOUT_EXTERN
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_cache_root_and_atomic_write(cache_home):
+    root = cache.cache_root()
+    assert root.parent == cache_home / "tvm_evt"
+    cache.atomic_write(root / "x.bin", b"abc")
+    assert (root / "x.bin").read_bytes() == b"abc"
+    assert [p.name for p in root.iterdir()] == ["x.bin"]  # no temporary left behind
+    with cache.file_lock(root / "x.lock"):
+        pass
+
+
+def test_cache_key_covers_source_and_flags(monkeypatch):
+    nvcc = toolchain.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc absent")
+    k1 = cache.cache_key("a", nvcc)
+    assert k1 == cache.cache_key("a", nvcc) and k1 != cache.cache_key("b", nvcc)
+    monkeypatch.setattr(toolchain, "NVCC_FLAGS", toolchain.NVCC_FLAGS + ("-G",))
+    assert cache.cache_key("a", nvcc) != k1
+
+
+def dropout_kernel():
+    """fp16 TN: bias + gelu + Philox dropout, pre-dropout value stored, column sums."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((256, 64), "float16"))
+    w = relax.Var("w", relax.TensorType((128, 64), "float16"))
+    b = relax.Var("b", relax.TensorType((128,), "float16"))
+    seed = relax.Var("seed", relax.TensorType((2,), "uint32"))
+    with bb.function("evt_build_dropout", [x, w, b, seed]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+            g = bb.emit(relax.op.nn.gelu(relax.op.add(y, b)))
+            d = bb.emit(relax.call_pure_packed(
+                DROPOUT_EXTERN, g, seed, relax.prim_value(1),
+                relax.prim_value(0.1),
+                ty_args=relax.TensorType((256, 128), "float16")))
+            s = bb.emit(relax.op.sum(g, axis=[1]))
+            out = bb.emit_output(relax.Tuple([d, g, s]))
+        bb.emit_func_output(out)
+    return lower(from_function(bb.get()["evt_build_dropout"]))
+
+
+def batched_kernel():
+    """bf16 NN batched: column-major aux load, compare/where with a bool aux output, fp32 scalar sum."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 64, 256), "bfloat16"))  # (L, K, M): A is M-major
+    w = relax.Var("w", relax.TensorType((64, 128), "bfloat16"))  # (K, N): B is N-major
+    r = relax.Var("r", relax.TensorType((128, 256), "bfloat16"))  # (N, M) -> column-major M x N
+    with bb.function("evt_build_batched", [x, w, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(relax.op.permute_dims(x, [0, 2, 1]), w))
+            rt = relax.op.permute_dims(r, [1, 0])
+            m = bb.emit(relax.op.greater(y, rt))
+            z = bb.emit(relax.op.where(m, y, relax.op.multiply(y, rt)))
+            s = bb.emit(relax.op.sum(relax.op.astype(z, "float32"), axis=[1, 2]))
+            out = bb.emit_output(relax.Tuple([z, m, s]))
+        bb.emit_func_output(out)
+    return lower(from_function(bb.get()["evt_build_batched"]))
+
+
+@pytest.mark.slow
+def test_nvcc_builds_emitted_kernels(cache_home, request):
+    if "slow" not in (request.config.option.markexpr or ""):
+        pytest.skip("minutes of nvcc: run with -m slow")
+    if toolchain.find_nvcc() is None or shutil.which("ld") is None:
+        pytest.skip("nvcc absent")
+    sources = {p.symbol: emit(p) for p in (dropout_kernel(), batched_kernel())}
+    start = time.monotonic()
+    objects = cache.build_many(sources)
+    first = time.monotonic() - start
+    assert all(os.path.getsize(o) > 0 for o in objects.values())
+    start = time.monotonic()
+    again = cache.build_many(sources)  # content-addressed: served from the cache
+    assert again == objects and time.monotonic() - start < min(first, 10)
+    module_obj = link_module(list(objects.values()), list(sources))
+    syms = os.popen(f"nm -g --defined-only {module_obj}").read()
+    for symbol in sources:
+        assert f"__tvm_ffi_{symbol}" in syms
+    assert " cudaLaunchKernel" not in syms  # the bundled CUDA runtime stays local
+    lib = tvm.runtime.load_static_library(str(module_obj), list(sources))
+    assert lib.kind == "static_library"

@@ -1,0 +1,105 @@
+"""GPU numerics of offloaded partitions (skipped without CUDA; needs an SM90 GPU and nvcc).
+
+Reference: torch float64 on the same inputs, and the numpy interpreter of the epilogue IR.
+"""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.codegen import from_function, lower, reference
+from tvm_evt.codegen.frontend import DROPOUT_EXTERN
+from tvm_evt.codegen.relax_ext import register
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+def offload(func: relax.Function, name: str) -> relax.VirtualMachine:
+    """main(params) calls ``func`` marked Codegen="evt"; RunCodegen + build for CUDA."""
+    register()
+    func = func.with_attrs({"Codegen": "evt", "global_symbol": name})
+    gv = tvm.ir.GlobalVar(name)
+    bb = relax.BlockBuilder()
+    params = [relax.Var(p.name, p.ty) for p in func.params]
+    mod = tvm.IRModule({gv: func})
+    bb = relax.BlockBuilder(mod)
+    with bb.function("main", params):
+        out = bb.emit(relax.Call(gv, params))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod = relax.transform.RunCodegen()(mod)
+    ex = tvm.compile(mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    return relax.VirtualMachine(ex, tvm.cuda(0))
+
+
+def run(vm, arrays):
+    dev = tvm.cuda(0)
+    result = vm["main"](*[tvm.runtime.tensor(a, dev) for a in arrays])
+    return [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
+
+
+def bias_gelu_func(m=512, n=256, k=128, dtype="float16"):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    w = relax.Var("w", relax.TensorType((n, k), dtype))
+    b = relax.Var("b", relax.TensorType((n,), dtype))
+    with bb.function("f", [x, w, b]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+            g = bb.emit(relax.op.nn.gelu(relax.op.add(y, b)))
+            s = bb.emit(relax.op.sum(g, axis=[0]))
+            out = bb.emit_output(relax.Tuple([g, y, s]))
+        bb.emit_func_output(out)
+    return bb.get()["f"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bias_gelu_rowsum_vs_torch_float64(dtype):
+    func = bias_gelu_func(dtype=dtype)
+    rng = np.random.default_rng(0)
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    x, w, b = (torch.tensor(rng.uniform(-1, 1, s), dtype=tdt) for s in ((512, 128), (256, 128), (256,)))
+    arrays = [t.float().numpy().astype(reference.NP_DTYPES[dtype]) for t in (x, w, b)]  # exact
+    g, y, s = run(offload(func, f"evt_gpu_bias_gelu_{dtype}"), arrays)
+    y64 = x.double() @ w.double().T
+    g64 = torch.nn.functional.gelu(y64 + b.double())
+    tol = 2e-2 if dtype == "bfloat16" else 5e-3
+    np.testing.assert_allclose(y.astype(np.float64), y64.numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(g.astype(np.float64), g64.numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(s.astype(np.float64), g64.sum(0).numpy(), rtol=tol, atol=tol * 512)
+
+
+def test_dropout_mask_matches_philox_reference():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((256, 64), "float16"))
+    w = relax.Var("w", relax.TensorType((128, 64), "float16"))
+    seed = relax.Var("seed", relax.TensorType((2,), "uint32"))
+    with bb.function("f", [x, w, seed]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+            d = bb.emit(relax.call_pure_packed(DROPOUT_EXTERN, y, seed, relax.prim_value(2),
+                                               relax.prim_value(0.25), ty_args=y.ty))
+            out = bb.emit_output(d)
+        bb.emit_func_output(out)
+    func = bb.get()["f"]
+    rng = np.random.default_rng(1)
+    arrays = [rng.uniform(-1, 1, (256, 64)).astype("float16"), rng.uniform(-1, 1, (128, 64)).astype("float16"),
+              np.array([0x1234, 0xBEEF], dtype=np.uint32)]
+    (d,) = run(offload(func, "evt_gpu_dropout"), arrays)
+    expected = reference.evaluate(lower(from_function(func)), arrays)[0]
+    assert ((d != 0) == (expected != 0)).all()
+    np.testing.assert_allclose(d.astype(np.float32), expected.astype(np.float32), rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_epilogues_match_reference(seed):
+    from test_codegen_random import random_partition
+
+    func, arrays = random_partition(seed)
+    partition = lower(from_function(func))
+    if not (partition.gemm.a_k_major and partition.gemm.b_k_major):
+        pytest.skip("tf32 kernels are TN only")
+    got = run(offload(func, f"evt_gpu_random_{seed}"), arrays)
+    for g, e in zip(got, reference.evaluate(partition, arrays)):  # tf32 main loop: loose tolerance
+        np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=2e-2, atol=2e-2)
