@@ -28,7 +28,7 @@ def rewrite_function(
     new_ret = relax.Tuple(outs) if is_tuple else outs[0]
     return relax.Function(
         list(func.params) + list(extra_params),
-        relax.SeqExpr(blocks, new_ret),
+        bb.normalize(relax.SeqExpr(blocks, new_ret)),
         None,
         func.is_pure,
         func.attrs,

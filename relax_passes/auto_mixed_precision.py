@@ -89,23 +89,19 @@ class _Caster(PyExprMutator):
         return arg
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op):
-            return call
+            return super().visit_call_(call)
+        # visit the operands but build the call ourselves: mixed dtypes would not type-check
+        args = [self.visit_expr(a) for a in call.args]
         name = call.op.name
-        if name in FOLLOW and name != "relax.astype":
-            return call
         if name == "relax.astype":
-            target = str(call.attrs.dtype)
-            if target == "float32" and _dtype(call.args[0]) != "float32":
-                return relax.op.astype(call.args[0], self.low)
-            return call
-        want = "float32" if name in FP32 else self.low
-        args = [self._cast(a, want) if isinstance(a, relax.Expr) else a for a in call.args]
-        if name == "relax.matmul":
-            return relax.op.matmul(args[0], args[1], out_dtype=want)
-        if all(a.same_as(b) for a, b in zip(args, call.args)):
-            return call
+            if str(call.attrs.dtype) == "float32" and _dtype(args[0]) != "float32":
+                return relax.op.astype(args[0], self.low)
+        elif name not in FOLLOW:
+            want = "float32" if name in FP32 else self.low
+            args = [self._cast(a, want) for a in args]
+            if name == "relax.matmul":
+                return relax.op.matmul(args[0], args[1], out_dtype=want)
         return relax.Call(call.op, args, call.attrs, call.ty_args)
 
 

@@ -146,12 +146,20 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     param_values, buffer_values = OrderedDict(), OrderedDict()
     state = ep.state_dict
     named_buffers = dict(ep.named_buffers())
+    aliases = {}  # placeholder name -> var of an earlier placeholder of the same tensor
+    seen = {}  # storage identity -> var (tied weights are one parameter)
     for spec in sig.input_specs:
         if spec.kind is InputKind.PARAMETER:
             var = params_buffers[spec.arg.name]
+            tensor = state[spec.target]
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key in seen:
+                aliases[spec.arg.name] = seen[key]
+                continue
             name = strip(spec.target)
             param_vars.append(relax.Var(name, var.ty))
-            param_values[name] = state[spec.target]
+            seen[key] = param_vars[-1]
+            param_values[name] = tensor
         elif spec.kind is InputKind.BUFFER:
             var = params_buffers[spec.arg.name]
             name = strip(spec.target)
@@ -169,7 +177,9 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     arg_to_var = {}
     pi = bi = 0
     for spec in sig.input_specs:
-        if spec.kind is InputKind.PARAMETER:
+        if spec.arg.name in aliases:
+            arg_to_var[spec.arg.name] = aliases[spec.arg.name]
+        elif spec.kind is InputKind.PARAMETER:
             arg_to_var[spec.arg.name] = param_vars[pi]
             pi += 1
         elif spec.kind is InputKind.BUFFER:

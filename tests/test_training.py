@@ -1,0 +1,211 @@
+"""compile_training against torch autograd and torch.optim (CPU, llvm, fp32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tvm_evt
+from tvm_evt import models
+from tvm_evt.errors import InputMismatchError, UnsupportedOpError
+
+from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
+
+LLVM = {"kind": "llvm"}
+ZOO_NAMES = sorted(models.ZOO)
+
+
+def _compile(entry, inputs, **kw):
+    return tvm_evt.compile_training(
+        copy.deepcopy(entry.model), inputs, loss_fn=entry.loss_fn, target=LLVM, **kw
+    )
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_zoo_loss_and_grads_match_torch(name):
+    entry = models.ZOO[name]()
+    no_dropout(entry.model)
+    step = _compile(entry, entry.example_inputs())
+    inputs = entry.example_inputs()  # fresh random inputs, not the ones traced
+    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs)
+    loss, grads = step.loss_and_grads(*inputs)
+    assert rel_err(loss, ref_loss) <= 1e-4
+    assert set(ref_grads) <= set(grads), set(ref_grads) - set(grads)
+    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
+    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-4, f"{worst}: {errs[worst]:.3g}"
+
+
+def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None):
+    model = copy.deepcopy(entry.model)
+    step = tvm_evt.compile_training(
+        copy.deepcopy(model), entry.example_inputs(), loss_fn=entry.loss_fn,
+        optimizer=tvm_opt, target=LLVM,
+    )
+    ref = copy.deepcopy(entry.training_module()).train()
+    ref_model = ref.model if hasattr(ref, "loss_fn") else ref
+    ref_model.load_state_dict(model.state_dict())
+    opt = opt_factory(ref_model.parameters())
+    vanishing = set()
+    for i in range(steps):
+        batch = entry.example_inputs()
+        opt.zero_grad()
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        if i == 0:
+            # gradients that are zero in exact arithmetic (a key bias under softmax) are
+            # rounding noise; Adam normalises noise into full-size steps of ±lr
+            total = sum(float(p.grad.norm()) ** 2 for p in ref_model.parameters()) ** 0.5
+            vanishing = {n for n, p in ref_model.named_parameters()
+                         if float(p.grad.norm()) < 1e-6 * total}
+        opt.step()
+        loss = step(*batch)
+        assert rel_err(loss, ref_loss.detach()) <= 1e-4
+    params = step.parameters()
+    for n, p in ref_model.named_parameters():
+        if n in vanishing and lr is not None:
+            assert float((params[n] - p.detach()).abs().max()) <= 2 * steps * lr, n
+        else:
+            assert rel_err(params[n], p.detach()) <= 1e-4, n
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert_layer"])
+def test_sgd_trajectory(name):
+    entry = models.ZOO[name]()
+    no_dropout(entry.model)
+    _trajectory(
+        entry,
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
+        tvm_evt.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-2),
+    )
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert_layer"])
+def test_adamw_trajectory(name):
+    entry = models.ZOO[name]()
+    no_dropout(entry.model)
+    _trajectory(
+        entry,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05),
+        tvm_evt.optim.AdamW(lr=1e-3, weight_decay=0.05),
+        lr=1e-3,
+    )
+
+
+def test_torch_optimizer_instance_is_accepted():
+    entry = models.ZOO["mlp"]()
+    opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.5, nesterov=True)
+    step = _compile(entry, entry.example_inputs(), optimizer=opt)
+    assert step.graph.layout.slots == ("momentum_buffer",)
+
+
+def test_batchnorm_running_stats_follow_torch():
+    entry = models.ZOO["resnet_basic"]()
+    step = _compile(entry, entry.example_inputs(), optimizer=tvm_evt.optim.SGD(lr=0.0))
+    ref = copy.deepcopy(entry.training_module()).train()
+    for _ in range(2):
+        batch = entry.example_inputs()
+        step(*batch)
+        ref(*batch)
+    ours = step.parameters()
+    ref_model = ref.model if hasattr(ref, "loss_fn") else ref
+    stats = {n: b for n, b in ref_model.named_buffers() if "running" in n}
+    assert stats
+    for n, b in stats.items():
+        assert rel_err(ours[n], b) <= 1e-4, n
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["mlp", "bert_layer"])
+def test_mixed_precision_agrees_with_fp32(name, precision):
+    entry = models.ZOO[name]()
+    no_dropout(entry.model)
+    inputs = entry.example_inputs()
+    fp32 = _compile(entry, inputs)
+    low = _compile(entry, inputs, precision=precision)
+    loss32, grads32 = fp32.loss_and_grads(*inputs)
+    loss, grads = low.loss_and_grads(*inputs)
+    assert loss.dtype == torch.float32
+    assert rel_err(loss, loss32) <= 2e-2
+    names = sorted(grads32)
+    assert all(grads[n].dtype == torch.float32 for n in names)  # fp32 master gradients
+    flat = lambda gs: torch.cat([gs[n].flatten().double() for n in names])
+    assert rel_err(flat(grads), flat(grads32)) <= 2e-2
+    # per parameter, gradients far below the largest one (a query bias: a cancellation of
+    # large terms) are judged against a tenth of the largest, bf16 having 8 mantissa bits
+    largest = max(float(g.norm()) for g in grads32.values())
+    for n in names:
+        assert grad_err(grads[n], grads32[n], 100 * largest) <= 2e-2, n
+    # a full step runs and updates fp32 master weights
+    before = {n: v.clone() for n, v in low.parameters().items()}
+    float(low(*inputs))
+    assert any(not torch.equal(before[n], v) for n, v in low.parameters().items())
+
+
+class _DropoutProbe(torch.nn.Module):
+    def __init__(self, n, p):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(n))
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, c):
+        return (self.drop(self.w) * c).sum()
+
+
+def test_dropout_keep_rate_and_same_mask_forward_backward():
+    n, p = 1_000_000, 0.3
+    c = torch.rand(n) + 0.5
+    step = tvm_evt.compile_training(_DropoutProbe(n, p), (c,), target=LLVM, seed=1234)
+    loss, grads = step.loss_and_grads(c)
+    g = grads["w"]
+    keep = g != 0
+    assert abs(float(keep.double().mean()) - (1 - p)) <= 0.01 * (1 - p)
+    # backward: grad = c * mask / (1 - p) exactly on kept elements
+    assert rel_err(g[keep], c[keep] / (1 - p)) <= 1e-6
+    # forward used the same mask: loss = Σ w·c·mask/(1-p) with w = 1
+    assert rel_err(loss, (c.double() * keep).sum() / (1 - p)) <= 1e-4  # fp32 sum of 1e6 terms
+    # a training step draws a fresh mask (the seed advances)
+    step(c)
+    _, grads2 = step.loss_and_grads(c)
+    assert not torch.equal(grads2["w"] != 0, keep)
+
+
+class _Cumprod(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumprod(self.inner(x), dim=-1).sum()
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Cumprod()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_unsupported_op_names_op_and_module():
+    with pytest.raises(UnsupportedOpError) as info:
+        tvm_evt.compile_training(_Outer(), (torch.randn(2, 4),), target=LLVM)
+    msg = str(info.value)
+    assert "cumprod" in msg and "block" in msg
+
+
+def test_wrong_inputs_are_reported():
+    entry = models.ZOO["mlp"]()
+    inputs = entry.example_inputs()
+    step = _compile(entry, inputs)
+    bad = (inputs[0][:1],) + tuple(inputs[1:])
+    with pytest.raises(InputMismatchError, match="expected shape"):
+        step(*bad)
+    with pytest.raises(InputMismatchError, match="dtype"):
+        step(*((inputs[0].double(),) + tuple(inputs[1:])))
+    with pytest.raises(InputMismatchError, match="takes"):
+        step(*inputs, inputs[0])
