@@ -98,3 +98,14 @@ def test_nvcc_builds_emitted_kernels(cache_home, request):
     assert " cudaLaunchKernel" not in syms  # the bundled CUDA runtime stays local
     lib = tvm.runtime.load_static_library(str(module_obj), list(sources))
     assert lib.kind == "static_library"
+    # what export_library does with it: a plain shared link, then dlopen (no -lcudart, no -lcuda)
+    import ctypes
+    import subprocess
+
+    import tvm_ffi  # noqa: F401  (libtvm_ffi provides the TVMFFI* symbols)
+
+    so = cache_home / "kernels.so"
+    subprocess.run(["g++", "-shared", "-o", str(so), str(module_obj)], check=True)
+    handle = ctypes.CDLL(str(so))
+    for symbol in sources:
+        assert getattr(handle, f"__tvm_ffi_{symbol}")

@@ -239,6 +239,13 @@ class Sm90Emitter:
             if contiguous % align:
                 raise Unsupported(f"operand {name}: contiguous extent {contiguous} is not a multiple of {align}")
         for i, node in enumerate(self.p.epilogue.nodes):
+            if isinstance(node, Reduction) and node.axis is ReduceAxis.SCALAR and node.dtype != "float32":
+                raise Unsupported(f"%{i}: scalar reductions are atomic and need a float32 result, not {node.dtype}")
+            if isinstance(node, (RowBroadcast, ColBroadcast)):
+                align = 128 // BITS.get(node.dtype, 8)
+                extent = g.n if isinstance(node, RowBroadcast) else g.m
+                if extent % align:
+                    raise Unsupported(f"%{i} {node.kind}: extent {extent} is not a multiple of {align} elements")
             if isinstance(node, (AuxLoad, AuxStore)) or (
                 isinstance(node, Reduction) and node.axis is not ReduceAxis.SCALAR
             ):
