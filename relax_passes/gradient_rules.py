@@ -1,8 +1,10 @@
 """Gradient rules (FPrimalGradient) for Relax ops that TVM 0.27's `relax.transform.Gradient` lacks.
 
 Importing this module registers every rule in `GRADIENT_RULES` (and the no-gradient ops in
-`NO_GRAD_OPS`) at level `RULE_LEVEL`, which is above TVM's own level (10), so a rule here also
-replaces TVM's where TVM's is incomplete (`relax.take` with N-D indices).
+`NO_GRAD_OPS`) at level `RULE_LEVEL`, above TVM's own level (10), so a rule here also replaces
+TVM's where TVM's is wrong or incomplete: `relax.take` (N-D indices), `relax.nn.conv2d`
+(dilation), `relax.nn.max_pool2d` / `avg_pool2d` (ceil_mode, windows that do not tile the input,
+dilation), `relax.triu` (shares the tril rule).
 
 A rule has TVM's signature `rule(orig_var, orig_call, output_grad, ctx) -> list[Expr]`: one partial
 per argument of the call, `no_grad(arg)` for arguments that are not differentiable. Every backward
@@ -83,9 +85,9 @@ def _norm_axes(axes, ndim: int) -> list[int]:
     return sorted(int(a) % ndim for a in axes)
 
 
-def _int_value(expr) -> int:
-    """A Python int from an IntImm argument."""
-    return int(expr.value) if hasattr(expr, "value") else int(expr)
+def _scalar(expr):
+    """A Python number from an IntImm / FloatImm call argument."""
+    return expr.value if hasattr(expr, "value") else expr
 
 
 def _no_grads(call: Call) -> list[Expr]:
@@ -173,14 +175,9 @@ def clip_grad(orig_var, orig_call, output_grad, ctx):
     """Pass the gradient where min <= x <= max (torch.clamp)."""
     x, lo, hi = orig_call.args
     inside = R.logical_and(
-        R.greater_equal(x, _const(float(_prim(lo)), x)), R.less_equal(x, _const(float(_prim(hi)), x))
+        R.greater_equal(x, _const(float(_scalar(lo)), x)), R.less_equal(x, _const(float(_scalar(hi)), x))
     )
     return [R.where(inside, output_grad, _const(0.0, x)), no_grad(lo), no_grad(hi)]
-
-
-def _prim(value):
-    """A Python number from an IntImm / FloatImm argument."""
-    return value.value if hasattr(value, "value") else value
 
 
 ##################### Reductions #####################
@@ -435,9 +432,9 @@ def strided_slice_grad(orig_var, orig_call, output_grad, ctx):
     strides = orig_call.args[4] if len(orig_call.args) > 4 else None
     shape = _shape(x, orig_call)
     ndim = len(shape)
-    axes = [_int_value(a) % ndim for a in axes]
-    begin = [_int_value(b) for b in begin]
-    strides = [_int_value(s) for s in strides] if strides is not None else [1] * len(axes)
+    axes = [int(_scalar(a)) % ndim for a in axes]
+    begin = [int(_scalar(b)) for b in begin]
+    strides = [int(_scalar(s)) for s in strides] if strides is not None else [1] * len(axes)
     grad = output_grad
     for axis, start, stride in zip(axes, begin, strides):
         dim = shape[axis]
@@ -664,8 +661,8 @@ def adaptive_avg_pool_grad(orig_var, orig_call, output_grad, ctx):
     grad = output_grad
     ndim = len(in_shape)
     for axis, letter in enumerate(str(attrs.layout)):
-        if letter not in "DHW" or in_shape[axis] == out_shape[axis] and in_shape[axis] == 1:
-            continue
+        if letter not in "DHW" or in_shape[axis] == out_shape[axis]:
+            continue  # not spatial, or identity bins
         mat = _adaptive_matrix(in_shape[axis], out_shape[axis]).astype(_dtype(x))
         # move `axis` last, multiply by A (out x in), move back
         perm = [a for a in range(ndim) if a != axis] + [axis]
