@@ -209,3 +209,28 @@ def test_wrong_inputs_are_reported():
         step(*((inputs[0].double(),) + tuple(inputs[1:])))
     with pytest.raises(InputMismatchError, match="takes"):
         step(*inputs, inputs[0])
+
+
+def test_relax_irmodule_is_accepted():
+    from tvm.relax.frontend.torch import from_exported_program
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh())
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return (self.net(x) ** 2).mean()
+
+    x = torch.randn(3, 8)
+    ep = torch.export.export(Loss(), (x,))
+    mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    step = tvm_evt.compile_training(mod, (x,), target=LLVM)
+    loss, grads = step.loss_and_grads(x)
+    ref = Loss()(x)
+    ref.backward()
+    assert rel_err(loss, ref.detach()) <= 1e-5
+    ref_grads = [p.grad for p in model.parameters()]
+    assert [rel_err(g, r) for g, r in zip(grads.values(), ref_grads)] < [1e-5] * len(ref_grads)

@@ -287,34 +287,48 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
 
 
 def _wrap_irmodule(mod: tvm.IRModule) -> ImportedModel:
+    """Accept a Relax module whose ``main(*inputs, *params)`` returns a scalar loss (or a
+    tuple starting with it).  Initial parameter values come from ``main``'s ``params``
+    attribute (what ``from_exported_program(keep_params_as_input=True)`` leaves), else zeros
+    — call ``load_parameters`` on the step to set them."""
+    import numpy as np
+    import torch
+
     func = mod["main"]
-    num_input = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 1
+    attrs = func.attrs or {}
+    num_input = int(attrs["num_input"]) if "num_input" in attrs else 1
     params = list(func.params)
-    ret = func.ty.ret
-    if isinstance(ret, relax.TensorType) or not hasattr(ret, "fields"):
-        # normalise to the (loss,) tuple convention
+    if not isinstance(func.body.body, relax.Tuple):
         body = func.body
-        new_func = relax.Function(params, relax.SeqExpr(body.blocks, relax.Tuple([body.body])),
-                                  attrs=func.attrs)
-        mod = tvm.IRModule({"main": new_func}) if len(mod.functions) == 1 else _replace(mod, new_func)
+        seq = relax.BlockBuilder().normalize(relax.SeqExpr(body.blocks, relax.Tuple([body.body])))
+        func = relax.Function(params, seq, None, func.is_pure, func.attrs)
+        mod = _replace(mod, func)
     names = [p.name for p in params]
+    values = list(attrs["params"]) if "params" in attrs else []
+    param_values = OrderedDict()
+    for i, var in enumerate(params[num_input:]):
+        ty = var.ty
+        if i < len(values):
+            param_values[var.name] = torch.from_numpy(values[i].numpy())
+        else:
+            shape = tuple(int(s) for s in ty.shape)
+            param_values[var.name] = torch.from_numpy(np.zeros(shape, dtype=str(ty.dtype)))
     return ImportedModel(
         mod=mod,
         input_names=names[:num_input],
         param_names=names[num_input:],
         buffer_names=[],
         mutated_buffers=[],
-        param_values=OrderedDict(),
+        param_values=param_values,
         buffer_values=OrderedDict(),
         origins={},
         input_specs=[
-            (tuple(int(s) for s in p.ty.shape), str(p.ty.dtype))
-            for p in params[:num_input]
+            (tuple(int(s) for s in p.ty.shape), str(p.ty.dtype)) for p in params[:num_input]
         ],
     )
 
 
 def _replace(mod: tvm.IRModule, func) -> tvm.IRModule:
-    mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions))
+    mod = tvm.IRModule(dict(mod.functions_items()))
     mod["main"] = func
     return mod
