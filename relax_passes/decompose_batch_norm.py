@@ -1,0 +1,51 @@
+"""DecomposeBatchNorm: batch statistics as the one-pass moments Σx and Σx².
+
+Our frontend imports training-mode batch norm already decomposed by torch.export into
+``mean(x, A)``, ``variance(x, A)`` and elementwise ops; ``variance`` is a two-pass reduction
+(it needs the mean first), which no GEMM / conv epilogue can produce.  This pass rewrites
+every ``variance(x, A, keepdims)`` into the two one-pass moments
+
+    variance(x, A) → mean(x * x, A) - mean(x, A) * mean(x, A)
+
+which an EVT epilogue computes as two column reductions of the producing conv/GEMM
+(``mean(x, A)`` is spelled like the batch mean, so EliminateCommonSubexpr shares it).  The
+biased (population) variance is what ``relax.variance`` computes, so the result is exact up to
+float rounding; the moment form loses precision when |mean| ≫ std, as in any one-pass
+BatchNorm kernel (cuDNN, CUTLASS EVT).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+VARIANCE = tvm.ir.Op.get("relax.variance")
+
+
+@mutator
+class _VarianceDecomposer(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op != VARIANCE:
+            return call
+        x = call.args[0]
+        axis = call.attrs.axis
+        axes = None if axis is None else [int(a) for a in axis]
+        keepdims = bool(call.attrs.keepdims)
+        emit = self.builder_.emit
+        mean = emit(relax.op.mean(x, axes, keepdims=keepdims))
+        mean_sq = emit(relax.op.mean(emit(relax.op.multiply(x, x)), axes, keepdims=keepdims))
+        return relax.op.subtract(mean_sq, emit(relax.op.multiply(mean, mean)))
+
+
+@tvm.transform.module_pass(opt_level=0, name="DecomposeBatchNorm")
+class DecomposeBatchNorm:
+    """Rewrite every ``relax.variance`` of every Relax function into Σx and Σx² moments."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        decomposer = _VarianceDecomposer(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                decomposer.builder_.update_func(gv, decomposer.visit_expr(func))
+        return decomposer.builder_.get()

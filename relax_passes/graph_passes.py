@@ -1,0 +1,43 @@
+"""evt_graph_passes: the training-graph rewrites that expose EVT epilogue fusion, in order.
+
+Run on a module after Gradient / AppendOptimizer (``main``, ``main_adjoint``, ``train_step``);
+every pass rewrites every Relax function of the module and keeps its outputs numerically.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from .decompose_batch_norm import DecomposeBatchNorm
+from .decompose_cross_entropy import DecomposeCrossEntropy
+from .decompose_layer_norm import DecomposeLayerNorm
+from .decompose_matmul_bias import DecomposeMatmulBias
+from .eliminate_loss import EliminateLoss
+from .eliminate_reduction import EliminateReduction
+from .fold_layout import FoldLayoutIntoMatmul
+
+
+def evt_graph_passes() -> tvm.transform.Sequential:
+    """The ordered graph passes run before partitioning for EVT."""
+    return tvm.transform.Sequential(
+        [
+            # backward of the loss head free of the loss value; seed constants folded
+            EliminateLoss(),
+            # epilogue-friendly forms: reductions + elementwise, bias as a GEMM epilogue
+            DecomposeCrossEntropy(),
+            DecomposeLayerNorm(),
+            DecomposeBatchNorm(),
+            DecomposeMatmulBias(),
+            relax.transform.CanonicalizeBindings(),
+            # reductions that need not exist go, then layout chains collapse onto matmuls
+            EliminateReduction(),
+            FoldLayoutIntoMatmul(),
+            relax.transform.FoldConstant(),
+            # forward statistics shared with their backward recomputation, dead loss code gone
+            relax.transform.EliminateCommonSubexpr(),
+            relax.transform.CanonicalizeBindings(),
+            relax.transform.DeadCodeElimination(),
+        ],
+        name="EVTGraphPasses",
+    )
