@@ -10,7 +10,16 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["tvm_evt", "tvm_evt.relax_passes", "tvm_evt.codegen"],
+    packages=[
+        "tvm_evt",
+        "tvm_evt.relax_passes",
+        "tvm_evt.codegen",
+        "tvm_evt.codegen.backend",
+        "tvm_evt.codegen.build",
+        "tvm_evt.codegen.frontend",
+        "tvm_evt.codegen.ir",
+        "tvm_evt.codegen.passes",
+    ],
     package_dir={
         "tvm_evt": "python/tvm_evt",
         "tvm_evt.relax_passes": "relax_passes",

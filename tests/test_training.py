@@ -234,3 +234,24 @@ def test_relax_irmodule_is_accepted():
     assert rel_err(loss, ref.detach()) <= 1e-5
     ref_grads = [p.grad for p in model.parameters()]
     assert [rel_err(g, r) for g, r in zip(grads.values(), ref_grads)] < [1e-5] * len(ref_grads)
+
+
+def test_setup_lists_every_package():
+    """A plain `pip install .` installs only the packages setup.py names."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "setup.py").read_text())
+    listed = next(
+        ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+        for k in node.keywords if k.arg == "packages"
+    )
+    dirs = {"tvm_evt": root / "python/tvm_evt", "tvm_evt.relax_passes": root / "relax_passes",
+            "tvm_evt.codegen": root / "codegen"}
+    found = set()
+    for pkg, base in dirs.items():
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base).parts
+            found.add(".".join((pkg, *rel)))
+    assert found == set(listed)
