@@ -1,0 +1,117 @@
+"""Content-addressed object cache in ``$XDG_CACHE_HOME/tvm_evt`` (default ``~/.cache/tvm_evt``).
+
+A key hashes the source, the nvcc command's flags, the nvcc, CUTLASS and codegen versions.  Entries
+are written atomically (temporary file + ``os.replace``) under a per-key ``flock``, so concurrent
+processes building the same kernel compile it once and never read a partial object.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..backend.sm90_emitter import CODEGEN_VERSION
+from . import toolchain
+
+
+class BuildError(RuntimeError):
+    """nvcc rejected an emitted kernel (a codegen bug); the message holds the compiler output."""
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tvm_evt" / f"v{CODEGEN_VERSION}"
+
+
+def cache_key(source: str, nvcc: str) -> str:
+    meta = {
+        "source": hashlib.sha256(source.encode()).hexdigest(),
+        "arch": toolchain.ARCH_FLAGS,
+        "flags": toolchain.NVCC_FLAGS,
+        "nvcc": toolchain.nvcc_version(nvcc),
+        "cutlass": toolchain.cutlass_version(),
+        "codegen": CODEGEN_VERSION,
+    }
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def build_object(source: str, name: str = "kernel", nvcc: str | None = None) -> tuple[Path, bool]:
+    """Compile ``source`` to an object (or reuse the cached one).  Returns (path, was_cached)."""
+    nvcc = nvcc or toolchain.find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set TVM_EVT_NVCC or CUDA_HOME)")
+    key = cache_key(source, nvcc)
+    root = cache_root()
+    obj = root / f"{key}.o"
+    if obj.exists():
+        return obj, True
+    with file_lock(root / f"{key}.lock"):
+        if obj.exists():  # built by another process while we waited
+            return obj, True
+        atomic_write(root / f"{key}.cu", source.encode())
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            out = Path(tmp) / "kernel.o"
+            cmd = toolchain.compile_command(nvcc, root / f"{key}.cu", out)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"nvcc failed for {name} ({root / f'{key}.cu'}):\n{proc.stderr[-8000:]}")
+            os.replace(out, obj)
+    return obj, False
+
+
+def build_many(sources: dict[str, str], jobs: int | None = None, progress: bool = True) -> dict[str, Path]:
+    """Build independent kernels in parallel (nvcc processes), showing progress on stderr."""
+    jobs = jobs or max(1, min(len(sources), os.cpu_count() or 1))
+    results: dict[str, Path] = {}
+    start = time.monotonic()
+
+    def one(item):
+        name, src = item
+        t0 = time.monotonic()
+        path, cached = build_object(src, name)
+        return name, path, cached, time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for done, (name, path, cached, secs) in enumerate(pool.map(one, sources.items()), 1):
+            results[name] = path
+            if progress:
+                how = "cached" if cached else f"built in {secs:.0f}s"
+                print(
+                    f"[tvm_evt] {done}/{len(sources)} {name}: {how} "
+                    f"({time.monotonic() - start:.0f}s elapsed)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return results
