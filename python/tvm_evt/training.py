@@ -23,6 +23,7 @@ from tvm import relax
 
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import ImportedModel, from_torch
+from .pipeline import PIPELINE_NAME  # registers relax_pipeline="evt"
 from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
@@ -300,5 +301,5 @@ def compile_training(
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision)
     tgt = as_target(target)
-    executable = tvm.compile(graph.mod, target=tgt)
+    executable = tvm.compile(graph.mod, target=tgt, relax_pipeline=PIPELINE_NAME)
     return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)

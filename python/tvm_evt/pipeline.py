@@ -1,0 +1,169 @@
+"""The ``evt`` Relax pipeline: ``tvm.compile(mod, target=..., relax_pipeline="evt")``.
+
+One list of phases, in order (``phases(target)``):
+
+    evt_graph_passes   loss elimination, decomposition, reduction elimination, layout folding
+                       (relax_passes/graph_passes.py; skipped with a warning while it is absent)
+    PartitionEVT       the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
+    -- CUDA --
+    RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
+    LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, DLight default GPU schedules
+    lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
+    -- any other target (the CPU reference path) --
+    InlineEVTPartitions  the partitions' ops go back into the caller, lowered by TVM, so CI checks
+                         on the CPU that the partitioned training graph computes the same values
+    default_build      TVM's generic build pipeline (what tvm.compile uses for llvm)
+
+The target comes from ``tvm.target.Target.current()`` (``tvm.compile`` enters it), so dict and tag
+targets (``{"kind": "cuda", "arch": "sm_90a"}``, ``"nvidia/nvidia-h100"``) both work.
+"""
+from __future__ import annotations
+
+import warnings
+
+import tvm
+from tvm import relax
+
+from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
+
+PIPELINE_NAME = "evt"
+
+
+def graph_passes() -> list:
+    """``evt_graph_passes()`` when relax_passes/graph_passes.py exists, else [] (with a warning)."""
+    try:
+        from .relax_passes.graph_passes import evt_graph_passes
+    except ImportError:
+        warnings.warn(
+            "tvm_evt.relax_passes.graph_passes is not available: partitioning the graph as "
+            "imported (no loss elimination, decomposition, reduction elimination, layout folding)",
+            stacklevel=2,
+        )
+        return []
+    return [evt_graph_passes()]
+
+
+def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True) -> list:
+    """The target-independent phases: graph passes, then the partitioner."""
+    return graph_passes() + [
+        relax.transform.CanonicalizeBindings(),  # var-to-var bindings would hide producers
+        PartitionEVT(time_limit=time_limit, use_cache=use_cache),
+    ]
+
+
+def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
+           use_cache: bool = True) -> list:
+    front = front_passes(time_limit, use_cache)
+    if target.kind.name == "cuda":
+        from tvm.relax.backend import cuda
+
+        from .codegen import relax_ext
+
+        relax_ext.register()
+        return (
+            front
+            + cuda.library_dispatch_passes(target)
+            + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
+            + cuda.legalize_passes(target)  # LegalizeOps, FuseOps, FuseTIR, DLight schedules
+            + cuda.dataflow_lower_passes(target)
+            + cuda.finalize_passes(target)
+        )
+    return front + [
+        InlineEVTPartitions(),  # the CPU reference: TVM computes the partitions' ops
+        relax.transform.DeadCodeElimination(),
+        relax.pipeline.default_build_pipeline(),
+    ]
+
+
+def evt_pipeline(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True):
+    """The registered ``evt`` pipeline (a module pass reading the current target)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="EVTPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current()
+        if target is None:
+            raise ValueError("the evt pipeline needs a target: tvm.compile(mod, target=...)")
+        with target:
+            return tvm.transform.Sequential(phases(target, time_limit, use_cache))(mod)
+
+    return _pipeline
+
+
+if PIPELINE_NAME not in relax.pipeline.PIPELINE_MAP:  # registering twice raises (module reload)
+    relax.register_pipeline(PIPELINE_NAME)(evt_pipeline)
+
+
+# ------------------------------------------------------------------------------ CPU reference
+def _substitute(expr, vmap):
+    if isinstance(expr, relax.Var):
+        return vmap.get(expr, expr)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([_substitute(f, vmap) for f in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(_substitute(expr.tuple_value, vmap), expr.index)
+    if isinstance(expr, relax.Call):
+        return relax.Call(expr.op, [_substitute(a, vmap) for a in expr.args], expr.attrs, expr.ty_args)
+    return expr
+
+
+def _composite(func: relax.Function) -> relax.Function:
+    """The Composite function an evt partition wraps."""
+    local = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, relax.Function):
+                local[b.var] = b.value
+            elif isinstance(b.value, relax.Call):
+                op = local.get(b.value.op, b.value.op)
+                if isinstance(op, relax.Function):
+                    return op
+    return func
+
+
+@tvm.transform.module_pass(opt_level=0, name="InlineEVTPartitions")
+class InlineEVTPartitions:
+    """Replace each call of a ``Codegen="evt"`` function by the ops of its composite function and
+    drop the partition functions: TVM then lowers those ops like any others."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        parts = {gv: f for gv, f in mod.functions_items()
+                 if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+        if not parts:
+            return mod
+        bb = relax.BlockBuilder(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and gv not in parts:
+                bb.update_func(gv, self._inline(bb, func, parts))
+        out = bb.get()
+        for gv in parts:
+            out = out.without(gv) if hasattr(out, "without") else _remove(out, gv)
+        return out
+
+    @staticmethod
+    def _inline(bb, func, parts) -> relax.Function:
+        if not isinstance(func.body, relax.SeqExpr):
+            return func
+        blocks = []
+        for block in func.body.blocks:
+            bindings = []
+            for b in block.bindings:
+                value = getattr(b, "value", None)
+                if not (isinstance(value, relax.Call) and value.op in parts):
+                    bindings.append(b)
+                    continue
+                inner = _composite(parts[value.op])
+                vmap = dict(zip(inner.params, value.args))
+                for ib in inner.body.blocks[0].bindings:
+                    new_var = relax.DataflowVar(ib.var.name, ib.var.ty)
+                    bindings.append(relax.VarBinding(new_var, bb.normalize(_substitute(ib.value, vmap))))
+                    vmap[ib.var] = new_var
+                bindings.append(relax.VarBinding(b.var, bb.normalize(_substitute(inner.body.body, vmap))))
+            cls = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
+            blocks.append(cls(bindings))
+        body = relax.SeqExpr(blocks, func.body.body)
+        return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
+def _remove(mod: tvm.IRModule, gv) -> tvm.IRModule:
+    funcs = {g: f for g, f in mod.functions_items() if not g.same_as(gv)}
+    return tvm.IRModule(funcs, attrs=mod.attrs)
