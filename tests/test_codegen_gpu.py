@@ -19,11 +19,9 @@ def offload(func: relax.Function, name: str) -> relax.VirtualMachine:
     """main(params) calls ``func`` marked Codegen="evt"; RunCodegen + build for CUDA."""
     register()
     func = func.with_attrs({"Codegen": "evt", "global_symbol": name})
-    gv = tvm.ir.GlobalVar(name)
     bb = relax.BlockBuilder()
+    gv = bb.add_func(func, name)  # a GlobalVar that carries the function's type
     params = [relax.Var(p.name, p.ty) for p in func.params]
-    mod = tvm.IRModule({gv: func})
-    bb = relax.BlockBuilder(mod)
     with bb.function("main", params):
         out = bb.emit(relax.Call(gv, params))
         bb.emit_func_output(out)
