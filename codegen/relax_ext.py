@@ -13,10 +13,13 @@ Registration is explicit (``register()``), not an import side effect.
 """
 from __future__ import annotations
 
+import os
+
 import tvm
 import tvm_ffi
 
-from .backend import KernelConfig, Raster, Schedule, default_config, emit
+from . import select
+from .backend import KernelConfig, default_config, emit
 from .build import build_many, link_module
 from .errors import Unsupported
 from .frontend import from_function
@@ -26,16 +29,24 @@ CODEGEN_NAME = "evt"
 GLOBAL_FUNC = f"relax.ext.{CODEGEN_NAME}"
 
 
-def _config(options, dtype_a: str) -> KernelConfig:
-    base = default_config(dtype_a)
-    if not options:
-        return base
-    return KernelConfig(
-        tile=tuple(int(x) for x in options.get("tile", base.tile)),
-        cluster=tuple(int(x) for x in options.get("cluster", base.cluster)),
-        schedule=Schedule(str(options.get("schedule", base.schedule.value))),
-        raster=Raster(str(options.get("raster", base.raster.value))),
-    )
+CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits")
+
+
+def _config(options, partition) -> KernelConfig:
+    """Explicit options (``tile``, ``schedule``, ...) win; then, with option ``select`` or
+    ``TVM_EVT_SELECT=1``, the choice ``codegen.select`` persisted for this partition on this GPU;
+    then the default."""
+    options = options or {}
+    explicit = {k: options[k] for k in CONFIG_KEYS if k in options}
+    if explicit:
+        return KernelConfig.from_json({**default_config(partition.gemm.dtype_a).to_json(), **explicit})
+    if _truthy(options.get("select", os.environ.get("TVM_EVT_SELECT", ""))):
+        return select.select_config(partition)
+    return default_config(partition.gemm.dtype_a)
+
+
+def _truthy(value) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
 def generate_sources(funcs, options=None) -> dict[str, str]:
@@ -43,7 +54,7 @@ def generate_sources(funcs, options=None) -> dict[str, str]:
     sources = {}
     for func in funcs:
         partition = lower(from_function(func))
-        sources[partition.symbol] = emit(partition, _config(options, partition.gemm.dtype_a))
+        sources[partition.symbol] = emit(partition, _config(options, partition))
     return sources
 
 

@@ -1,5 +1,5 @@
 """Backend: per-node SM90 visitor types and the kernel emitter (knows nothing of Relax)."""
-from .config import KernelConfig, Raster, Schedule, default_config
+from .config import Decomposition, KernelConfig, Raster, Schedule, default_config
 from .sm90_emitter import CODEGEN_VERSION, Sm90Emitter, emit
 
-__all__ = ["CODEGEN_VERSION", "KernelConfig", "Raster", "Schedule", "Sm90Emitter", "default_config", "emit"]
+__all__ = ["CODEGEN_VERSION", "Decomposition", "KernelConfig", "Raster", "Schedule", "Sm90Emitter", "default_config", "emit"]

@@ -16,18 +16,64 @@ class Raster(enum.Enum):
     ALONG_N = "AlongN"
 
 
+class Decomposition(enum.Enum):
+    """How output tiles and K are spread over the persistent CTAs (CUTLASS 3 tile schedulers)."""
+
+    DATA_PARALLEL = "data_parallel"  # PersistentScheduler: one CTA per output tile
+    STREAM_K = "stream_k"  # StreamKScheduler, DecompositionMode::StreamK (K split over CTAs)
+    SPLIT_K = "split_k"  # StreamKScheduler, DecompositionMode::SplitK with ``splits`` pieces
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     tile: tuple[int, int, int] = (128, 128, 64)
     cluster: tuple[int, int, int] = (1, 1, 1)
     schedule: Schedule = Schedule.COOPERATIVE
     raster: Raster = Raster.HEURISTIC
+    decomposition: Decomposition = Decomposition.DATA_PARALLEL
+    splits: int = 1
 
     def __post_init__(self):
         if self.schedule is Schedule.COOPERATIVE and self.tile[0] % 128:
             raise ValueError("the cooperative schedule needs a tile M that is a multiple of 128")
         if any(c not in (1, 2, 4) for c in self.cluster) or self.cluster[2] != 1:
             raise ValueError(f"unsupported cluster shape {self.cluster}")
+        if self.decomposition is not Decomposition.DATA_PARALLEL and self.schedule is not Schedule.COOPERATIVE:
+            raise ValueError("stream-K and split-K need the cooperative schedule (CUTLASS's ping-pong has none)")
+        if (self.splits > 1) != (self.decomposition is Decomposition.SPLIT_K) or self.splits < 1:
+            raise ValueError("splits > 1 goes with (and only with) the split-K decomposition")
+
+    @property
+    def name(self) -> str:
+        """A short stable name, e.g. ``coop_128x256x64_c2x1`` or ``coop_128x128x64_c1x1_streamk``."""
+        sched = "coop" if self.schedule is Schedule.COOPERATIVE else "pp"
+        parts = [sched, "x".join(map(str, self.tile)), f"c{self.cluster[0]}x{self.cluster[1]}"]
+        if self.raster is not Raster.HEURISTIC:
+            parts.append(self.raster.value.lower())
+        if self.decomposition is Decomposition.STREAM_K:
+            parts.append("streamk")
+        elif self.decomposition is Decomposition.SPLIT_K:
+            parts.append(f"splitk{self.splits}")
+        return "_".join(parts)
+
+    def to_json(self) -> dict:
+        return {
+            "tile": list(self.tile), "cluster": list(self.cluster), "schedule": self.schedule.value,
+            "raster": self.raster.value, "decomposition": self.decomposition.value, "splits": self.splits,
+        }
+
+    @classmethod
+    def from_json(cls, d) -> "KernelConfig":
+        """Inverse of ``to_json``; also reads BYOC options (any subset of the keys, as strings)."""
+        base = cls()
+        return cls(
+            tile=tuple(int(x) for x in d.get("tile", base.tile)),
+            cluster=tuple(int(x) for x in d.get("cluster", base.cluster)),
+            schedule=Schedule(str(d.get("schedule", base.schedule.value))),
+            raster=Raster(str(d.get("raster", base.raster.value))),
+            decomposition=Decomposition(str(d.get("decomposition", base.decomposition.value))),
+            splits=int(d.get("splits", base.splits)),
+        )
 
 
 def default_config(dtype_a: str) -> KernelConfig:

@@ -28,7 +28,7 @@ from ..ir import (
 from ..philox import dropout_scale, keep_threshold
 from .config import KernelConfig, Schedule, default_config
 from .functors import BITS, CPP_TYPE, DL_TYPE, FUNCTOR, REDUCE
-from .templates import HEADER, KERNEL, PRELUDE
+from .templates import HEADER, KERNEL, PRELUDE, SCHEDULER_ARGS, TILE_SCHEDULER
 
 CODEGEN_VERSION = "0.1.0"
 FUSION = "cutlass::epilogue::fusion"
@@ -311,6 +311,8 @@ class Sm90Emitter:
             ptr_d=self._output_ptr(p.d_output, d_node.dtype),
             fusion_args=self.visitor_args(p.visitor),
             raster=cfg.raster.value,
+            tile_scheduler=TILE_SCHEDULER[cfg.decomposition.value],
+            scheduler_args=SCHEDULER_ARGS[cfg.decomposition.value].substitute(splits=cfg.splits),
         )
         return HEADER.substitute(values) + PRELUDE + KERNEL.substitute(values)
 

@@ -279,7 +279,7 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
     KernelSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
-    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, ${tile_scheduler}>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 void run(${signature}) {
@@ -297,7 +297,7 @@ ${checks}
       {${ptr_a}, stride_a, ${ptr_b}, stride_b},
       {${fusion_args},
        nullptr, stride_d, ${ptr_d}, stride_d}};
-  args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::${raster};
+  args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::${raster};${scheduler_args}
   cudaSetDevice(device_id);
   cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
   Gemm gemm;
@@ -325,3 +325,20 @@ ${checks}
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(${symbol}, ${namespace}::run);
 """)
+
+# Tile scheduler per ``Decomposition`` (CUTLASS 3 ``GemmUniversal``'s last template argument) and
+# the scheduler arguments set after the raster order (empty for the data-parallel default, so its
+# source, and so its build-cache key, is unchanged).
+TILE_SCHEDULER = {
+    "data_parallel": "cutlass::gemm::PersistentScheduler",
+    "stream_k": "cutlass::gemm::StreamKScheduler",
+    "split_k": "cutlass::gemm::StreamKScheduler",
+}
+_DECOMPOSITION = "cutlass::gemm::kernel::detail::DecompositionMode"
+SCHEDULER_ARGS = {
+    "data_parallel": Template(""),
+    "stream_k": Template(f"\n  args.scheduler.decomposition_mode = {_DECOMPOSITION}::StreamK;"),
+    "split_k": Template(
+        f"\n  args.scheduler.splits = ${{splits}};\n  args.scheduler.decomposition_mode = {_DECOMPOSITION}::SplitK;"
+    ),
+}

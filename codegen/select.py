@@ -1,0 +1,286 @@
+"""Kernel configuration selection: a candidate table, pruned by shape, chosen by profiling.
+
+As in the EVT paper, the main loop is ranked on the plain GEMM of a partition (same operands,
+epilogue reduced to the D store), and only the best few main-loop configurations are re-profiled
+with the partition's own epilogue.  The choice is persisted in a JSON file under
+``$XDG_CACHE_HOME/tvm_evt`` keyed by (partition signature, GPU name, codegen version) and reused by
+``relax.ext.evt`` (``relax_ext``: option ``select`` or ``TVM_EVT_SELECT=1``).  Without a GPU at build
+time, or without a persisted choice, the default configuration is used.
+
+Nothing here touches a GPU: profiling is a ``measure`` callable handed to ``tune`` (the direct
+kernel runner in ``codegen.bench`` is one), so ranking and persistence are testable on a CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from .backend import CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, default_config, emit
+from .build.cache import atomic_write, file_lock
+from .errors import Unsupported
+from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, TensorDesc
+from .passes import lower
+
+H100_SMS = 132
+
+
+def _cfg(tile, cluster=(1, 1), schedule=Schedule.COOPERATIVE, **kw) -> KernelConfig:
+    return KernelConfig(tile=tile, cluster=(*cluster, 1), schedule=schedule, **kw)
+
+
+PP = Schedule.PINGPONG
+SK = Decomposition.STREAM_K
+
+# The candidate table (16-bit operands; tile K = 64 elements = 128 bytes).  Order is the tie-break.
+CANDIDATES: tuple[KernelConfig, ...] = (
+    _cfg((128, 128, 64)),  # the default
+    _cfg((128, 256, 64)),
+    _cfg((256, 128, 64), (2, 1)),
+    _cfg((128, 128, 64), (2, 1)),
+    _cfg((128, 128, 64), schedule=PP),
+    _cfg((64, 128, 64), schedule=PP),
+    _cfg((128, 256, 64), (2, 1)),
+    _cfg((128, 256, 64), (1, 2)),
+    _cfg((256, 128, 64)),
+    _cfg((128, 128, 64), (1, 2)),
+    _cfg((128, 128, 64), (2, 1), schedule=PP),
+    _cfg((64, 256, 64), schedule=PP),
+    _cfg((128, 128, 64), raster=Raster.ALONG_M),
+    _cfg((128, 128, 64), raster=Raster.ALONG_N),
+    # stream-K: only for long K with few output tiles (see ``prune``)
+    _cfg((128, 128, 64), decomposition=SK),
+    _cfg((128, 256, 64), decomposition=SK),
+    _cfg((128, 128, 64), (2, 1), decomposition=SK),
+)
+
+# How many table entries (in order, before the stream-K ones) each search space profiles.
+SPACES = {"quick": 3, "default": 6, "full": 14}
+
+
+def is_long_k(m: int, n: int, k: int, num_sms: int = H100_SMS) -> bool:
+    """Stream-K pays off when the 128x128 output tiles leave SMs idle and each tile has a long K."""
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    return k >= 4096 and (tiles < 2 * num_sms or k >= 4 * max(m, n))
+
+
+def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str = "bfloat16",
+          num_sms: int = H100_SMS) -> list[KernelConfig]:
+    """Drop configurations that cannot pay off (or cannot build) for an M x N x K problem."""
+    out = []
+    for cfg in configs:
+        tm, tn, tk = cfg.tile
+        if dtype_a == "float32" and tk != 32 or dtype_a != "float32" and tk != 64:
+            continue  # K tile is 128 bytes of operand
+        if tm > max(64, _round_up(m, 64)) or tn > max(64, _round_up(n, 64)):
+            continue  # tile larger than the problem: wasted MMA work
+        if math.ceil(m / tm) < cfg.cluster[0] or math.ceil(n / tn) < cfg.cluster[1]:
+            continue  # the cluster would span padding
+        if cfg.decomposition is not Decomposition.DATA_PARALLEL and not is_long_k(m, n, k, num_sms):
+            continue
+        if cfg.decomposition is Decomposition.DATA_PARALLEL and m * n < 64 * 64 * num_sms and tm * tn > 128 * 128:
+            continue  # too few output tiles for big tiles
+        out.append(cfg)
+    return out
+
+
+def candidates(partition: Partition, space: str = "default", num_sms: int = H100_SMS) -> list[KernelConfig]:
+    """The table's first ``SPACES[space]`` entries plus stream-K ones, pruned for the problem."""
+    g = partition.gemm
+    table = [c for c in CANDIDATES if c.decomposition is Decomposition.DATA_PARALLEL][: SPACES[space]]
+    streamk = [c for c in CANDIDATES if c.decomposition is not Decomposition.DATA_PARALLEL]
+    table += streamk[: 1 if space == "quick" else 2 if space == "default" else len(streamk)]
+    if g.dtype_a == "float32":
+        table = [dataclasses.replace(c, tile=(c.tile[0], c.tile[1], 32)) for c in table]
+    found = prune(table, g.m, g.n, g.k, g.dtype_a, num_sms)
+    return found or [default_config(g.dtype_a)]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# ------------------------------------------------------------------------------------ partitions
+def plain_partition(partition: Partition, symbol: str | None = None) -> Partition:
+    """The partition's GEMM with the epilogue reduced to the D store (same operands and layout)."""
+    g = partition.gemm
+    acc = next(n for n in partition.epilogue.nodes if isinstance(n, AccFetch))
+    shape = (*partition.batch_shape, g.m, g.n)
+    plain = Partition(
+        symbol=symbol or f"{partition.symbol}_plain",
+        params=(partition.params[g.a_param], partition.params[g.b_param]),
+        outputs=(TensorDesc(shape, acc.dtype),),
+        batch_shape=partition.batch_shape,
+        gemm=dataclasses.replace(g, a_param=0, b_param=1),
+        epilogue=EpilogueGraph((AccFetch(dtype=acc.dtype), AuxStore(inputs=(0,), dtype=acc.dtype, output=0))),
+        d_output=0,
+    )
+    return lower(plain)
+
+
+def signature(partition: Partition) -> str:
+    """Hash of what a kernel computes, independent of its symbol and configuration."""
+    lowered = partition if partition.visitor is not None else lower(partition)
+    anon = dataclasses.replace(lowered, symbol="evt_signature")
+    source = emit(anon, default_config(lowered.gemm.dtype_a))
+    return hashlib.sha256(source.encode()).hexdigest()[:24]
+
+
+def rank(timings: Mapping[KernelConfig, float]) -> list[KernelConfig]:
+    """Fastest first; equal (or non-finite) times keep table order, so the choice is deterministic."""
+    order = {c: i for i, c in enumerate(CANDIDATES)}
+
+    def key(cfg):
+        t = timings[cfg]
+        return (t if math.isfinite(t) else math.inf, order.get(cfg, len(order)), cfg.name)
+
+    return sorted((c for c in timings if math.isfinite(timings[c])), key=key)
+
+
+# ----------------------------------------------------------------------------------- the cache
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tvm_evt" / f"select-v{CODEGEN_VERSION}.json"
+
+
+def entry_key(sig: str, gpu: str) -> str:
+    return f"{sig}|{gpu}|{CODEGEN_VERSION}"
+
+
+class SelectionCache:
+    """The persisted choices: one JSON object, read-merged-written atomically under a lock."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path else cache_path()
+
+    def load(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, sig: str, gpu: str) -> KernelConfig | None:
+        entry = self.load().get(entry_key(sig, gpu))
+        if not entry:
+            return None
+        try:
+            return KernelConfig.from_json(entry["config"])
+        except (KeyError, ValueError, TypeError):
+            return None  # written by another codegen revision: ignore
+
+    def put(self, sig: str, gpu: str, config: KernelConfig, timings_ms: Mapping[KernelConfig, float] = (),
+            note: str = "") -> None:
+        entry = {
+            "config": config.to_json(),
+            "name": config.name,
+            "gpu": gpu,
+            "codegen": CODEGEN_VERSION,
+            "timings_ms": {c.name: t for c, t in dict(timings_ms).items() if math.isfinite(t)},
+            "note": note,
+        }
+        with file_lock(self.path.with_suffix(".lock")):
+            data = self.load()
+            data[entry_key(sig, gpu)] = entry
+            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+
+def gpu_name() -> str | None:
+    """The name of CUDA device 0 (``TVM_EVT_SELECT_GPU`` overrides it, for cross-compiling)."""
+    forced = os.environ.get("TVM_EVT_SELECT_GPU")
+    if forced:
+        return forced
+    try:
+        import tvm
+
+        dev = tvm.cuda(0)
+        return str(dev.device_name) if dev.exist else None
+    except Exception:  # no CUDA runtime in this TVM build
+        return None
+
+
+def lookup(partition: Partition, gpu: str | None = None, cache: SelectionCache | None = None) -> KernelConfig | None:
+    gpu = gpu or gpu_name()
+    if gpu is None:
+        return None
+    return (cache or SelectionCache()).get(signature(partition), gpu)
+
+
+def select_config(partition: Partition, gpu: str | None = None, cache: SelectionCache | None = None) -> KernelConfig:
+    """The persisted choice for this partition on this GPU, else the default configuration."""
+    return lookup(partition, gpu, cache) or default_config(partition.gemm.dtype_a)
+
+
+# ------------------------------------------------------------------------------------ profiling
+Measure = Callable[[dict[str, tuple[Partition, KernelConfig]]], dict[str, float]]
+
+
+@dataclasses.dataclass
+class Choice:
+    config: KernelConfig
+    time_ms: float
+    mainloop_ms: dict[KernelConfig, float]  # plain GEMM timings (stage 1)
+    fused_ms: dict[KernelConfig, float]  # the partition's own epilogue (stage 2)
+
+
+def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str = "default",
+         top_k: int = 2, cache: SelectionCache | None = None, num_sms: int = H100_SMS,
+         plain_ms: dict[str, dict[KernelConfig, float]] | None = None,
+         include_default: bool = True) -> dict[str, Choice]:
+    """Choose and persist a configuration for each partition (keyed by its symbol).
+
+    ``measure({name: (partition, config)})`` builds and times kernels, returning milliseconds
+    (``inf`` for a kernel that failed to build or verify).  Stage 1 times each distinct plain GEMM
+    on every candidate; stage 2 times each partition on its ``top_k`` main-loop configurations
+    (plus the default when ``include_default``).  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
+    """
+    cache = cache or SelectionCache()
+    partitions = [p if p.visitor is not None else lower(p) for p in partitions]
+    plain_ms = {} if plain_ms is None else plain_ms
+    # stage 1: the main loop, on the plain GEMM (shared by partitions with the same operands)
+    plains: dict[str, dict[str, KernelConfig]] = {}  # plain signature -> job name -> config
+    jobs = {}
+    for p in partitions:
+        plain = plain_partition(p, symbol=f"evt_plain_{p.symbol}")
+        sig = signature(plain)
+        if sig in plain_ms or sig in plains:
+            continue
+        plains[sig] = {}
+        for cfg in candidates(p, space, num_sms):
+            name = f"{plain.symbol}__{cfg.name}"
+            plains[sig][name] = cfg
+            jobs[name] = (dataclasses.replace(plain, symbol=name), cfg)
+    times = measure(jobs) if jobs else {}
+    for sig, named in plains.items():
+        plain_ms[sig] = {cfg: times.get(name, math.inf) for name, cfg in named.items()}
+    # stage 2: the best few main loops with the partition's epilogue
+    jobs, picks, plain_jobs = {}, {}, {}
+    for p in partitions:
+        mainloop = plain_ms[signature(plain_partition(p))]
+        if signature(p) == signature(plain_partition(p)):  # a plain GEMM: stage 1 decided
+            plain_jobs[p.symbol] = mainloop
+            continue
+        best = rank(mainloop)[:top_k]
+        default = default_config(p.gemm.dtype_a)
+        picks[p.symbol] = list(dict.fromkeys([*best, default] if include_default or not best else best))
+        for cfg in picks[p.symbol]:
+            jobs[f"{p.symbol}__{cfg.name}"] = (dataclasses.replace(p, symbol=f"{p.symbol}__{cfg.name}"), cfg)
+    times = measure(jobs) if jobs else {}
+    choices = {}
+    for p in partitions:
+        if p.symbol in plain_jobs:
+            fused = plain_jobs[p.symbol]
+        else:
+            fused = {cfg: times.get(f"{p.symbol}__{cfg.name}", math.inf) for cfg in picks[p.symbol]}
+        ranked = rank(fused)
+        if not ranked:
+            raise Unsupported(f"{p.symbol}: no candidate configuration built and ran correctly")
+        choice = Choice(ranked[0], fused[ranked[0]], plain_ms[signature(plain_partition(p))], fused)
+        cache.put(signature(p), gpu, choice.config, fused, note=f"{p.symbol} {p.gemm.layout_name} "
+                  f"M={p.gemm.m} N={p.gemm.n} K={p.gemm.k}")
+        choices[p.symbol] = choice
+    return choices

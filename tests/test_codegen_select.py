@@ -1,0 +1,211 @@
+"""Kernel configuration selection (no GPU): candidate pruning, the persisted cache, deterministic choice."""
+import dataclasses
+import json
+import math
+
+import pytest
+
+from tvm_evt.codegen import Decomposition, KernelConfig, Schedule, bench, default_config, emit, select
+from tvm_evt.codegen.relax_ext import _config
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TVM_EVT_SELECT", raising=False)
+    monkeypatch.delenv("TVM_EVT_SELECT_GPU", raising=False)
+    return tmp_path
+
+
+def case(epilogue="gemm", kind="fwd", m=512, n=256, k=128):
+    return bench.Case("x", epilogue, bench.Problem("p", kind, m, n, k)).build().partition
+
+
+# ------------------------------------------------------------------------------------ candidates
+def test_table_is_valid_and_named_uniquely():
+    names = [c.name for c in select.CANDIDATES]
+    assert len(set(names)) == len(names)
+    assert select.CANDIDATES[0] == default_config("bfloat16")
+    for cfg in select.CANDIDATES:
+        assert KernelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_config_rejects_pingpong_stream_k_and_stray_splits():
+    with pytest.raises(ValueError):
+        KernelConfig(schedule=Schedule.PINGPONG, tile=(64, 128, 64), decomposition=Decomposition.STREAM_K)
+    with pytest.raises(ValueError):
+        KernelConfig(splits=4)
+    assert KernelConfig(decomposition=Decomposition.SPLIT_K, splits=4).name == "coop_128x128x64_c1x1_splitk4"
+
+
+def test_small_m_keeps_only_small_tiles():
+    kept = select.prune(select.CANDIDATES, m=64, n=4096, k=1024)
+    assert kept and all(c.tile[0] == 64 for c in kept)
+    assert all(c.schedule is Schedule.PINGPONG for c in kept)
+
+
+def test_clusters_and_big_tiles_pruned_for_small_problems():
+    kept = select.prune(select.CANDIDATES, m=128, n=128, k=1024)
+    assert all(c.cluster == (1, 1, 1) for c in kept)
+    assert all(c.tile[0] <= 128 and c.tile[1] <= 128 for c in kept)
+
+
+def test_stream_k_only_for_long_k():
+    def has_sk(m, n, k):
+        return any(c.decomposition is Decomposition.STREAM_K for c in select.prune(select.CANDIDATES, m, n, k))
+
+    assert has_sk(1024, 1024, 16384)  # weight gradient: 64 output tiles, K = 16384
+    assert not has_sk(16384, 4096, 1024)  # forward FFN1: thousands of tiles, short K
+
+
+def test_candidates_per_space_and_tf32_k_tile():
+    p = case(m=4096, n=4096, k=256)
+    quick, default, full = (select.candidates(p, s) for s in ("quick", "default", "full"))
+    assert len(quick) < len(default) < len(full)
+    assert quick[0] == default_config("bfloat16")
+    tf32 = bench.Case("x", "gemm", bench.Problem("p", "fwd", 4096, 4096, 256))
+    p32 = dataclasses.replace(p, gemm=dataclasses.replace(p.gemm, dtype_a="float32", dtype_b="float32"))
+    assert all(c.tile[2] == 32 for c in select.candidates(p32, "full"))
+    assert tf32.problem.m == 4096
+
+
+def test_every_candidate_emits_for_every_bench_case():
+    for c in bench.bert_cases(quick=True):
+        for cfg in select.candidates(c.partition, "full"):
+            src = emit(dataclasses.replace(c.partition, symbol="evt_t"), cfg)
+            assert f"Shape<_{cfg.tile[0]}, _{cfg.tile[1]}, _{cfg.tile[2]}>" in src
+
+
+# ------------------------------------------------------------------------------------ emitter
+def test_emitter_tile_scheduler():
+    p = case()
+    default = emit(p)
+    assert "cutlass::gemm::PersistentScheduler>" in default and "decomposition_mode" not in default
+    sk = emit(p, KernelConfig(decomposition=Decomposition.STREAM_K))
+    assert "cutlass::gemm::StreamKScheduler>" in sk and "DecompositionMode::StreamK;" in sk
+    split = emit(p, KernelConfig(decomposition=Decomposition.SPLIT_K, splits=3))
+    assert "args.scheduler.splits = 3;" in split and "DecompositionMode::SplitK;" in split
+
+
+# ------------------------------------------------------------------------------------ signatures
+def test_plain_partition_matches_relax_plain_gemm():
+    for kind in ("fwd", "dgrad", "wgrad"):
+        fused = case("bias_gelu_aux" if kind == "fwd" else "gelu_bwd", kind)
+        plain = case("gemm", kind)
+        assert select.signature(select.plain_partition(fused)) == select.signature(plain)
+        assert select.signature(fused) != select.signature(plain)
+
+
+def test_signature_ignores_symbol():
+    p = case("colsum", "dgrad")
+    assert select.signature(p) == select.signature(dataclasses.replace(p, symbol="evt_other"))
+
+
+# ------------------------------------------------------------------------------------ the cache
+def test_cache_round_trip(cache_home):
+    store = select.SelectionCache()
+    assert store.path == cache_home / "tvm_evt" / f"select-v{select.CODEGEN_VERSION}.json"
+    cfg = KernelConfig(tile=(128, 256, 64), cluster=(2, 1, 1))
+    store.put("sig", "NVIDIA H100 80GB HBM3", cfg, {cfg: 1.5, default_config("bfloat16"): math.inf})
+    assert select.SelectionCache().get("sig", "NVIDIA H100 80GB HBM3") == cfg
+    assert store.get("sig", "NVIDIA H200") is None and store.get("other", "NVIDIA H100 80GB HBM3") is None
+    store.put("sig2", "NVIDIA H100 80GB HBM3", default_config("bfloat16"))  # merges, keeps the first
+    assert store.get("sig", "NVIDIA H100 80GB HBM3") == cfg
+    data = json.loads(store.path.read_text())
+    assert set(data) == {select.entry_key(s, "NVIDIA H100 80GB HBM3") for s in ("sig", "sig2")}
+    assert [p.name for p in store.path.parent.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_corrupt_cache_is_ignored(cache_home):
+    store = select.SelectionCache()
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text("{not json")
+    assert store.get("sig", "gpu") is None
+    store.put("sig", "gpu", default_config("bfloat16"))
+    assert store.get("sig", "gpu") == default_config("bfloat16")
+
+
+# ------------------------------------------------------------------------------------ choice
+def fake_measure(plain_ms, fused_ms, calls):
+    """Timings by config name; plain jobs are named evt_plain_*."""
+    def measure(jobs):
+        calls.append(sorted(jobs))
+        out = {}
+        for name, (p, cfg) in jobs.items():
+            table = plain_ms if name.startswith("evt_plain_") else fused_ms
+            out[name] = table.get(cfg.name, math.inf)
+        return out
+    return measure
+
+
+def test_tune_two_stages_is_deterministic_and_persisted(cache_home):
+    p = case("bias_gelu_aux", "fwd", m=4096, n=4096, k=256)
+    names = [c.name for c in select.candidates(p, "default")]
+    plain_ms = {n: 2.0 for n in names}
+    plain_ms.update({"coop_128x256x64_c1x1": 1.0, "pp_128x128x64_c1x1": 1.0, "coop_256x128x64_c2x1": 1.1})
+    # the epilogue changes the order: the tie in the main loop goes to the table order, then the
+    # epilogue makes ping-pong the winner
+    fused_ms = {"coop_128x256x64_c1x1": 1.4, "pp_128x128x64_c1x1": 1.2, "coop_128x128x64_c1x1": 2.5,
+                "coop_256x128x64_c2x1": 0.1}
+    calls = []
+    choices = select.tune([p], fake_measure(plain_ms, fused_ms, calls), gpu="fake-gpu", top_k=2)
+    choice = choices[p.symbol]
+    assert choice.config.name == "pp_128x128x64_c1x1" and choice.time_ms == 1.2
+    # stage 2 timed only the top 2 main loops and the default (never coop_256x128, ranked 3rd)
+    assert len(calls) == 2 and len(calls[0]) == len(names)
+    assert sorted(c.split("__")[1] for c in calls[1]) == sorted(
+        ["coop_128x256x64_c1x1", "pp_128x128x64_c1x1", "coop_128x128x64_c1x1"])
+    assert select.lookup(p, gpu="fake-gpu") == choice.config
+    again = select.tune([p], fake_measure(plain_ms, fused_ms, []), gpu="fake-gpu", top_k=2)
+    assert again[p.symbol].config == choice.config
+
+
+def test_tune_ties_and_failures(cache_home):
+    p = case("colsum", "dgrad", m=4096, n=4096, k=256)
+    plain_ms = {c.name: 1.0 for c in select.candidates(p, "quick")}
+    fused_ms = {n: 1.0 for n in plain_ms}
+    fused_ms[select.CANDIDATES[0].name] = math.inf  # the default failed to verify
+    choices = select.tune([p], fake_measure(plain_ms, fused_ms, []), gpu="g", space="quick", top_k=2)
+    assert choices[p.symbol].config == select.CANDIDATES[1]  # equal times: first in table order that ran
+
+
+def test_tune_plain_partition_needs_no_second_stage(cache_home):
+    p = case("gemm", "wgrad", m=1024, n=1024, k=16384)
+    names = [c.name for c in select.candidates(p, "default")]
+    assert "coop_128x128x64_c1x1_streamk" in names
+    plain_ms = {n: 3.0 for n in names}
+    plain_ms["coop_128x128x64_c1x1_streamk"] = 1.0
+    calls = []
+    choices = select.tune([p], fake_measure(plain_ms, {}, calls), gpu="g")
+    assert len(calls) == 1 and choices[p.symbol].config.decomposition is Decomposition.STREAM_K
+
+
+def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
+    p = case("gelu_bwd", "dgrad")
+    cfg = KernelConfig(tile=(64, 128, 64), schedule=Schedule.PINGPONG)
+    select.SelectionCache().put(select.signature(p), "fake-gpu", cfg)
+    monkeypatch.setenv("TVM_EVT_SELECT_GPU", "fake-gpu")
+    assert _config({}, p) == default_config("bfloat16")  # selection is opt-in
+    assert _config({"select": True}, p) == cfg
+    monkeypatch.setenv("TVM_EVT_SELECT", "1")
+    assert _config({}, p) == cfg
+    assert _config({"tile": [128, 256, 64]}, p).tile == (128, 256, 64)  # explicit options win
+    monkeypatch.delenv("TVM_EVT_SELECT_GPU")
+    monkeypatch.setattr(select, "gpu_name", lambda: None)  # no GPU at build time: the default
+    assert _config({}, p) == default_config("bfloat16")
+
+
+# ------------------------------------------------------------------------------------ the CLI
+def test_bench_cli_without_gpu(monkeypatch, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    monkeypatch.setattr(bench, "gpu_problem", lambda: "no CUDA GPU is visible")
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert "cannot run: no CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_emit_only(tmp_path):
+    assert bench.main(["--quick", "--emit-only", str(tmp_path)]) == 0
+    sources = sorted(tmp_path.glob("*.cu"))
+    assert any("streamk" in s.name for s in sources) and any(s.name.startswith("evt_plain_") for s in sources)
