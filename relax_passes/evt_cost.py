@@ -133,3 +133,34 @@ def node_cost(elements: int) -> float:
 
 def aux_store_cost(elements: int) -> float:
     return AUX_STORE_COST * elements
+
+
+# ------------------------------------------------------------------ bytes of a lowered graph
+FREE_OPS = frozenset({"relax.reshape"})  # views: no kernel runs
+
+
+def _tensor_leaves(expr, out: list) -> list:
+    if isinstance(expr, relax.Call):
+        for a in expr.args:
+            _tensor_leaves(a, out)
+    elif isinstance(expr, relax.Tuple):
+        for f in expr.fields:
+            _tensor_leaves(f, out)
+    elif isinstance(expr, (relax.Var, tvm.ir.expr.Constant)) and not any(expr.same_as(o) for o in out):
+        out.append(expr)
+    return out
+
+
+def function_traffic(func: relax.Function) -> int:
+    """Modelled global-memory bytes of ``func`` where every call is one kernel (after FuseOps,
+    or after partitioning: a partition is one kernel): distinct tensors read + tensors written."""
+    total = 0
+    for block in func.body.blocks:
+        for b in block.bindings:
+            value = getattr(b, "value", None)
+            if not isinstance(value, relax.Call):
+                continue
+            if isinstance(value.op, tvm.ir.Op) and value.op.name in FREE_OPS:
+                continue
+            total += sum(tensor_bytes(t) for t in _tensor_leaves(value, [])) + tensor_bytes(b.var)
+    return total

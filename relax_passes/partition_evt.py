@@ -127,6 +127,7 @@ class OpGraph:
         self.nodes: list[OpNode] = []
         self.index_of: dict = {}
         ext_keys: dict = {}
+        ext_bytes: dict = {}
         for i, b in enumerate(block.bindings):
             value = getattr(b, "value", None)
             inputs, ext = [], []
@@ -136,13 +137,18 @@ class OpGraph:
                     if j not in inputs:
                         inputs.append(j)
                 else:
-                    key = ext_keys.setdefault(leaf, f"x{len(ext_keys)}")
+                    if leaf not in ext_keys:
+                        ext_keys[leaf] = f"x{len(ext_keys)}"
+                        ext_bytes[leaf] = tensor_bytes(leaf)
+                    key = ext_keys[leaf]
                     if key not in [k for k, _ in ext]:
-                        ext.append((key, tensor_bytes(leaf)))
+                        ext.append((key, ext_bytes[leaf]))
+            shape, dtype = static_shape(b.var), _dtype(b.var)
+            nbytes = _elems(shape) * evt_cost.dtype_bytes(dtype) if shape is not None else tensor_bytes(b.var)
             node = OpNode(
                 index=i, var=b.var, value=value, op=_op_name(value) if value is not None else None,
-                inputs=tuple(inputs), ext_inputs=tuple(ext), nbytes=tensor_bytes(b.var),
-                shape=static_shape(b.var), dtype=_dtype(b.var),
+                inputs=tuple(inputs), ext_inputs=tuple(ext), nbytes=nbytes,
+                shape=shape, dtype=dtype,
                 is_output=not isinstance(b.var, relax.DataflowVar),
             )
             node.input_bytes = sum(self.nodes[j].nbytes for j in inputs) + sum(n for _, n in ext)
@@ -177,7 +183,8 @@ class OpGraph:
                     args.append(keys.setdefault(leaf, f"p{len(keys)}:{leaf.ty}"))
             attrs = str(node.value.attrs) if isinstance(node.value, relax.Call) and node.value.attrs is not None else ""
             kind = type(node.value).__name__
-            h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{node.var.ty}|{node.is_output}\n".encode())
+            ty = (node.shape, node.dtype) if node.shape is not None else str(node.var.ty)
+            h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{ty}|{node.is_output}\n".encode())
         return h.hexdigest()
 
 
@@ -284,14 +291,24 @@ class _Legality:
     def __init__(self, graph: OpGraph):
         self.graph = graph
         self.memo: dict = {}
+        self.built: dict = {}
         self.calls = 0
 
-    def __call__(self, members: list[int], owned: set[int]):
+    def build(self, members: list[int], owned: set[int]):
+        """(function, params, outputs) of a partition, built once per graph."""
         members = sorted(set(members))
-        params, outputs = partition_io(self.graph, members, owned)
-        if not outputs:
+        key = (id(self.graph), tuple(members), tuple(sorted(owned)))
+        if key not in self.built:
+            params, outputs = partition_io(self.graph, members, owned)
+            func = build_partition_function(self.graph, members, outputs, params, "evt_check") if outputs else None
+            self.built[key] = (func, params, outputs)
+        return self.built[key]
+
+    def __call__(self, members: list[int], owned: set[int]):
+        func, _, _ = self.build(members, owned)
+        if func is None:
             return evt_legality_false("the partition has no output")
-        return self.function(build_partition_function(self.graph, members, outputs, params, "evt_check"))
+        return self.function(func)
 
     def function(self, func: relax.Function):
         key = tvm_ffi.structural_hash(func, map_free_vars=True)
@@ -354,6 +371,8 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
     clusters, refused = [], {}
     for seed in (n.index for n in graph.nodes if n.op == "relax.matmul"):
         node = graph.nodes[seed]
+        if not node.users and not node.is_output:
+            continue  # dead code: dead-code elimination's business
         core, reason = _choose_core(graph, check, seed)
         if core is None:
             refused[seed] = reason
@@ -775,7 +794,7 @@ def greedy(problem: Problem, comp: list[int], cuts: list) -> dict:
                 continue
             trial = members | {v}
             if cluster_gain(problem, c, trial) >= cluster_gain(problem, c, members):
-                trial_assign = dict(assign, **{u: c for u in trial})
+                trial_assign = {**assign, **{u: c for u in trial}}
                 if any(all(trial_assign.get(u) == k for u, k in cut) for cut in cuts):
                     continue
                 if assignment_feasible(problem, {u: k for u, k in trial_assign.items()}) is None:
@@ -876,8 +895,11 @@ def _legalize_solution(problem: Problem, assign: dict, check: _Legality) -> dict
     """Drop ops from the end of any illegal partition until it is legal."""
     graph = problem.graph
     assign = dict(assign)
+    by_cluster = defaultdict(list)
+    for v, c in sorted(assign.items()):
+        by_cluster[c].append(v)
     for c, cl in enumerate(problem.clusters):
-        members = sorted(v for v, k in assign.items() if k == c)
+        members = by_cluster[c]
         while members:
             result = check(list(cl.views) + [cl.seed] + members, {cl.seed, *members})
             if result.ok:
@@ -890,7 +912,7 @@ def _legalize_solution(problem: Problem, assign: dict, check: _Legality) -> dict
 
 
 def _rewrite_block(bb: relax.BlockBuilder, problem: Problem, assign: dict, prefix: str,
-                   infos: list[PartitionInfo]) -> relax.DataflowBlock:
+                   infos: list[PartitionInfo], check: _Legality) -> relax.DataflowBlock:
     graph = problem.graph
     members = defaultdict(set)
     for v, c in assign.items():
@@ -940,10 +962,9 @@ def _rewrite_block(bb: relax.BlockBuilder, problem: Problem, assign: dict, prefi
         cl = problem.clusters[u]
         owned = members[u] | {cl.seed}
         mlist = sorted(owned | set(cl.views))
-        params, outputs = partition_io(graph, mlist, owned)
+        func, params, outputs = check.build(mlist, owned)
         symbol = f"{prefix}_{len(infos)}"
-        func = build_partition_function(graph, mlist, outputs, params, symbol)
-        gv = bb.add_func(func, symbol)
+        gv = bb.add_func(func.with_attr("global_symbol", symbol), symbol)
         call = bb.normalize(relax.Call(gv, params))
         if len(outputs) == 1:
             bindings.append(relax.VarBinding(graph.nodes[outputs[0]].var, call))
@@ -1023,7 +1044,7 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
         for i, reason in sorted(problem.refused.items()):
             unfused.append({"var": graph.nodes[i].var.name, "shape": list(graph.nodes[i].shape or ()),
                             "dtype": graph.nodes[i].dtype, "reason": reason})
-        blocks.append(_rewrite_block(bb, problem, assign, f"{name}_evt{k}", infos))
+        blocks.append(_rewrite_block(bb, problem, assign, f"{name}_evt{k}", infos, check))
     body = relax.SeqExpr(blocks, func.body.body)
     new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
     method = methods.pop() if len(methods) == 1 else ("mixed" if methods else "none")

@@ -43,11 +43,12 @@ def graph_passes() -> list:
     return [evt_graph_passes()]
 
 
-def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True) -> list:
+def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
+                 functions: tuple[str, ...] | None = None) -> list:
     """The target-independent phases: graph passes, then the partitioner."""
     return graph_passes() + [
         relax.transform.CanonicalizeBindings(),  # var-to-var bindings would hide producers
-        PartitionEVT(time_limit=time_limit, use_cache=use_cache),
+        PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions),
     ]
 
 

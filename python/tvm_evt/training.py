@@ -277,6 +277,19 @@ class TrainingStep:
                     raise InputMismatchError(f"parameter '{k}': expected shape {list(want)}, got {list(v.shape)}")
                 self._params[idx] = self._tensor(v)
 
+    def report(self) -> dict:
+        """EVT partitions of ``train_step``: {"partitions": [{"ops", "bytes_saved", ...}],
+        "unfused_matmuls", "solve_seconds", ...} (see `tvm_evt.report`)."""
+        from .report import training_report
+
+        return training_report(self.graph.mod)
+
+    def report_png(self, path: str) -> str:
+        """Draw the partitioned ``train_step`` into the PNG ``path`` (needs matplotlib)."""
+        from .report import draw, partitioned
+
+        return draw(partitioned(self.graph.mod), path)
+
     @property
     def step_count(self) -> int:
         return int(self._step.numpy())

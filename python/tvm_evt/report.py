@@ -1,0 +1,108 @@
+"""The partition report of a training graph, and a picture of it.
+
+``training_report(mod)`` runs the target-independent phases of the ``evt`` pipeline (graph passes
+and the partitioner, whose solution comes from the cache once compiled) on ``train_step`` and
+returns::
+
+    {"partitions": [{"symbol", "ops": ["relax.matmul", ...], "bytes_saved", "matmul"}, ...],
+     "unfused_matmuls": [{"var", "shape", "dtype", "reason"}, ...],
+     "solve_seconds": float, "method": "ilp" | "cache" | "greedy" | "mixed", ...}
+
+``draw(mod, path)`` writes a PNG (matplotlib): one row per kernel in execution order, GEMM + EVT
+partitions as labelled boxes, the ops TVM keeps as grey dots, data edges between them.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from .pipeline import front_passes
+from .relax_passes.partition_evt import CODEGEN, partition_report
+
+
+def partitioned(mod: tvm.IRModule, function: str = "train_step") -> tvm.IRModule:
+    """``mod`` after the graph passes and the partitioner (``function`` only)."""
+    return tvm.transform.Sequential(front_passes(functions=(function,)))(mod)
+
+
+def training_report(mod: tvm.IRModule, function: str = "train_step") -> dict:
+    return partition_report(partitioned(mod, function)).get(function, {})
+
+
+def draw(mod: tvm.IRModule, path: str, function: str = "train_step", title: str = "") -> str:
+    """Draw the partitioned ``function`` of an already partitioned ``mod`` into ``path`` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # optional dependency: pip install matplotlib
+        raise ImportError("report_png needs matplotlib (pip install matplotlib)") from err
+    func = mod[function]
+    kernels, producer = [], {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            value = getattr(b, "value", None)
+            if not isinstance(value, relax.Call):
+                if isinstance(value, relax.TupleGetItem) and value.tuple_value in producer:
+                    producer[b.var] = producer[value.tuple_value]
+                continue
+            callee = mod[value.op] if isinstance(value.op, tvm.ir.GlobalVar) else None
+            is_evt = isinstance(callee, relax.Function) and callee.attrs and callee.attrs.get("Codegen") == CODEGEN
+            if is_evt:
+                ops = _partition_ops(callee)
+                label = "GEMM+" + ",".join(_short(o) for o in ops if o not in ("relax.matmul",
+                                                                                   "relax.permute_dims", "relax.reshape"))
+            else:
+                label = _short(value.op.name if isinstance(value.op, tvm.ir.Op) else str(value.op))
+            deps = set()
+            for arg in _vars(value):
+                if arg in producer:
+                    deps.add(producer[arg])
+            producer[b.var] = len(kernels)
+            kernels.append((label, is_evt, sorted(deps)))
+    n = len(kernels)
+    height = max(4.0, 0.16 * n)
+    fig, ax = plt.subplots(figsize=(12, height))
+    # x: evt partitions in the left column, TVM ops on the right; y: execution order
+    xs = [0.0 if evt else 1.0 for _, evt, _ in kernels]
+    for k, (_, _, deps) in enumerate(kernels):
+        for d in deps:
+            ax.plot([xs[d], xs[k]], [-d, -k], color="#bbbbbb", linewidth=0.4, zorder=1)
+    for k, (label, evt, _) in enumerate(kernels):
+        if evt:
+            ax.text(xs[k], -k, label[:90], fontsize=6, va="center", ha="left", zorder=3,
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="#ffd27f", edgecolor="#c07000"))
+        else:
+            ax.scatter([xs[k]], [-k], s=6, color="#777777", zorder=2)
+            ax.text(xs[k] + 0.02, -k, label, fontsize=4, va="center", color="#555555")
+    n_evt = sum(1 for _, evt, _ in kernels if evt)
+    ax.set_title(title or f"{function}: {n_evt} GEMM+EVT partitions (left), {n - n_evt} TVM ops (right)")
+    ax.set_xlim(-0.1, 1.6)
+    ax.set_ylim(-n, 1)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _partition_ops(func: relax.Function) -> list[str]:
+    ops = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            ops.append(expr.op.name)
+
+    relax.analysis.post_order_visit(func, visit)
+    return ops
+
+
+def _short(name: str) -> str:
+    return name.replace("relax.nn.", "").replace("relax.", "")
+
+
+def _vars(expr):
+    out = []
+    relax.analysis.post_order_visit(expr, lambda e: out.append(e) if isinstance(e, relax.Var) else None)
+    return out

@@ -1,0 +1,214 @@
+"""PartitionEVT (the ILP partitioner) and the ``evt`` pipeline, on the CPU.
+
+Every zoo model: partitions legal and acyclic, modelled bytes no more than TVM's FuseOps, loss and
+gradients equal to torch autograd after all passes.  Random small graphs: the ILP's objective
+equals brute force.  Determinism, the cache, the greedy fallback.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+import tvm_evt
+from tvm_evt import models
+from tvm_evt.codegen.legality import legality
+from tvm_evt.pipeline import front_passes
+from tvm_evt.relax_passes import evt_cost
+from tvm_evt.relax_passes.partition_evt import (
+    CODEGEN, OpGraph, PartitionEVT, assignment_feasible, build_problem, cluster_gain, partition_report,
+    solve,
+)
+
+from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
+
+LLVM = {"kind": "llvm"}
+ZOO_NAMES = sorted(models.ZOO)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """One cache directory for the whole file, never the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _partitions(mod):
+    return {gv: f for gv, f in mod.functions_items()
+            if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+
+
+def _fuse_ops(mod, name="train_step"):
+    mod = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint == name or
+                        (isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN)})
+    with tvm.target.Target("llvm"):
+        seq = tvm.transform.Sequential([
+            relax.transform.LegalizeOps(),
+            relax.transform.RewriteDataflowReshape(),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FuseOps(),
+        ])
+        return seq(mod)[name]
+
+
+# ------------------------------------------------------------------------------------- zoo
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_zoo(name):
+    entry = models.ZOO[name]()
+    no_dropout(entry.model)
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(),
+                                    loss_fn=entry.loss_fn, target=LLVM)
+
+    # loss and gradients after graph passes + partitioning (+ the CPU reference lowering)
+    inputs = entry.example_inputs()
+    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs)
+    loss, grads = step.loss_and_grads(*inputs)
+    assert rel_err(loss, ref_loss) <= 1e-4
+    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
+    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-4, f"{worst}: {errs[worst]:.3g}"
+
+    # the same partitioning (from the cache the compile filled), checked
+    graph_mod = tvm.transform.Sequential(front_passes()[:-1])(step.graph.mod)
+    parted = PartitionEVT(functions=("train_step",))(graph_mod)
+    report = partition_report(parted)["train_step"]
+    assert report["method"] == "cache"
+    assert relax.analysis.well_formed(parted)  # every value defined before use: acyclic
+    parts = _partitions(parted)
+    assert len(parts) == len(report["partitions"])
+    for gv, func in parts.items():
+        result = legality(func)
+        assert result.ok, f"{gv.name_hint}: {result.reason}"
+    matmuls = sum(p["ops"].count("relax.matmul") for p in report["partitions"])
+    assert matmuls == sum(1 for p in report["partitions"])  # one main loop per partition
+    n_matmul = sum(1 for b in graph_mod["train_step"].body.blocks for x in b.bindings
+                   if isinstance(x.value, relax.Call) and x.value.op == tvm.ir.Op.get("relax.matmul"))
+    assert matmuls + len(report["unfused_matmuls"]) == n_matmul
+    assert all(m["reason"] for m in report["unfused_matmuls"])
+
+    # modelled global-memory bytes: partitions + FuseOps on the rest <= FuseOps alone
+    ours = evt_cost.function_traffic(_fuse_ops(parted))
+    tvm_only = evt_cost.function_traffic(_fuse_ops(graph_mod))
+    assert ours <= tvm_only, (ours, tvm_only)
+    print(f"\n{name}: {len(parts)} partitions, {len(report['unfused_matmuls'])} unfused matmuls, "
+          f"bytes {ours} vs FuseOps {tvm_only}")
+
+
+def test_report_and_png(tmp_path):
+    entry = models.ZOO["mlp"]()
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(),
+                                    loss_fn=entry.loss_fn, target=LLVM)
+    report = step.report()
+    assert {"partitions", "unfused_matmuls", "solve_seconds"} <= set(report)
+    first = report["partitions"][0]
+    assert "relax.matmul" in first["ops"] and first["bytes_saved"] > 0
+    pytest.importorskip("matplotlib")
+    path = step.report_png(str(tmp_path / "mlp.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- random graphs
+SHAPE, DTYPE = (32, 64), "float16"
+UNARY = [relax.op.nn.relu, relax.op.exp, relax.op.tanh, relax.op.negative]
+BINARY = [relax.op.add, relax.op.multiply, relax.op.subtract]
+
+
+def _random_function(seed: int, n_ops: int = 10) -> relax.Function:
+    rng = random.Random(seed)
+    x = relax.Var("x", relax.TensorType(SHAPE, DTYPE))
+    ws = [relax.Var(f"w{i}", relax.TensorType((64, 64), DTYPE)) for i in range(2)]
+    bias = relax.Var("b", relax.TensorType((64,), DTYPE))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, *ws, bias]):
+        with bb.dataflow():
+            values, reductions, used = [x], [], set()
+            n_matmul = 0
+            for k in range(n_ops):
+                r = rng.random()
+                src = rng.choice(values[-4:])
+                used.add(src)
+                if k == 0 or (r < 0.25 and n_matmul < 3):
+                    values.append(bb.emit(relax.op.matmul(src, rng.choice(ws))))
+                    n_matmul += 1
+                elif r < 0.45:
+                    values.append(bb.emit(rng.choice(UNARY)(src)))
+                elif r < 0.8:
+                    other = rng.choice(values + [bias])
+                    values.append(bb.emit(rng.choice(BINARY)(src, other)))
+                    used.add(other)
+                else:
+                    reductions.append(bb.emit(relax.op.sum(src, axis=[rng.choice([0, 1])])))
+            dangling = [v for v in values[1:] if v not in used]
+            outs = bb.emit_output(relax.Tuple(dangling + values[-1:] + reductions))
+        bb.emit_func_output(outs)
+    return bb.get()["main"]
+
+
+def _brute_force(problem) -> float:
+    owners = {}
+    for c, cl in enumerate(problem.clusters):
+        for v in cl.candidates:
+            owners.setdefault(v, []).append(c)
+    ops = sorted(owners)
+    best = None
+    for choice in itertools.product(*[[None] + owners[v] for v in ops]):
+        assign = {v: c for v, c in zip(ops, choice) if c is not None}
+        if assignment_feasible(problem, assign) is not None:
+            continue
+        value = sum(cluster_gain(problem, c, {v for v, k in assign.items() if k == c})
+                    for c in range(len(problem.clusters)))
+        best = value if best is None else max(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_equals_brute_force(seed):
+    func = _random_function(seed)
+    graph = OpGraph(func.body.blocks[0])
+    problem = build_problem(graph)
+    assert problem.clusters and not problem.refused
+    if sum(len(c.candidates) for c in problem.clusters) > 9:
+        pytest.skip("too many candidates to enumerate")
+    solution = solve(problem, use_cache=False)
+    assert assignment_feasible(problem, solution.assign) is None
+    assert solution.objective == pytest.approx(_brute_force(problem), rel=1e-9, abs=1e-6)
+
+
+def test_greedy_fallback_is_valid():
+    func = _random_function(3)
+    problem = build_problem(OpGraph(func.body.blocks[0]))
+    solution = solve(problem, time_limit=0.0, use_cache=False)
+    assert solution.method == "greedy"
+    assert assignment_feasible(problem, solution.assign) is None
+
+
+# --------------------------------------------------------------------- determinism and cache
+def _functions(mod):
+    return tvm.IRModule(dict(mod.functions_items()))  # without the report (it has timings)
+
+
+def _bert_graph():
+    entry = models.ZOO["bert_layer"]()
+    imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+    graph = tvm_evt.build_training_module(imported, None)
+    return tvm.transform.Sequential(front_passes()[:-1])(graph.mod)
+
+
+def test_deterministic_and_cached():
+    mod = _bert_graph()
+    a = PartitionEVT(use_cache=False, functions=("train_step",))(mod)
+    b = PartitionEVT(use_cache=False, functions=("train_step",))(mod)
+    tvm.ir.assert_structural_equal(_functions(a), _functions(b))
+    ra, rb = partition_report(a)["train_step"], partition_report(b)["train_step"]
+    assert ra["partitions"] == rb["partitions"] and ra["method"] == "ilp"
+    cold = PartitionEVT(functions=("train_step",))(mod)
+    warm = PartitionEVT(functions=("train_step",))(mod)
+    assert partition_report(warm)["train_step"]["method"] == "cache"
+    tvm.ir.assert_structural_equal(_functions(cold), _functions(warm))
+    tvm.ir.assert_structural_equal(_functions(a), _functions(warm))
