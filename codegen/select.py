@@ -22,7 +22,6 @@ from typing import Callable, Iterable, Mapping
 
 from .backend import CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, default_config, emit
 from .build.cache import atomic_write, file_lock
-from .errors import Unsupported
 from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, TensorDesc
 from .passes import lower
 
@@ -236,7 +235,8 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
     ``measure({name: (partition, config)})`` builds and times kernels, returning milliseconds
     (``inf`` for a kernel that failed to build or verify).  Stage 1 times each distinct plain GEMM
     on every candidate; stage 2 times each partition on its ``top_k`` main-loop configurations
-    (plus the default when ``include_default``).  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
+    (plus the default when ``include_default``); a partition none of whose kernels ran gets no
+    choice.  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
     """
     cache = cache or SelectionCache()
     partitions = [p if p.visitor is not None else lower(p) for p in partitions]
@@ -277,8 +277,8 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
         else:
             fused = {cfg: times.get(f"{p.symbol}__{cfg.name}", math.inf) for cfg in picks[p.symbol]}
         ranked = rank(fused)
-        if not ranked:
-            raise Unsupported(f"{p.symbol}: no candidate configuration built and ran correctly")
+        if not ranked:  # nothing built and ran correctly: no choice (the caller reports it)
+            continue
         choice = Choice(ranked[0], fused[ranked[0]], plain_ms[signature(plain_partition(p))], fused)
         cache.put(signature(p), gpu, choice.config, fused, note=f"{p.symbol} {p.gemm.layout_name} "
                   f"M={p.gemm.m} N={p.gemm.n} K={p.gemm.k}")

@@ -209,3 +209,9 @@ def test_bench_emit_only(tmp_path):
     assert bench.main(["--quick", "--emit-only", str(tmp_path)]) == 0
     sources = sorted(tmp_path.glob("*.cu"))
     assert any("streamk" in s.name for s in sources) and any(s.name.startswith("evt_plain_") for s in sources)
+
+
+def test_tune_gives_no_choice_when_nothing_ran(cache_home):
+    p = case("relu_bwd", "dgrad", m=4096, n=4096, k=256)
+    assert select.tune([p], fake_measure({}, {}, []), gpu="g", space="quick") == {}
+    assert select.lookup(p, gpu="g") is None
