@@ -433,9 +433,9 @@ class Bench:
         register()
         name = f"evt_plain_{case.name}__{config.name}"  # the symbol and config tune() built: a cached object
         func = relax_function(case.epilogue, case.problem, name).with_attrs({"Codegen": "evt", "global_symbol": name})
-        gv = tvm.ir.GlobalVar(name)
+        bb = relax.BlockBuilder()
+        gv = bb.add_func(func, name)  # a GlobalVar that carries the function's type
         params = [relax.Var(p.name, p.ty) for p in func.params]
-        bb = relax.BlockBuilder(tvm.IRModule({gv: func}))
         with bb.function("main", params):
             bb.emit_func_output(bb.emit(relax.Call(gv, params)))
         options = {"evt": {**config.to_json(), "jobs": self.args.jobs}}
