@@ -994,7 +994,8 @@ class FunctionReport:
 
 
 def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
-                       time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True):
+                       time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
+                       transpose_operands: bool = True):
     """(new function, FunctionReport)."""
     if not isinstance(func.body, relax.SeqExpr):
         return func, FunctionReport([], [], 0.0, 0, "none", 0.0)
@@ -1008,7 +1009,8 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
         graph = OpGraph(block)
         check = _Legality(graph)
         graph_key = "g" + hashlib.sha256(
-            f"{graph.canonical_hash()}|{_capability_key()}|{evt_cost.COST_MODEL_VERSION}|{MAX_CANDIDATES}".encode()
+            f"{graph.canonical_hash()}|{_capability_key()}|{evt_cost.COST_MODEL_VERSION}|{MAX_CANDIDATES}"
+            f"|{transpose_operands}".encode()
         ).hexdigest()
         cached = _cache_read(graph_key) if use_cache else None
         problem = solution = None
@@ -1023,7 +1025,7 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
                 solution = Solution(assign, 0.0, 0.0, "cache")
         if solution is None:
             problem = build_problem(graph, check)
-            rewrites = _find_transposes(graph, problem.refused, check) if problem.refused else {}
+            rewrites = _find_transposes(graph, problem.refused, check) if problem.refused and transpose_operands else {}
             if rewrites:  # the cache key stays the one of the original block
                 graph = OpGraph(_apply_transposes(graph, rewrites))
                 check.graph = graph
@@ -1081,7 +1083,8 @@ class PartitionEVT:
     as JSON."""
 
     def __init__(self, time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
-                 functions: tuple[str, ...] | None = None):
+                 functions: tuple[str, ...] | None = None, transpose_operands: bool = True):
+        self.transpose_operands = transpose_operands
         self.time_limit = time_limit
         self.use_cache = use_cache
         self.functions = functions
@@ -1094,10 +1097,11 @@ class PartitionEVT:
                 continue
             if self.functions is not None and gv.name_hint not in self.functions:
                 continue
-            new, report = partition_function(bb, gv.name_hint, func, self.time_limit, self.use_cache)
+            new, report = partition_function(bb, gv.name_hint, func, self.time_limit, self.use_cache,
+                                             self.transpose_operands)
             bb.update_func(gv, new)
             reports[gv.name_hint] = report
-        out = bb.get()
+        out = relax.transform.Normalize()(bb.get())  # types of the rebuilt bodies
         data = {name: _report_dict(r) for name, r in reports.items()}
         return out.with_attr(REPORT_ATTR, json.dumps(data))
 

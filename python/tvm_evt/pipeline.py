@@ -137,8 +137,8 @@ class InlineEVTPartitions:
                 bb.update_func(gv, self._inline(bb, func, parts))
         out = bb.get()
         for gv in parts:
-            out = out.without(gv) if hasattr(out, "without") else _remove(out, gv)
-        return out
+            out = _remove(out, gv)
+        return relax.transform.Normalize()(out)
 
     @staticmethod
     def _inline(bb, func, parts) -> relax.Function:
