@@ -51,7 +51,7 @@ CODEGEN = "evt"
 REPORT_ATTR = "evt_partition_report"
 MAX_CANDIDATES = 48  # epilogue candidates per cluster (breadth-first from the matmul)
 DEFAULT_TIME_LIMIT = 60.0  # seconds for the whole function; then the greedy fallback
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 # =============================================================================== codegen queries
@@ -436,19 +436,22 @@ def _transposed_core_legal(call: relax.Call, flips: tuple[bool, bool], check: _L
                 args.append(bb.emit(relax.op.permute_dims(p, _swap_last(len(p.ty.shape.values)))) if flip else p)
             out = bb.emit_output(relax.Call(call.op, args, call.attrs, call.ty_args))
         bb.emit_func_output(out)
-    return check.function(bb.get()["evt_check"]).ok
+    return check.function(bb.get()["evt_check"])
 
 
-def _find_transposes(graph: OpGraph, refused: dict, check: _Legality) -> dict:
-    """{matmul: (flip A, flip B)} for the refused matmuls a transposed operand copy makes legal."""
-    rewrites = {}
+def _find_transposes(graph: OpGraph, refused: dict, check: _Legality):
+    """({matmul: (flip A, flip B)} for the refused matmuls a transposed operand copy makes legal,
+    {matmul var: why the copies do not help either})."""
+    rewrites, reasons = {}, {}
     for seed in sorted(refused):
         call = graph.nodes[seed].value
         for flips in ((False, True), (True, False), (True, True)):
-            if _transposed_core_legal(call, flips, check):
+            result = _transposed_core_legal(call, flips, check)
+            if result:
                 rewrites[seed] = flips
                 break
-    return rewrites
+            reasons.setdefault(graph.nodes[seed].var, set()).add(result.reason)
+    return rewrites, {v: r for v, r in reasons.items() if graph.index_of[v] not in rewrites}
 
 
 def _apply_transposes(graph: OpGraph, rewrites: dict) -> relax.DataflowBlock:
@@ -1025,11 +1028,17 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
                 solution = Solution(assign, 0.0, 0.0, "cache")
         if solution is None:
             problem = build_problem(graph, check)
-            rewrites = _find_transposes(graph, problem.refused, check) if problem.refused and transpose_operands else {}
+            rewrites, also = {}, {}
+            if problem.refused and transpose_operands:
+                rewrites, also = _find_transposes(graph, problem.refused, check)
             if rewrites:  # the cache key stays the one of the original block
                 graph = OpGraph(_apply_transposes(graph, rewrites))
                 check.graph = graph
                 problem = build_problem(graph, check)
+            for i in problem.refused:
+                more = sorted(also.get(graph.nodes[i].var, ()))
+                if more:
+                    problem.refused[i] += "; with transposed operand copies: " + "; ".join(more)
             solution = solve(problem, time_limit - seconds, use_cache=use_cache)
         assign = _legalize_solution(problem, solution.assign, check)
         reason = assignment_feasible(problem, assign)
