@@ -29,7 +29,7 @@ CODEGEN_NAME = "evt"
 GLOBAL_FUNC = f"relax.ext.{CODEGEN_NAME}"
 
 
-CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits")
+CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits", "epi_tile")
 
 
 def _config(options, partition) -> KernelConfig:

@@ -34,31 +34,57 @@ def _cfg(tile, cluster=(1, 1), schedule=Schedule.COOPERATIVE, **kw) -> KernelCon
 
 PP = Schedule.PINGPONG
 SK = Decomposition.STREAM_K
+SPLIT = Decomposition.SPLIT_K
 
-# The candidate table (16-bit operands; tile K = 64 elements = 128 bytes).  Order is the tie-break.
-CANDIDATES: tuple[KernelConfig, ...] = (
-    _cfg((128, 128, 64)),  # the default
-    _cfg((128, 256, 64)),
-    _cfg((256, 128, 64), (2, 1)),
-    _cfg((128, 128, 64), (2, 1)),
-    _cfg((128, 128, 64), schedule=PP),
-    _cfg((64, 128, 64), schedule=PP),
-    _cfg((128, 256, 64), (2, 1)),
-    _cfg((128, 256, 64), (1, 2)),
-    _cfg((256, 128, 64)),
-    _cfg((128, 128, 64), (1, 2)),
-    _cfg((128, 128, 64), (2, 1), schedule=PP),
-    _cfg((64, 256, 64), schedule=PP),
-    _cfg((128, 128, 64), raster=Raster.ALONG_M),
-    _cfg((128, 128, 64), raster=Raster.ALONG_N),
-    # stream-K: only for long K with few output tiles (see ``prune``)
-    _cfg((128, 128, 64), decomposition=SK),
-    _cfg((128, 256, 64), decomposition=SK),
-    _cfg((128, 128, 64), (2, 1), decomposition=SK),
+# Search spaces, smallest first: a space profiles its rows and those of every smaller space.
+SPACES = {"quick": 0, "default": 1, "full": 2}
+
+# The candidate table (16-bit operands; tile K = 64 elements = 128 bytes): (smallest space, config).
+# Order is the tie-break; ``prune`` drops the rows that cannot pay off for a problem.
+_TABLE: tuple[tuple[str, KernelConfig], ...] = (
+    ("quick", _cfg((128, 128, 64))),  # the default
+    ("quick", _cfg((128, 256, 64))),
+    ("quick", _cfg((256, 128, 64), (2, 1))),
+    ("default", _cfg((128, 128, 64), (2, 1))),
+    # ping-pong: one consumer warpgroup's epilogue overlaps the other's main loop
+    ("quick", _cfg((128, 128, 64), schedule=PP)),
+    ("default", _cfg((64, 128, 64), schedule=PP)),
+    ("full", _cfg((128, 256, 64), (2, 1))),
+    ("full", _cfg((128, 256, 64), (1, 2))),
+    ("full", _cfg((256, 128, 64))),
+    ("full", _cfg((128, 128, 64), (1, 2))),
+    ("quick", _cfg((128, 128, 64), (2, 1), schedule=PP)),
+    ("quick", _cfg((64, 256, 64), schedule=PP)),
+    ("full", _cfg((128, 128, 64), raster=Raster.ALONG_M)),
+    ("full", _cfg((128, 128, 64), raster=Raster.ALONG_N)),
+    # stream-K / split-K: only for long K with few output tiles (see ``prune``)
+    ("quick", _cfg((128, 128, 64), decomposition=SK)),
+    ("default", _cfg((128, 256, 64), decomposition=SK)),
+    ("full", _cfg((128, 128, 64), (2, 1), decomposition=SK)),
+    ("quick", _cfg((64, 256, 64), (2, 1), schedule=PP)),
+    # small output tiles: more tiles (less wave quantization) for small-N weight gradients
+    ("quick", _cfg((128, 64, 64))),
+    ("quick", _cfg((128, 64, 64), (2, 1))),
+    ("default", _cfg((128, 64, 64), (1, 2))),
+    ("default", _cfg((64, 128, 64), (2, 1), schedule=PP)),
+    ("quick", _cfg((128, 64, 64), decomposition=SK)),
+    ("quick", _cfg((128, 128, 64), decomposition=SPLIT, splits=2)),
+    ("default", _cfg((128, 64, 64), decomposition=SPLIT, splits=2)),
+    ("full", _cfg((128, 128, 64), decomposition=SPLIT, splits=4)),
 )
+CANDIDATES: tuple[KernelConfig, ...] = tuple(cfg for _, cfg in _TABLE)
 
-# How many table entries (in order, before the stream-K ones) each search space profiles.
-SPACES = {"quick": 3, "default": 6, "full": 14}
+
+def space_table(space: str) -> list[KernelConfig]:
+    """The table rows a search space profiles (before pruning)."""
+    return [cfg for s, cfg in _TABLE if SPACES[s] <= SPACES[space]]
+
+
+def epilogue_variant(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with a narrow epilogue subtile (N = 16): less epilogue shared memory, so more
+    main-loop stages; tried in the second stage of ``tune`` for partitions with an epilogue."""
+    rows = 128 if cfg.schedule is Schedule.COOPERATIVE else 64
+    return dataclasses.replace(cfg, epi_tile=(rows, 16))
 
 
 def is_long_k(m: int, n: int, k: int, num_sms: int = H100_SMS) -> bool:
@@ -79,20 +105,25 @@ def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str 
             continue  # tile larger than the problem: wasted MMA work
         if math.ceil(m / tm) < cfg.cluster[0] or math.ceil(n / tn) < cfg.cluster[1]:
             continue  # the cluster would span padding
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        if cfg.cluster[:2] != (1, 1) and tiles < num_sms // 4:
+            continue  # a handful of tiles gains nothing from multicast
         if cfg.decomposition is not Decomposition.DATA_PARALLEL and not is_long_k(m, n, k, num_sms):
             continue
+        if cfg.decomposition is Decomposition.SPLIT_K and tiles >= 2 * num_sms:
+            continue  # enough output tiles without splitting K
         if cfg.decomposition is Decomposition.DATA_PARALLEL and m * n < 64 * 64 * num_sms and tm * tn > 128 * 128:
             continue  # too few output tiles for big tiles
+        if tm * tn < 128 * 128 and math.ceil(m / 128) * math.ceil(n / 128) >= 2 * num_sms:
+            continue  # 128x128 tiles already fill two waves: small tiles only cost operand traffic
         out.append(cfg)
     return out
 
 
 def candidates(partition: Partition, space: str = "default", num_sms: int = H100_SMS) -> list[KernelConfig]:
-    """The table's first ``SPACES[space]`` entries plus stream-K ones, pruned for the problem."""
+    """The rows of ``space`` (see ``_TABLE``), pruned for the problem."""
     g = partition.gemm
-    table = [c for c in CANDIDATES if c.decomposition is Decomposition.DATA_PARALLEL][: SPACES[space]]
-    streamk = [c for c in CANDIDATES if c.decomposition is not Decomposition.DATA_PARALLEL]
-    table += streamk[: 1 if space == "quick" else 2 if space == "default" else len(streamk)]
+    table = space_table(space)
     if g.dtype_a == "float32":
         table = [dataclasses.replace(c, tile=(c.tile[0], c.tile[1], 32)) for c in table]
     found = prune(table, g.m, g.n, g.k, g.dtype_a, num_sms)
@@ -229,14 +260,15 @@ class Choice:
 def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str = "default",
          top_k: int = 2, cache: SelectionCache | None = None, num_sms: int = H100_SMS,
          plain_ms: dict[str, dict[KernelConfig, float]] | None = None,
-         include_default: bool = True) -> dict[str, Choice]:
+         include_default: bool = True, epilogue_tiles: bool = True) -> dict[str, Choice]:
     """Choose and persist a configuration for each partition (keyed by its symbol).
 
     ``measure({name: (partition, config)})`` builds and times kernels, returning milliseconds
     (``inf`` for a kernel that failed to build or verify).  Stage 1 times each distinct plain GEMM
     on every candidate; stage 2 times each partition on its ``top_k`` main-loop configurations
-    (plus the default when ``include_default``); a partition none of whose kernels ran gets no
-    choice.  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
+    (plus the default when ``include_default``), and with ``epilogue_tiles`` each of those again
+    with a narrow epilogue subtile (``epilogue_variant``); a partition none of whose kernels ran
+    gets no choice.  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
     """
     cache = cache or SelectionCache()
     partitions = [p if p.visitor is not None else lower(p) for p in partitions]
@@ -267,6 +299,8 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
         best = rank(mainloop)[:top_k]
         default = default_config(p.gemm.dtype_a)
         picks[p.symbol] = list(dict.fromkeys([*best, default] if include_default or not best else best))
+        if epilogue_tiles:
+            picks[p.symbol] += [epilogue_variant(c) for c in picks[p.symbol] if c.epi_tile is None]
         for cfg in picks[p.symbol]:
             jobs[f"{p.symbol}__{cfg.name}"] = (dataclasses.replace(p, symbol=f"{p.symbol}__{cfg.name}"), cfg)
     times = measure(jobs) if jobs else {}

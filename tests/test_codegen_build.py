@@ -3,6 +3,7 @@ import os
 import shutil
 import time
 
+import numpy as np
 import pytest
 import tvm
 from tvm import relax
@@ -77,13 +78,26 @@ def batched_kernel():
     return lower(from_function(bb.get()["evt_build_batched"]))
 
 
+def square_kernel():
+    """tf32 TN ``acc * acc``: a two-op topological visitor (padded by the emitter)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((128, 32), "float32"))
+    w = relax.Var("w", relax.TensorType((64, 32), "float32"))
+    with bb.function("evt_build_square", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+            out = bb.emit_output(relax.op.multiply(y, y))
+        bb.emit_func_output(out)
+    return lower(from_function(bb.get()["evt_build_square"]))
+
+
 @pytest.mark.slow
 def test_nvcc_builds_emitted_kernels(cache_home, request):
     if "slow" not in (request.config.option.markexpr or ""):
         pytest.skip("minutes of nvcc: run with -m slow")
     if toolchain.find_nvcc() is None or shutil.which("ld") is None:
         pytest.skip("nvcc absent")
-    sources = {p.symbol: emit(p) for p in (dropout_kernel(), batched_kernel())}
+    sources = {p.symbol: emit(p) for p in (dropout_kernel(), batched_kernel(), square_kernel())}
     start = time.monotonic()
     objects = cache.build_many(sources)
     first = time.monotonic() - start
@@ -109,3 +123,14 @@ def test_nvcc_builds_emitted_kernels(cache_home, request):
     handle = ctypes.CDLL(str(so))
     for symbol in sources:
         assert getattr(handle, f"__tvm_ffi_{symbol}")
+    # a toolchain with only a static libstdc++ (the GPU host's /opt/gcc): COMDAT symbols such as
+    # DW.ref.__gxx_personality_v0 must stay global or libstdc++.a's members lose their copies
+    static_so = cache_home / "kernels_static_libstdcxx.so"
+    subprocess.run(["g++", "-shared", "-static-libstdc++", "-o", str(static_so), str(module_obj)], check=True)
+    # the C ABI entry checks its arguments and raises TVM FFI errors without a GPU
+    fn = tvm_ffi.load_module(str(static_so))["evt_build_square"]
+    with pytest.raises(TypeError, match="expects 3 tensors, got 0"):
+        fn()
+    x = tvm_ffi.from_dlpack(np.zeros((128, 32), np.float32))
+    with pytest.raises(ValueError, match="parameter 0 must be on cuda"):
+        fn(x, x, x)

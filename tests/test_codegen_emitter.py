@@ -37,7 +37,8 @@ def test_evt_tree_for_a_chain():
     assert re.search(r"Sm90EVT<Node\d+, EVT\d+>;", src)  # relu(add(...))
     assert "Sm90RowBroadcast<0, TileShape, cutlass::half_t, ElementCompute, cute::Stride<cute::Int<0>, cute::Int<1>, int64_t>>" in src
     assert "Sm90Compute<tvm_evt::Relu, cutlass::half_t" in src
-    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(evt_kernel, evt_evt_kernel::run);" in src
+    assert "int __tvm_ffi_evt_kernel(void*, TVMFFIAny const* args, int32_t num_args," in src
+    assert "TVM_FFI_THROW" not in src and "<tvm/ffi/function.h>" not in src  # C ABI, no exceptions
 
 
 def test_topological_visitor_for_shared_value_and_aux_store():
@@ -52,6 +53,21 @@ def test_topological_visitor_for_shared_value_and_aux_store():
     assert "Sm90ColBroadcast<0, TileShape, cutlass::half_t" in src
     assert "Sm90AuxStore<" in src and "AuxStoreDescriptor<EpilogueDescriptor" in src
     assert "Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape" in src
+
+
+def test_square_of_a_leaf_pads_the_topological_visitor():
+    """acc * acc is a two-op topological visitor, which CUTLASS cannot compile (its
+    ``cute::repeat<1>`` of the fragments is no tuple): the emitter puts an unused AccFetch first."""
+    src = emit(build(lambda bb, y, b, c: relax.op.multiply(y, y)))
+    fusion = "cutlass::epilogue::fusion"
+    assert re.search(
+        rf"Sm90TopologicalVisitor<ElementCompute, cute::tuple<cute::seq<>, cute::seq<>, cute::seq<1, 1>>, "
+        rf"{fusion}::Sm90AccFetch, Node\d+, Node\d+>;", src
+    )
+    assert "{{}, {{}, {}}, {}}," in src  # the padding op's arguments, then the fp16-rounded fetch's
+    # a three-op visitor is emitted as is
+    src = emit(build(lambda bb, y, b, c: relax.op.multiply(relax.op.add(y, b), relax.op.add(y, b))))
+    assert "Sm90TopologicalVisitor<ElementCompute, cute::tuple<cute::seq<>, cute::seq<>, cute::seq<0, 1>" in src
 
 
 def test_scalar_reduction_and_constant():

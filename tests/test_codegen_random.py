@@ -156,4 +156,4 @@ def test_reference_matches_tvm(compiled, seed):
     except Unsupported as err:  # the only legal refusal for these shapes
         assert "tf32" in err.reason
     else:
-        assert f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({parsed.symbol}," in source
+        assert f"int __tvm_ffi_{parsed.symbol}(void*, TVMFFIAny const* args" in source

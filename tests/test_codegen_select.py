@@ -153,8 +153,13 @@ def test_tune_two_stages_is_deterministic_and_persisted(cache_home):
     assert choice.config.name == "pp_128x128x64_c1x1" and choice.time_ms == 1.2
     # stage 2 timed only the top 2 main loops and the default (never coop_256x128, ranked 3rd)
     assert len(calls) == 2 and len(calls[0]) == len(names)
-    assert sorted(c.split("__")[1] for c in calls[1]) == sorted(
-        ["coop_128x256x64_c1x1", "pp_128x128x64_c1x1", "coop_128x128x64_c1x1"])
+    # (each also with the narrow epilogue subtile)
+    picked = ["coop_128x256x64_c1x1", "pp_128x128x64_c1x1", "coop_128x128x64_c1x1"]
+    variants = ["coop_128x256x64_c1x1_e128x16", "pp_128x128x64_c1x1_e64x16", "coop_128x128x64_c1x1_e128x16"]
+    assert sorted(c.split("__")[1] for c in calls[1]) == sorted(picked + variants)
+    calls = []
+    select.tune([p], fake_measure(plain_ms, fused_ms, calls), gpu="other-gpu", top_k=2, epilogue_tiles=False)
+    assert sorted(c.split("__")[1] for c in calls[1]) == sorted(picked)
     assert select.lookup(p, gpu="fake-gpu") == choice.config
     again = select.tune([p], fake_measure(plain_ms, fused_ms, []), gpu="fake-gpu", top_k=2)
     assert again[p.symbol].config == choice.config

@@ -32,6 +32,10 @@ class KernelConfig:
     raster: Raster = Raster.HEURISTIC
     decomposition: Decomposition = Decomposition.DATA_PARALLEL
     splits: int = 1
+    # The epilogue's subtile (M, N); None lets CUTLASS choose (EpilogueTileAuto: 128x32 cooperative,
+    # 64x32 ping-pong for 16-bit D).  A smaller one shrinks the epilogue's shared memory (D, aux
+    # load/store buffers), which the main loop's ``StageCountAutoCarveout`` turns into stages.
+    epi_tile: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.schedule is Schedule.COOPERATIVE and self.tile[0] % 128:
@@ -42,6 +46,11 @@ class KernelConfig:
             raise ValueError("stream-K and split-K need the cooperative schedule (CUTLASS's ping-pong has none)")
         if (self.splits > 1) != (self.decomposition is Decomposition.SPLIT_K) or self.splits < 1:
             raise ValueError("splits > 1 goes with (and only with) the split-K decomposition")
+        if self.epi_tile is not None:
+            em, en = self.epi_tile
+            warps_m = 128 if self.schedule is Schedule.COOPERATIVE else 64  # rows of the consumer warpgroup(s)
+            if em != warps_m or self.tile[0] % em or self.tile[1] % en or en not in (8, 16, 32, 64):
+                raise ValueError(f"epilogue tile {self.epi_tile} does not divide the CTA tile {self.tile[:2]}")
 
     @property
     def name(self) -> str:
@@ -54,12 +63,15 @@ class KernelConfig:
             parts.append("streamk")
         elif self.decomposition is Decomposition.SPLIT_K:
             parts.append(f"splitk{self.splits}")
+        if self.epi_tile is not None:
+            parts.append(f"e{self.epi_tile[0]}x{self.epi_tile[1]}")
         return "_".join(parts)
 
     def to_json(self) -> dict:
         return {
             "tile": list(self.tile), "cluster": list(self.cluster), "schedule": self.schedule.value,
             "raster": self.raster.value, "decomposition": self.decomposition.value, "splits": self.splits,
+            **({"epi_tile": list(self.epi_tile)} if self.epi_tile is not None else {}),
         }
 
     @classmethod
@@ -73,7 +85,18 @@ class KernelConfig:
             raster=Raster(str(d.get("raster", base.raster.value))),
             decomposition=Decomposition(str(d.get("decomposition", base.decomposition.value))),
             splits=int(d.get("splits", base.splits)),
+            epi_tile=_epi_tile(d.get("epi_tile")),
         )
+
+
+def _epi_tile(v) -> tuple[int, int] | None:
+    """``[m, n]`` (JSON) or ``"m x n"``/``"mxn"`` (a BYOC option string); empty or "auto" is None."""
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "auto")):
+        return None
+    if isinstance(v, str):
+        v = v.lower().replace(" ", "").split("x")
+    m, n = (int(x) for x in v)
+    return (m, n)
 
 
 def default_config(dtype_a: str) -> KernelConfig:

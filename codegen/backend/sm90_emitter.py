@@ -177,7 +177,15 @@ class Sm90Emitter:
             children = [self.visitor_type(c) for c in v.children]
             return self._declare(f"EVT{v.node}", f"{FUSION}::Sm90EVT<{op}, {', '.join(children)}>")
         ops = [self.node_type(op) if isinstance(op, int) else self.visitor_type(op) for op in v.ops]
-        edges = ", ".join(f"cute::seq<{', '.join(map(str, e))}>" for e in v.edges)
+        edges = [e for e in v.edges]
+        if len(ops) == 2:
+            # CUTLASS's Sm90TopologicalVisitor needs 3+ ops: with 2 its ``cute::repeat<1>`` of the
+            # compute fragments is a bare Array, not a tuple, and ``get<0>`` fails to deduce.  Two
+            # ops arise from a leaf read twice by one node (``acc * acc``); an unused, free
+            # Sm90AccFetch in front makes it three.
+            ops = [f"{FUSION}::Sm90AccFetch", *ops]
+            edges = [(), *(tuple(j + 1 for j in e) for e in edges)]
+        edges = ", ".join(f"cute::seq<{', '.join(map(str, e))}>" for e in edges)
         return self._declare(
             f"Topo{v.output}",
             f"{FUSION}::Sm90TopologicalVisitor<ElementCompute, cute::tuple<{edges}>, {', '.join(ops)}>",
@@ -219,6 +227,8 @@ class Sm90Emitter:
                 return self.node_args(v.node)
             return "{" + ", ".join([self.visitor_args(c) for c in v.children] + [self.node_args(v.node)]) + "}"
         parts = [self.node_args(op) if isinstance(op, int) else self.visitor_args(op) for op in v.ops]
+        if len(parts) == 2:
+            parts = ["{}", *parts]  # the padding Sm90AccFetch
         return "{" + ", ".join(parts) + "}"
 
     def _param_ptr(self, i: int, dtype: str) -> str:
@@ -264,10 +274,8 @@ class Sm90Emitter:
         root = self.visitor_type(p.visitor)
         d_node = next(n for n in p.epilogue.nodes if isinstance(n, AuxStore) and n.output == p.d_output)
         n_params, n_outputs = len(p.params), len(p.outputs)
-        signature = ", ".join(
-            [f"tvm::ffi::TensorView p{i}" for i in range(n_params)]
-            + [f"tvm::ffi::TensorView o{i}" for i in range(n_outputs)]
-        )
+        names = [f"p{i}" for i in range(n_params)] + [f"o{i}" for i in range(n_outputs)]
+        bind = "\n".join(f"  DLTensor* {name} = tensors[{i}];" for i, name in enumerate(names))
         checks = []
         for prefix, descs in (("p", p.params), ("o", p.outputs)):
             for i, desc in enumerate(descs):
@@ -277,7 +285,8 @@ class Sm90Emitter:
                 shape = ", ".join(str(d) for d in desc.shape)
                 kind = "parameter" if prefix == "p" else "output"
                 checks.append(
-                    f'  tvm_evt::check_tensor({prefix}{i}, kKernel, "{kind} {i}", {{{shape}}}, {code}, {bits}, device_id);'
+                    f'  if (tvm_evt::check_tensor({prefix}{i}, kKernel, "{kind} {i}", {{{shape}}}, {code}, {bits}, '
+                    f"device_id)) return -1;"
                 )
         a_st, b_st = g.a_stride, g.b_stride
         values = dict(
@@ -300,7 +309,8 @@ class Sm90Emitter:
             element_d=_cpp(d_node.dtype),
             visitor_decls="\n".join(self.decls),
             visitor_root=root,
-            signature=signature,
+            num_args=len(names),
+            bind=bind,
             first_tensor="p0",
             checks="\n".join(checks),
             stride_a=_stride_value(a_st),
@@ -311,6 +321,8 @@ class Sm90Emitter:
             ptr_d=self._output_ptr(p.d_output, d_node.dtype),
             fusion_args=self.visitor_args(p.visitor),
             raster=cfg.raster.value,
+            epilogue_tile="cutlass::epilogue::collective::EpilogueTileAuto" if cfg.epi_tile is None
+            else f"Shape<_{cfg.epi_tile[0]}, _{cfg.epi_tile[1]}>",
             tile_scheduler=TILE_SCHEDULER[cfg.decomposition.value],
             scheduler_args=SCHEDULER_ARGS[cfg.decomposition.value].substitute(splits=cfg.splits),
         )

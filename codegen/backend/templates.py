@@ -14,10 +14,10 @@ HEADER = Template("""\
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/util/packed_stride.hpp>
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/error.h>
+#include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
-#include <tvm/ffi/function.h>
+#include <cstdarg>
+#include <cstdio>
 """)
 
 # Functors and the Philox dropout node.  Compute functors see Array<float, N> (ElementCompute);
@@ -201,38 +201,56 @@ struct Sm90PhiloxDropout {
   }
 };
 
-inline void check_tensor(tvm::ffi::TensorView t, const char* kernel, const char* what,
-                         std::initializer_list<int64_t> shape, DLDataTypeCode code, int bits,
-                         int device_id) {
-  if (t.device().device_type != kDLCUDA || t.device().device_id != device_id) {
-    TVM_FFI_THROW(ValueError) << kernel << ": " << what << " must be on cuda:" << device_id;
+// The entry functions speak the TVM FFI C ABI directly (no C++ exceptions, no iostreams), so a
+// kernel object needs nothing from libstdc++: see ``codegen/build/link.py``.
+inline int fail(const char* kind, const char* format, ...) {
+  char message[1024];
+  va_list args;
+  va_start(args, format);
+  vsnprintf(message, sizeof(message), format, args);
+  va_end(args);
+  TVMFFIErrorSetRaisedFromCStr(kind, message);
+  return -1;
+}
+
+inline DLTensor* tensor_of(TVMFFIAny const& arg) {
+  if (arg.type_index == kTVMFFIDLTensorPtr) return static_cast<DLTensor*>(arg.v_ptr);
+  if (arg.type_index == kTVMFFITensor) return TVMFFITensorGetDLTensorPtr(arg.v_obj);
+  return nullptr;
+}
+
+// 0 when ``t`` is a contiguous tensor of the given shape and dtype on cuda:device_id, else -1
+// with the error raised.
+inline int check_tensor(DLTensor const* t, const char* kernel, const char* what,
+                        std::initializer_list<int64_t> shape, int code, int bits, int device_id) {
+  if (t->device.device_type != kDLCUDA || t->device.device_id != device_id) {
+    return fail("ValueError", "%s: %s must be on cuda:%d", kernel, what, device_id);
   }
-  if (t.dtype().code != code || t.dtype().bits != bits || t.dtype().lanes != 1) {
-    TVM_FFI_THROW(TypeError) << kernel << ": " << what << " has dtype code " << int(t.dtype().code)
-                             << " bits " << int(t.dtype().bits) << ", expected code " << int(code)
-                             << " bits " << bits;
+  if (t->dtype.code != code || t->dtype.bits != bits || t->dtype.lanes != 1) {
+    return fail("TypeError", "%s: %s has dtype code %d bits %d, expected code %d bits %d", kernel, what,
+                int(t->dtype.code), int(t->dtype.bits), code, bits);
   }
-  if (t.ndim() != int32_t(shape.size())) {
-    TVM_FFI_THROW(ValueError) << kernel << ": " << what << " has rank " << t.ndim() << ", expected "
-                              << shape.size();
+  if (t->ndim != int32_t(shape.size())) {
+    return fail("ValueError", "%s: %s has rank %d, expected %d", kernel, what, int(t->ndim), int(shape.size()));
   }
   int64_t expect_stride = 1;
   for (int i = int(shape.size()) - 1; i >= 0; --i) {
     int64_t dim = *(shape.begin() + i);
-    if (t.size(i) != dim) {
-      TVM_FFI_THROW(ValueError) << kernel << ": " << what << " dim " << i << " is " << t.size(i)
-                                << ", the kernel was generated for " << dim;
+    if (t->shape[i] != dim) {
+      return fail("ValueError", "%s: %s dim %d is %lld, the kernel was generated for %lld", kernel, what, i,
+                  (long long)t->shape[i], (long long)dim);
     }
-    if (dim != 1 && t.stride(i) != expect_stride) {
-      TVM_FFI_THROW(ValueError) << kernel << ": " << what << " is not contiguous";
+    if (dim != 1 && t->strides != nullptr && t->strides[i] != expect_stride) {
+      return fail("ValueError", "%s: %s is not contiguous", kernel, what);
     }
     expect_stride *= dim;
   }
+  return 0;
 }
 
 template <class T>
-T* data_of(tvm::ffi::TensorView t) {
-  return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
+T* data_of(DLTensor const* t) {
+  return reinterpret_cast<T*>(static_cast<char*>(t->data) + t->byte_offset);
 }
 }  // namespace tvm_evt
 #endif  // TVM_EVT_PRELUDE
@@ -252,7 +270,7 @@ using TileShape = Shape<_${tile_m}, _${tile_n}, _${tile_k}>;
 using ClusterShape = Shape<_${cluster_m}, _${cluster_n}, _${cluster_k}>;
 using KernelSchedule = ${kernel_schedule};
 using EpilogueSchedule = ${epilogue_schedule};
-using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+using EpilogueTile = ${epilogue_tile};
 using ElementD = ${element_d};
 using StrideD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 using ElementC = void;
@@ -282,9 +300,18 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
     Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, ${tile_scheduler}>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
-void run(${signature}) {
+int run(TVMFFIAny const* ffi_args, int32_t num_args) {
   constexpr const char* kKernel = "${symbol}";
-  int device_id = ${first_tensor}.device().device_id;
+  if (num_args != ${num_args}) {
+    return tvm_evt::fail("TypeError", "%s: expects ${num_args} tensors, got %d", kKernel, int(num_args));
+  }
+  DLTensor* tensors[${num_args}];
+  for (int i = 0; i < ${num_args}; ++i) {
+    tensors[i] = tvm_evt::tensor_of(ffi_args[i]);
+    if (!tensors[i]) return tvm_evt::fail("TypeError", "%s: argument %d is not a tensor", kKernel, i);
+  }
+${bind}
+  int device_id = ${first_tensor}->device.device_id;
 ${checks}
   using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
@@ -303,27 +330,33 @@ ${checks}
   Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status != cutlass::Status::kSuccess) {
-    TVM_FFI_THROW(RuntimeError) << kKernel << ": CUTLASS cannot implement this problem ("
-                                << cutlass::cutlassGetStatusString(status)
-                                << "); check operand alignment (16 bytes) and shapes";
+    return tvm_evt::fail("RuntimeError",
+                         "%s: CUTLASS cannot implement this problem (%s); check operand alignment (16 bytes) and shapes",
+                         kKernel, cutlass::cutlassGetStatusString(status));
   }
   size_t workspace_size = Gemm::get_workspace_size(args);
   void* workspace = nullptr;
   if (workspace_size && cudaMallocAsync(&workspace, workspace_size, stream) != cudaSuccess) {
-    TVM_FFI_THROW(RuntimeError) << kKernel << ": cannot allocate " << workspace_size << " bytes of workspace";
+    return tvm_evt::fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kKernel, workspace_size);
   }
   status = gemm.initialize(args, workspace, stream);
   if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
   cudaError_t err = cudaGetLastError();
   if (workspace) cudaFreeAsync(workspace, stream);
   if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
-    TVM_FFI_THROW(RuntimeError) << kKernel << ": launch failed: " << cutlass::cutlassGetStatusString(status)
-                                << " / " << cudaGetErrorString(err);
+    return tvm_evt::fail("RuntimeError", "%s: launch failed: %s / %s", kKernel,
+                         cutlass::cutlassGetStatusString(status), cudaGetErrorString(err));
   }
+  return 0;
 }
 }  // namespace ${namespace}
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(${symbol}, ${namespace}::run);
+// TVM FFI safe-call entry (what TVM_FFI_DLL_EXPORT_TYPED_FUNC would produce, without exceptions).
+extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_${symbol}(void*, TVMFFIAny const* args, int32_t num_args,
+                                                      TVMFFIAny* result) {
+  result->type_index = kTVMFFINone;
+  return ${namespace}::run(args, num_args);
+}
 """)
 
 # Tile scheduler per ``Decomposition`` (CUTLASS 3 ``GemmUniversal``'s last template argument) and

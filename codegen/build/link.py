@@ -4,6 +4,15 @@
 ``export_library`` links needs no ``-lcudart``; ``objcopy`` then keeps only the TVM FFI entry
 symbols global, so the bundled runtime cannot interpose on another copy in the process.  The
 driver calls CUTLASS makes directly go through ``driver_shim`` (no ``-lcuda`` needed).
+
+Weak definitions (C++ COMDAT groups: inline functions, template instantiations, the
+``DW.ref.__gxx_personality_v0`` personality reference) stay global.  The final link keeps one copy
+of each COMDAT group; were ours local, a libstdc++ member linked statically (a toolchain with only
+``libstdc++.a``, or ``-static-libstdc++``) would lose its copy and fail with "relocation
+R_X86_64_PC32 against undefined hidden symbol `DW.ref.__gxx_personality_v0'".  They are hidden
+(``-fvisibility=hidden``) or standard-library instantiations, so they interpose on nothing.  The
+entry functions use the TVM FFI C ABI (no exceptions), so what the object still takes from
+libstdc++ is the iostream CUTLASS's TMA descriptor error path prints with.
 """
 from __future__ import annotations
 
@@ -41,11 +50,28 @@ def link_module(objects: list[Path], symbols: list[str], nvcc: str | None = None
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 raise BuildError(f"ld -r failed: {proc.stderr}")
-            keep = []
-            for s in symbols:
-                keep += [f"--keep-global-symbol=__tvm_ffi_{s}", f"--keep-global-symbol=__tvm_ffi__metadata_{s}"]
-            proc = subprocess.run([objcopy, *keep, str(combined)], capture_output=True, text=True)
+            keep = [name for s in symbols for name in (f"__tvm_ffi_{s}", f"__tvm_ffi__metadata_{s}")]
+            keep_file = Path(tmp) / "keep.txt"
+            keep_file.write_text("\n".join(keep + weak_definitions(combined)) + "\n")
+            proc = subprocess.run([objcopy, f"--keep-global-symbols={keep_file}", str(combined)],
+                                  capture_output=True, text=True)
             if proc.returncode:
                 raise BuildError(f"objcopy failed: {proc.stderr}")
             atomic_write(out, combined.read_bytes())
     return out
+
+
+def weak_definitions(obj: Path) -> list[str]:
+    """Names of the weak (and GNU-unique) symbols ``obj`` defines: its COMDAT members."""
+    nm = shutil.which("nm")
+    if not nm:
+        raise BuildError("binutils (nm) are needed to link the kernel module")
+    proc = subprocess.run([nm, "-g", "--defined-only", str(obj)], capture_output=True, text=True)
+    if proc.returncode:
+        raise BuildError(f"nm failed: {proc.stderr}")
+    names = []
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[1] in ("W", "V", "u"):
+            names.append(parts[2])
+    return sorted(set(names))
