@@ -71,6 +71,25 @@ FOLLOW = frozenset(
 _FLOATS = ("float16", "bfloat16", "float32")
 
 
+def _conv(make, fields):
+    def rebuild(call, args, want):
+        kwargs = {f: getattr(call.attrs, f) for f in fields}
+        return make(args[0], args[1], out_dtype=want, **kwargs)
+
+    return rebuild
+
+
+_CONV_FIELDS = ("strides", "padding", "dilation", "groups", "data_layout", "kernel_layout", "out_layout")
+
+# ops whose importer-given out_dtype (fp32) would otherwise pin their output, and with it
+# the dtype of the gradient their rule hands back to low-precision operands
+RETARGET_OUT_DTYPE = {
+    "relax.matmul": lambda call, args, want: relax.op.matmul(args[0], args[1], out_dtype=want),
+    "relax.nn.conv1d": _conv(relax.op.nn.conv1d, _CONV_FIELDS),
+    "relax.nn.conv2d": _conv(relax.op.nn.conv2d, _CONV_FIELDS),
+}
+
+
 def _dtype(expr) -> str | None:
     ty = expr.ty
     return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
@@ -88,6 +107,17 @@ class _Caster(PyExprMutator):
             return self.builder_.emit(relax.op.astype(arg, want))
         return arg
 
+    def _cast_operand(self, arg, want: str):
+        """Cast a tensor operand, or each field of a tuple operand (concat, stack)."""
+        if isinstance(arg.ty, relax.TupleType):
+            fields = [
+                self._cast(self.builder_.emit(relax.TupleGetItem(arg, i)) if not isinstance(arg, relax.Tuple)
+                           else arg.fields[i], want)
+                for i in range(len(arg.ty.fields))
+            ]
+            return relax.Tuple(fields)
+        return self._cast(arg, want)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         if not isinstance(call.op, tvm.ir.Op):
             return super().visit_call_(call)
@@ -99,9 +129,9 @@ class _Caster(PyExprMutator):
                 return relax.op.astype(args[0], self.low)
         elif name not in FOLLOW:
             want = "float32" if name in FP32 else self.low
-            args = [self._cast(a, want) for a in args]
-            if name == "relax.matmul":
-                return relax.op.matmul(args[0], args[1], out_dtype=want)
+            args = [self._cast_operand(a, want) for a in args]
+            if name in RETARGET_OUT_DTYPE:
+                return RETARGET_OUT_DTYPE[name](call, args, want)
         return relax.Call(call.op, args, call.attrs, call.ty_args)
 
 

@@ -45,6 +45,13 @@ class GradientRuleError(ValueError):
 ##################### Utilities #####################
 
 
+
+def _lowest(dtype: str) -> float:
+    """The most negative finite value of `dtype` (numpy alone does not know bfloat16)."""
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(dtype).min)
+
 def _op_name(call: Call) -> str:
     return call.op.name if isinstance(call.op, Op) else str(call.op)
 
@@ -328,7 +335,7 @@ def attention_grad(orig_var, orig_call, output_grad, ctx):
         else:
             raise _fail(orig_call, f"unknown causal_mask {attrs.causal_mask!r}")
         keep = np.tril(np.ones((seq, seq_kv), dtype=bool), k=offset)
-        lowest = float(np.finfo(_dtype(q)).min)
+        lowest = _lowest(_dtype(q))
         scores = R.where(relax.const(keep, "bool"), scores, _const(lowest, q))
     probs = ctx.normalize(R.nn.softmax(scores, axis=-1))
     dprobs = R.matmul(dout, t_last(vt))
@@ -602,7 +609,7 @@ def _pool_grad(kind: str) -> GradientRule:
             pad_width[2 * a], pad_width[2 * a + 1] = b, c - b - n
 
         if kind == "max":
-            lowest = float(np.finfo(_dtype(x)).min)
+            lowest = _lowest(_dtype(x))
             x_padded = ctx.normalize(R.nn.pad(x, pad_width, "constant", lowest))
         else:
             if any(d != 1 for d in dilation):

@@ -255,3 +255,26 @@ def test_setup_lists_every_package():
             rel = init.parent.relative_to(base).parts
             found.add(".".join((pkg, *rel)))
     assert found == set(listed)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_graphs_type_check_for_every_zoo_model(precision):
+    """AMP must leave no mixed-dtype op behind (tuple operands, conv out_dtype, pooling
+    gradients): every zoo training graph builds and survives the EVT graph passes."""
+    from tvm_evt.relax_passes.graph_passes import evt_graph_passes
+
+    for name in ZOO_NAMES:
+        entry = models.ZOO[name]()
+        imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+        graph = tvm_evt.build_training_module(imported, None, precision)
+        evt_graph_passes()(graph.mod)
+
+
+@pytest.mark.parametrize("name", ["vit", "xml_cnn", "resnet_basic"])
+def test_bf16_conv_and_concat_models_agree_with_fp32(name):
+    entry = models.ZOO[name]()
+    no_dropout(entry.model)
+    inputs = entry.example_inputs()
+    loss32, _ = _compile(entry, inputs).loss_and_grads(*inputs)
+    loss, _ = _compile(entry, inputs, precision="bf16").loss_and_grads(*inputs)
+    assert rel_err(loss, loss32) <= 2e-2
