@@ -118,3 +118,15 @@ def test_config_is_an_input():
 
 def test_deterministic():
     assert emit(build(bias_relu)) == emit(build(bias_relu))
+
+
+def test_epilogue_subtile_is_a_config_input():
+    p = build(bias_relu)
+    assert "using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;" in emit(p)  # default unchanged
+    src = emit(p, KernelConfig(tile=(128, 64, 64), epi_tile=(128, 16)))
+    assert "using EpilogueTile = Shape<_128, _16>;" in src
+    pp = KernelConfig(tile=(64, 64, 64), schedule=Schedule.PINGPONG, epi_tile=(64, 16))
+    assert pp.name == "pp_64x64x64_c1x1_e64x16" and KernelConfig.from_json(pp.to_json()) == pp
+    for bad in ((64, 16), (128, 48)):  # cooperative needs 128 rows; N must divide the tile
+        with pytest.raises(ValueError):
+            KernelConfig(epi_tile=bad)
