@@ -7,7 +7,8 @@ One list of phases, in order (``phases(target)``):
     PartitionEVT       the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
     -- CUDA --
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
-    LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, DLight default GPU schedules
+    LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, then DLight's default GPU
+                       schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
     -- any other target (the CPU reference path) --
     InlineEVTPartitions  the partitions' ops go back into the caller, lowered by TVM, so CI checks
@@ -25,6 +26,7 @@ import tvm
 from tvm import relax
 
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
+from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
 PIPELINE_NAME = "evt"
 
@@ -56,7 +58,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
            use_cache: bool = True) -> list:
     front = front_passes(time_limit, use_cache)
     if target.kind.name == "cuda":
-        from tvm.relax.backend import cuda
+        from tvm.relax.backend.cuda import pipeline as cuda
 
         from .codegen import relax_ext
 
@@ -65,7 +67,14 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             front
             + cuda.library_dispatch_passes(target)
             + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
-            + cuda.legalize_passes(target)  # LegalizeOps, FuseOps, FuseTIR, DLight schedules
+            + [  # TVM's CUDA legalisation, with DLight applied per function and rule
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                ScheduleTIRForGPU(),
+            ]
             + cuda.dataflow_lower_passes(target)
             + cuda.finalize_passes(target)
         )

@@ -295,6 +295,14 @@ class TrainingStep:
         return int(self._step.numpy())
 
 
+def runtime_module(mod: tvm.IRModule) -> tvm.IRModule:
+    """What a TrainingStep calls — train_step and main_adjoint — without the forward-only
+    ``main``, whose partitions would otherwise be built a third time."""
+    kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main"}
+    mod = tvm.IRModule(kept, attrs=mod.attrs)
+    return relax.transform.DeadCodeElimination(entry_functions=["train_step", "main_adjoint"])(mod)
+
+
 def compile_training(
     model,
     example_inputs: Sequence,
@@ -303,16 +311,23 @@ def compile_training(
     target=None,
     precision: str = "fp32",
     seed: int = 0,
+    tuning_dir=None,
 ) -> TrainingStep:
     """Compile forward + backward + optimizer update of `model` into one training step.
 
     `target=None` picks CUDA when a GPU is present, else llvm; `optimizer` defaults to
     ``SGD(lr=1e-3)`` and may be a tvm_evt optimizer or a torch.optim.SGD/AdamW instance.
-    With `loss_fn`, the last input is the loss target.
+    With `loss_fn`, the last input is the loss target. `tuning_dir`: a work directory of
+    `tvm_evt.tuning.tune` (scripts/tune.py) whose MetaSchedule database and CUTLASS choices to use.
     """
     start = time.perf_counter()
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision)
     tgt = as_target(target)
-    executable = tvm.compile(graph.mod, target=tgt, relax_pipeline=PIPELINE_NAME)
+    if tuning_dir is None:
+        executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
+    else:
+        from .tuning import compile_tuned
+
+        executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
     return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)

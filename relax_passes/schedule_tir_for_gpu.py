@@ -1,0 +1,55 @@
+"""ScheduleTIRForGPU: DLight's default GPU schedules, applied rule by rule per function.
+
+``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` stops the
+whole build when a rule raises on one function (TVM 0.27's Reduction rule trips an rfactor
+check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
+with each rule in that order, alone; a rule that raises or declines hands the function to the
+next one, and ``Fallback`` schedules anything left.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+
+def _rules():
+    from tvm.s_tir import dlight as dl
+
+    return (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+            dl.gpu.Fallback())
+
+
+def _scheduled(func) -> bool:
+    return bool(func.attrs) and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]) == 1
+
+
+@tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
+class ScheduleTIRForGPU:
+    """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        from tvm.s_tir import dlight as dl
+
+        rules = _rules()
+        updates = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or _scheduled(func):
+                continue
+            single = tvm.IRModule({gv: func})
+            for rule in rules:
+                try:
+                    out = dl.ApplyDefaultSchedule(rule)(single)
+                except Exception:  # noqa: BLE001 - a failing rule passes the function on
+                    continue
+                if _scheduled(out[gv]):
+                    updates[gv] = out[gv]
+                    break
+            else:
+                raise RuntimeError(f"no DLight rule could schedule {gv.name_hint} for the GPU")
+        if not updates:
+            return mod
+        mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
