@@ -5,6 +5,7 @@ The training graph is built by `relax_passes` in this order:
 1. import (`frontend.from_torch`): ``main(*inputs, *params, *buffers) -> (loss, *new_buffers)``;
 2. `check_differentiable`: every op between a parameter and the loss has a gradient rule;
 3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
+   `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
 6. `AppendOptimizer`: ``train_step`` = forward + backward + update, one dataflow graph;
@@ -27,6 +28,7 @@ from .pipeline import PIPELINE_NAME  # registers relax_pipeline="evt"
 from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
+from .relax_passes.expand_small_power import ExpandSmallPower
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
 
@@ -116,7 +118,12 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     check_differentiable(imported)
-    passes = [LowerDropout(), relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination()]
+    passes = [
+        LowerDropout(),
+        ExpandSmallPower(),
+        relax.transform.CanonicalizeBindings(),
+        relax.transform.DeadCodeElimination(),
+    ]
     low = PRECISIONS[precision]
     loss_scale = None
     if low is not None:
