@@ -1,0 +1,665 @@
+"""Tuning a training step: CUTLASS configurations for the evt partitions, MetaSchedule for the rest.
+
+``tune(model, target, work_dir, trials)`` builds the training graph exactly as `compile_training`
+does, partitions it with the ``evt`` pipeline's front passes, then
+
+1. **CUTLASS** (CUDA targets): every distinct ``Codegen="evt"`` partition is profiled on the GPU
+   with ``codegen.select.tune`` (plain-GEMM main-loop ranking, then the best few re-timed with the
+   partition's epilogue); choices go to ``<work_dir>/cutlass_select.json``;
+2. **MetaSchedule** (any target, XGBoost cost model): the TIR functions left to TVM (what
+   ``FuseTIR`` produces in the compile pipeline; the evt partitions are opaque calls) are tuned one
+   task at a time, largest estimated cost first, into the JSON database in ``work_dir``.
+
+Both steps are resumable: a partition whose signature has a choice, or a task that already got its
+trials (``<work_dir>/progress.json``), is skipped; ``time_budget`` stops starting new work.
+
+``compile_tuned(mod, target, work_dir)`` (what ``compile_training(..., tuning_dir=...)`` calls)
+compiles with the same pipeline plus ``MetaScheduleApplyDatabase`` right after ``FuseTIR``, so tuned
+kernels replace DLight's default schedules, and with the CUTLASS choices in effect
+(``TVM_EVT_SELECT=1``; the work dir's choices are merged into the selection cache that
+``relax.ext.evt`` reads).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from .pipeline import front_passes, phases
+
+PROGRESS_FILE = "progress.json"
+CUTLASS_FILE = "cutlass_select.json"
+MS_FILES = ("database_workload.json", "database_tuning_record.json")
+# what the CPU route must do before ApplyDatabase (the CUDA route has these in its legalize passes)
+_FUSE = ("LegalizeOps", "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR")
+
+
+def _log(msg: str) -> None:
+    print(f"[tune] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------- models
+def load_model(spec: str, **overrides):
+    """A `models.ZooEntry` from a zoo name, a preset name, or ``package.module:factory`` (a callable
+    returning a ZooEntry, or an ``(nn.Module, example_inputs, loss_fn)`` tuple)."""
+    from . import models
+
+    if spec in models.PRESETS:
+        return models.PRESETS[spec](**overrides)
+    if spec in models.ZOO:
+        return models.ZOO[spec](**overrides)
+    if ":" not in spec:
+        raise ValueError(f"unknown model {spec!r}: not in models.ZOO or models.PRESETS and not 'module:factory'")
+    module_name, _, attr = spec.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    made = factory(**overrides)
+    if isinstance(made, models.ZooEntry):
+        return made
+    model, example, loss_fn = made
+    inputs = tuple(example)
+    return models.ZooEntry(model, lambda: inputs, loss_fn, f"{spec}", num_targets=1 if loss_fn else 0)
+
+
+def training_graph(entry, precision: str = "bf16", optimizer=None):
+    """(imported, TrainingGraph) as `compile_training` builds them."""
+    from .frontend import from_torch
+    from .training import build_training_module
+
+    imported = from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+    return imported, build_training_module(imported, optimizer, precision)
+
+
+# ----------------------------------------------------------------------------- pipeline split
+def _names(passes) -> list[str]:
+    return [p.info.name for p in passes]
+
+
+def split_phases(target: tvm.target.Target) -> tuple[list, list]:
+    """The ``evt`` pipeline's phases cut right after ``FuseTIR``: (up to fused TIR, the rest).
+
+    The CUDA route fuses inside its legalize passes; the generic route legalizes inside
+    ``default_build_pipeline``, so the cut adds LegalizeOps ... FuseTIR before that last phase."""
+    passes = phases(target)
+    names = _names(passes)
+    if "FuseTIR" in names:
+        cut = names.index("FuseTIR") + 1
+        return passes[:cut], passes[cut:]
+    fuse = [getattr(relax.transform, name)() for name in _FUSE]
+    return passes[:-1] + fuse, passes[-1:]
+
+
+def has_database(work_dir) -> bool:
+    return all((Path(work_dir) / f).is_file() for f in MS_FILES)
+
+
+def tuned_pipeline(work_dir) -> tvm.transform.Pass:
+    """The ``evt`` pipeline with ``MetaScheduleApplyDatabase(work_dir)`` after ``FuseTIR``."""
+    work_dir = str(work_dir)
+
+    @tvm.transform.module_pass(opt_level=0, name="EVTTunedPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current()
+        if target is None:
+            raise ValueError("the tuned evt pipeline needs a target: tvm.compile(mod, target=...)")
+        with target:
+            before, after = split_phases(target)
+            apply = [relax.transform.MetaScheduleApplyDatabase(work_dir)] if has_database(work_dir) else []
+            return tvm.transform.Sequential(before + apply + after)(mod)
+
+    return _pipeline
+
+
+@contextlib.contextmanager
+def cutlass_choices(work_dir):
+    """Make ``relax.ext.evt`` use the CUTLASS choices of ``work_dir`` (merged into the selection
+    cache it reads; ``TVM_EVT_SELECT=1`` while the block runs)."""
+    from .codegen import select
+    from .codegen.backend import KernelConfig
+
+    path = Path(work_dir) / CUTLASS_FILE
+    if path.is_file():
+        mine, shared = select.SelectionCache(path), select.SelectionCache()
+        current = shared.load()
+        for key, entry in mine.load().items():
+            if current.get(key, {}).get("config") == entry.get("config"):
+                continue
+            sig, gpu, _version = key.split("|")
+            shared.put(sig, gpu, KernelConfig.from_json(entry["config"]), note=entry.get("note", ""))
+    old = os.environ.get("TVM_EVT_SELECT")
+    os.environ["TVM_EVT_SELECT"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TVM_EVT_SELECT", None)
+        else:
+            os.environ["TVM_EVT_SELECT"] = old
+
+
+def compile_tuned(mod: tvm.IRModule, target: tvm.target.Target, work_dir):
+    """``tvm.compile`` with the tuning results of ``work_dir`` (MetaSchedule database + CUTLASS choices)."""
+    with cutlass_choices(work_dir):
+        return tvm.compile(mod, target=target, relax_pipeline=tuned_pipeline(work_dir))
+
+
+# ------------------------------------------------------------------------------- partitions
+def evt_functions(mod: tvm.IRModule) -> dict:
+    """{GlobalVar: function} of the ``Codegen="evt"`` partitions."""
+    from .relax_passes.partition_evt import CODEGEN
+
+    return {gv: f for gv, f in mod.functions_items()
+            if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+
+
+@tvm.transform.module_pass(opt_level=0, name="OpaqueEVTCalls")
+class OpaqueEVTCalls:
+    """Replace each call of an evt partition by a ``call_dps_packed`` of its symbol and drop the
+    partitions: what ``RunCodegen`` leaves for TVM, without building the kernels."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        parts = evt_functions(mod)
+        if not parts:
+            return mod
+
+        @relax.expr_functor.mutator
+        class _Mutator(relax.PyExprMutator):
+            def visit_call_(self, call):
+                call = super().visit_call_(call)
+                if call.op in parts:
+                    ty = call.ty
+                    out = list(ty.fields) if isinstance(ty, relax.TupleType) else ty
+                    return relax.call_dps_packed(call.op.name_hint, relax.Tuple(list(call.args)), out)
+                return call
+
+        mutator = _Mutator(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and gv not in parts:
+                mutator.builder_.update_func(gv, mutator.visit_expr(func))
+        out = mutator.builder_.get()
+        return tvm.IRModule({g: f for g, f in out.functions_items() if g not in parts}, attrs=out.attrs)
+
+
+def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The training module after the ``evt`` pipeline's front passes (graph passes, PartitionEVT)."""
+    with target:
+        return tvm.transform.Sequential(front_passes())(mod)
+
+
+def cutlass_partitions(mod: tvm.IRModule) -> tuple[list, dict]:
+    """(distinct lowered `Partition`s, {symbol: reason} of those the codegen cannot take)."""
+    from .codegen import select
+    from .codegen.errors import Unsupported
+    from .codegen.frontend import from_function
+    from .codegen.passes import lower
+
+    found, skipped, seen = [], {}, set()
+    for gv, func in sorted(evt_functions(mod).items(), key=lambda kv: kv[0].name_hint):
+        try:
+            p = lower(from_function(func, symbol=gv.name_hint))
+        except Unsupported as err:
+            skipped[gv.name_hint] = err.reason
+            continue
+        sig = select.signature(p)
+        if sig not in seen:
+            seen.add(sig)
+            found.append(p)
+    return found, skipped
+
+
+# -------------------------------------------------------------------------- CUTLASS profiling
+class GpuMeasure:
+    """A ``select.Measure`` for any partition: build every job in parallel, run each on random
+    inputs, check it against the default configuration's output of the same partition (relative
+    L2 error <= 1e-2, finite), then time it with CUDA events (median of ``iters``)."""
+
+    def __init__(self, jobs: int = os.cpu_count() or 1, iters: int = 20, warmup: int = 3):
+        import torch
+
+        self.torch, self.jobs, self.iters, self.warmup = torch, jobs, iters, warmup
+        self.records: dict[str, dict] = {}
+
+    def _tensor(self, desc, role: str, k: int):
+        t = self.torch
+        dtypes = {"bfloat16": t.bfloat16, "float16": t.float16, "float32": t.float32,
+                  "int32": t.int32, "int64": t.int64, "uint8": t.uint8}
+        if desc.dtype == "uint32":
+            return t.randint(0, 2**31 - 1, desc.shape, dtype=t.int32, device="cuda").view(t.uint32)
+        if desc.dtype == "bool":
+            return t.rand(desc.shape, device="cuda") < 0.5
+        if desc.dtype not in ("bfloat16", "float16", "float32"):
+            return t.zeros(desc.shape, dtype=dtypes[desc.dtype], device="cuda")
+        scale = k ** -0.5 if role == "b" else 1.0
+        return (t.randn(desc.shape, device="cuda") * scale).to(dtypes[desc.dtype])
+
+    def _outputs(self, partition):
+        t = self.torch
+        dt = {"bfloat16": t.bfloat16, "float32": t.float32, "float16": t.float16, "bool": t.bool}
+        return [t.zeros(d.shape, dtype=dt[d.dtype], device="cuda") for d in partition.outputs]
+
+    def __call__(self, jobs: dict) -> dict[str, float]:
+        from .codegen import bench as cbench
+        from .codegen.backend import default_config, emit
+        from .codegen.errors import Unsupported
+
+        sources = {}
+        for name, (p, cfg) in jobs.items():
+            self.records[name] = {"config": cfg.name, "ms": math.inf, "error": None}
+            try:
+                sources[name] = emit(p, cfg)
+            except Unsupported as err:
+                self.records[name]["error"] = f"unsupported: {err.reason}"
+        objects, failed, _stats = cbench.build_tolerant(sources, self.jobs)
+        for name, err in failed.items():
+            self.records[name]["error"] = "nvcc: " + err.strip().splitlines()[-1][:300]
+        if not objects:
+            return {n: math.inf for n in jobs}
+        lib = cbench.load_library(objects)
+        groups: dict[str, list[str]] = {}
+        for name in jobs:
+            groups.setdefault(name.rsplit("__", 1)[0], []).append(name)
+        times = {}
+        t = self.torch
+        for group, names in groups.items():
+            p0 = jobs[names[0]][0]
+            g = p0.gemm
+            roles = {g.a_param: "a", g.b_param: "b"}
+            inputs = [self._tensor(d, roles.get(i, "aux"), g.k) for i, d in enumerate(p0.params)]
+            default = default_config(g.dtype_a).name
+            # the default configuration first: it is the reference of the others
+            names = sorted(names, key=lambda n: jobs[n][1].name != default)
+            ref = None
+            for name in names:
+                if name not in objects:
+                    continue
+                rec, fn = self.records[name], lib[name]
+                outputs = self._outputs(jobs[name][0])
+                try:
+                    fn(*inputs, *outputs)
+                    t.cuda.synchronize()
+                    got = [o.float() for o in outputs if o.is_floating_point()]
+                    if not all(bool(t.isfinite(o).all()) for o in got):
+                        rec["error"] = "non-finite output"
+                        continue
+                    if ref is None:
+                        ref = got
+                    else:
+                        err = max(float((a - b).norm() / max(float(b.norm()), 1e-30)) for a, b in zip(got, ref))
+                        if err > 1e-2:
+                            rec["error"] = f"differs from the default configuration (rel err {err:.3g})"
+                            continue
+                    for _ in range(self.warmup):
+                        fn(*inputs, *outputs)
+                    events = [(t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True))
+                              for _ in range(self.iters)]
+                    for start, end in events:
+                        start.record()
+                        fn(*inputs, *outputs)
+                        end.record()
+                    t.cuda.synchronize()
+                    rec["ms"] = times[name] = sorted(s.elapsed_time(e) for s, e in events)[self.iters // 2]
+                except Exception as err:  # noqa: BLE001 - one bad kernel must not stop tuning
+                    rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        return {n: times.get(n, math.inf) for n in jobs}
+
+
+def tune_cutlass(partitions: list, work_dir, *, space: str = "quick", top_k: int = 1, chunk: int = 4,
+                 deadline: float = math.inf, measure: Callable | None = None, gpu: str | None = None,
+                 progress=None) -> dict:
+    """Choose a configuration for each partition not yet in ``<work_dir>/cutlass_select.json``,
+    ``chunk`` partitions at a time (choices are persisted after each chunk)."""
+    from .codegen import select
+
+    gpu = gpu or select.gpu_name()
+    if gpu is None:
+        raise RuntimeError("CUTLASS tuning needs a CUDA GPU")
+    cache = select.SelectionCache(Path(work_dir) / CUTLASS_FILE)
+    todo = [p for p in partitions if cache.get(select.signature(p), gpu) is None]
+    summary = {"partitions": len(partitions), "already_tuned": len(partitions) - len(todo), "chosen": {},
+               "no_choice": [], "stopped_by_budget": False}
+    if progress is not None:
+        progress.update(len(partitions) - len(todo))
+    measure = measure or GpuMeasure()
+    num_sms = _num_sms()
+    for i in range(0, len(todo), chunk):
+        if time.monotonic() >= deadline:
+            summary["stopped_by_budget"] = True
+            break
+        part = todo[i : i + chunk]
+        choices = select.tune(part, measure, gpu, space=space, top_k=top_k, cache=cache, num_sms=num_sms)
+        for p in part:
+            c = choices.get(p.symbol)
+            if c is None:
+                summary["no_choice"].append(p.symbol)
+            else:
+                summary["chosen"][p.symbol] = {"config": c.config.name, "ms": c.time_ms,
+                                               "mnk": [p.gemm.m, p.gemm.n, p.gemm.k]}
+        if progress is not None:
+            progress.update(len(part))
+    return summary
+
+
+def _num_sms() -> int:
+    from .codegen import select
+
+    try:
+        import torch
+
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    except Exception:  # noqa: BLE001
+        return select.H100_SMS
+
+
+# -------------------------------------------------------------------------------- MetaSchedule
+def tir_module(mod: tvm.IRModule, target: tvm.target.Target, entry: str = "train_step") -> tvm.IRModule:
+    """The fused TIR the compile pipeline hands to ``MetaScheduleApplyDatabase``, for ``entry``
+    only (main/main_adjoint share most kernels), with the evt partitions as opaque calls."""
+    before, _after = split_phases(target)
+    before = [OpaqueEVTCalls() if n == "RunCodegen" else p for p, n in zip(before, _names(before))]
+    with target:
+        fused = tvm.transform.Sequential(before)(mod)
+    return relax.transform.DeadCodeElimination(entry_functions=[entry])(fused)
+
+
+# The search needs these target attributes; a bare {"kind": "cuda", "arch": ...} lacks them.
+_CUDA_DEFAULTS = {"max_threads_per_block": 1024, "max_num_threads": 1024, "thread_warp_size": 32,
+                  "max_shared_memory_per_block": 49152, "registers_per_block": 65536}
+# Mutators that crash (segfault) in InitializeWithTuneContext in the TVM 0.27 wheel; the search
+# keeps the tile-size and unroll mutators (93-98% of the default probability mass).
+_SAFE_MUTATORS = ("MutateTileSize", "MutateUnroll")
+
+
+def search_target(target: tvm.target.Target) -> tvm.target.Target:
+    """``target`` with what MetaSchedule's search needs: ``num-cores`` (physical cores) for llvm,
+    thread limits for CUDA."""
+    config = dict(target.export())
+    if target.kind.name == "llvm" and not config.get("num-cores"):
+        import psutil
+
+        config["num-cores"] = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    elif target.kind.name == "cuda":
+        config = {**_CUDA_DEFAULTS, **config}
+    return tvm.target.Target(config)
+
+
+def space_generator(target: tvm.target.Target):
+    """TVM's default design space for ``target`` with only `_SAFE_MUTATORS`."""
+    from tvm.s_tir import meta_schedule as ms
+
+    kind = "cuda" if target.kind.name == "cuda" else "llvm"
+    mutators = {m: p for m, p in ms.mutator.Mutator.create(kind).items() if type(m).__name__ in _SAFE_MUTATORS}
+    return ms.space_generator.PostOrderApply(
+        sch_rules=ms.schedule_rule.ScheduleRule.create(kind),
+        postprocs=ms.postproc.Postproc.create(kind),
+        mutator_probs=mutators,
+    )
+
+
+def extract_tasks(fused: tvm.IRModule, target: tvm.target.Target) -> list:
+    """MetaSchedule tasks, largest estimated cost (FLOPs x calls) first."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.analysis import estimate_tir_flops
+
+    tasks = ms.relax_integration.extract_tasks(fused, target)
+    tasks = [t for t in tasks if not (t.dispatched[0].attrs or {}).get("tirx.is_scheduled", False)]
+
+    def cost(task):
+        try:
+            return estimate_tir_flops(task.dispatched[0]) * task.weight
+        except Exception:  # noqa: BLE001
+            return 0.0
+
+    return sorted(tasks, key=lambda t: (-cost(t), t.task_name))
+
+
+def _task_key(task) -> str:
+    return str(tvm_ffi.structural_hash(task.dispatched[0]))
+
+
+def _progress(work_dir) -> dict:
+    try:
+        return json.loads((Path(work_dir) / PROGRESS_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_progress(work_dir, data: dict) -> None:
+    path = Path(work_dir) / PROGRESS_FILE
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def tune_tir(tasks: list, target: tvm.target.Target, work_dir, trials_per_task: int, *,
+             max_tasks: int | None = None, deadline: float = math.inf, num_threads: int | None = None,
+             seed: int = 0, progress=None) -> dict:
+    """Tune ``tasks`` one at a time (``trials_per_task`` each) into the JSON database in
+    ``work_dir``; a task already tuned with at least that many trials is skipped.
+
+    The search runs in a child process (``python -m tvm_evt.tuning``) that records each finished
+    task in ``progress.json``: a task that crashes the child (MetaSchedule segfaults in some TVM
+    0.27 builds) is recorded as failed and the child restarts on the remaining tasks; after
+    ``_MAX_CRASHES`` crashes in a row the search gives up."""
+    import subprocess
+
+    work = Path(work_dir)
+    tasks = tasks[:max_tasks] if max_tasks else tasks
+    jobs_dir = work / "tasks"
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    keys = []
+    for task in tasks:
+        key = _task_key(task)
+        keys.append(key)
+        path = jobs_dir / f"{key}.json"
+        if not path.exists():
+            path.write_text(json.dumps({"name": task.task_name, "weight": int(task.weight),
+                                        "mod": tvm.ir.save_json(task.dispatched[0]),
+                                        "target": json.dumps(dict(task.target.export()), default=list)}))
+    summary = {"tasks": len(tasks), "already_tuned": 0, "tuned": [], "failed": {}, "stopped_by_budget": False}
+
+    def state():
+        data = _progress(work).get("tir", {})
+        return {k: v for k, v in data.items() if v.get("trials", 0) >= trials_per_task or v.get("error")}
+
+    done0 = state()
+    summary["already_tuned"] = sum(1 for k in keys if k in done0 and not done0[k].get("error"))
+    shown = sum(1 for k in keys if k in done0)
+    if progress is not None:
+        progress.update(shown)
+    crashes = 0
+    while True:
+        finished = state()
+        todo = [k for k in keys if k not in finished]
+        if not todo:
+            break
+        if time.monotonic() >= deadline:
+            summary["stopped_by_budget"] = True
+            break
+        job = {"work_dir": str(work), "keys": todo, "trials": trials_per_task, "seed": seed,
+               "num_threads": num_threads or max(1, (os.cpu_count() or 2) // 2),
+               "seconds_left": None if deadline == math.inf else deadline - time.monotonic()}
+        child = subprocess.Popen([sys.executable, "-m", "tvm_evt.tuning", "tir-child", json.dumps(job)])
+        while child.poll() is None:
+            time.sleep(1.0)
+            now = state()
+            new = sum(1 for k in keys if k in now)
+            if progress is not None and new > shown:
+                progress.update(new - shown)
+                shown = new
+        if child.returncode == 0:
+            crashes = 0
+            continue
+        crashes += 1
+        current = _progress(work).get("tir_current")
+        if current in todo:
+            _mark(work, current, {"error": f"the search process died (exit code {child.returncode})",
+                                  "name": json.loads((jobs_dir / f"{current}.json").read_text())["name"]})
+        if crashes >= _MAX_CRASHES or current not in todo:
+            summary["gave_up"] = (f"MetaSchedule's search process died {crashes} time(s) in a row "
+                                  f"(exit code {child.returncode}); see the log above")
+            break
+    final = _progress(work).get("tir", {})
+    for k in keys:
+        rec = final.get(k)
+        if rec and rec.get("error"):
+            summary["failed"][rec.get("name", k)] = rec["error"]
+        elif rec and k not in done0:
+            summary["tuned"].append(rec)
+    if progress is not None and len(keys) > shown:
+        progress.update(0)
+    return summary
+
+
+_MAX_CRASHES = 2
+
+
+def metaschedule_problem() -> str | None:
+    """Why MetaSchedule cannot run here, or None.  Its JSON database serializes TIR with
+    ``tvm.ir.save_json``, which segfaults in some TVM 0.27 wheels: tried in a child process."""
+    import subprocess
+
+    for module in ("cloudpickle", "psutil", "xgboost"):
+        if importlib.util.find_spec(module) is None:
+            return f"MetaSchedule needs the Python package {module!r} (pip install {module})"
+    probe = "import tvm; tvm.ir.save_json(tvm.tirx.const(1.0, 'float32'))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return (f"tvm.ir.save_json crashes in this TVM build (exit code {proc.returncode}), so "
+                "MetaSchedule's JSON database cannot be written")
+    return None
+
+
+def _mark(work: Path, key: str, record: dict) -> None:
+    data = _progress(work)
+    data.setdefault("tir", {})[key] = record
+    _write_progress(work, data)
+
+
+def _tir_child(job: dict) -> int:
+    """The search process of `tune_tir`: tune each task of ``job["keys"]`` in order."""
+    from tvm.s_tir import meta_schedule as ms
+
+    work = Path(job["work_dir"])
+    deadline = time.monotonic() + job["seconds_left"] if job.get("seconds_left") else math.inf
+    trials, threads = int(job["trials"]), int(job["num_threads"])
+    database = ms.database.JSONDatabase(work_dir=str(work), module_equality="structural")
+    builder = ms.builder.LocalBuilder(max_workers=threads)
+    runner = ms.runner.LocalRunner()
+    cost_model = ms.cost_model.XGBModel(num_tuning_cores=threads, tree_method="auto")
+    for key in job["keys"]:
+        if time.monotonic() >= deadline:
+            break
+        spec = json.loads((work / "tasks" / f"{key}.json").read_text())
+        mod = tvm.ir.load_json(spec["mod"])
+        target = tvm.target.Target(json.loads(spec["target"]))
+        data = _progress(work)
+        data["tir_current"] = key
+        _write_progress(work, data)
+        start = time.monotonic()
+        task = ms.ExtractedTask(spec["name"], mod, target, [mod], spec["weight"])
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+            [task], str(work), space=space_generator(target), num_threads=threads, seed=job.get("seed"))
+        ms.tune.tune_tasks(
+            tasks=contexts, task_weights=weights, work_dir=str(work),
+            max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=min(64, trials),
+            builder=builder, runner=runner, database=database, cost_model=cost_model,
+            task_scheduler="round-robin",
+        )
+        _mark(work, key, {"name": spec["name"], "trials": trials, "weight": spec["weight"],
+                          "best_us": _best_us(database, mod), "seconds": round(time.monotonic() - start, 1)})
+    return 0
+
+
+def _best_us(database, mod) -> float | None:
+    try:
+        workload = database.commit_workload(mod)
+        top = database.get_top_k(workload, 1)
+        if top and top[0].run_secs:
+            return round(float(top[0].run_secs[0]) * 1e6, 2)
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------------- the driver
+@dataclasses.dataclass
+class TuningResult:
+    work_dir: str
+    model: str
+    target: str
+    cutlass: dict
+    tir: dict
+    seconds: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def tune(model, target=None, work_dir: str | os.PathLike = "tuning", trials: int = 64, *,
+         trials_per_task: int | None = None, max_tasks: int | None = None, precision: str = "bf16",
+         optimizer=None, cutlass: bool = True, tir: bool = True, space: str = "quick", top_k: int = 1,
+         time_budget: float | None = None, model_kwargs: dict | None = None, show_progress: bool = True,
+         cutlass_measure: Callable | None = None) -> TuningResult:
+    """Tune the training step of ``model`` (a zoo/preset name, ``module:factory`` or a ZooEntry)
+    for ``target`` into ``work_dir``; see the module docstring.  ``trials`` is MetaSchedule's total
+    trial budget, spread evenly over the tasks (at least ``trials_per_task`` when given, else 8)
+    and cut to ``max_tasks`` tasks, largest cost first."""
+    from tqdm import tqdm
+
+    from .training import as_target
+
+    start = time.monotonic()
+    deadline = start + time_budget if time_budget else math.inf
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    name = model if isinstance(model, str) else type(getattr(model, "model", model)).__name__
+    entry = load_model(model, **(model_kwargs or {})) if isinstance(model, str) else model
+    tgt = as_target(target)
+    _log(f"{name}: building the training graph ({precision}) for {tgt.kind.name}")
+    _imported, graph = training_graph(entry, precision, optimizer)
+    mod = partitioned(graph.mod, tgt)
+    cutlass_summary: dict = {"skipped": "not a CUDA target" if tgt.kind.name != "cuda" else "disabled"}
+    if cutlass and tgt.kind.name == "cuda":
+        parts, unsupported = cutlass_partitions(mod)
+        _log(f"{len(parts)} distinct evt partitions ({len(unsupported)} not offloadable)")
+        with tqdm(total=len(parts), desc="CUTLASS partitions", unit="part", disable=not show_progress) as bar:
+            cutlass_summary = tune_cutlass(parts, work, space=space, top_k=top_k, deadline=deadline,
+                                           measure=cutlass_measure, progress=bar)
+        cutlass_summary["unsupported"] = unsupported
+    tir_summary: dict = {"skipped": "disabled"}
+    problem = metaschedule_problem() if tir and trials > 0 else None
+    if problem:
+        _log(f"skipping MetaSchedule: {problem}")
+        tir_summary = {"skipped": problem}
+    elif tir and trials > 0:
+        fused = tir_module(mod, tgt)
+        tasks = extract_tasks(fused, search_target(tgt))
+        n = min(len(tasks), max_tasks or len(tasks))
+        per_task = max(trials_per_task or 0, trials // max(n, 1), 1)
+        _log(f"{len(tasks)} MetaSchedule tasks; tuning {n} with {per_task} trials each")
+        with tqdm(total=n, desc="MetaSchedule tasks", unit="task", disable=not show_progress) as bar:
+            tir_summary = tune_tir(tasks, tgt, work, per_task, max_tasks=n, deadline=deadline, progress=bar)
+    result = TuningResult(str(work), name, str(tgt), cutlass_summary, tir_summary,
+                          round(time.monotonic() - start, 1))
+    data = _progress(work)
+    data.setdefault("runs", []).append({k: v for k, v in result.to_json().items() if k not in ("tir",)}
+                                       | {"tir_tasks": tir_summary.get("tasks"), "time": time.time()})
+    _write_progress(work, data)
+    return result
+
+
+if __name__ == "__main__":  # the MetaSchedule search process of tune_tir
+    if len(sys.argv) == 3 and sys.argv[1] == "tir-child":
+        sys.exit(_tir_child(json.loads(sys.argv[2])))
+    sys.exit("usage: python -m tvm_evt.tuning tir-child JOB_JSON (internal; see scripts/tune.py)")
