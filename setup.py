@@ -35,6 +35,10 @@ setup(
         "nvidia-cutlass==4.2.0.0",
         "tqdm",
     ],
-    extras_require={"test": ["pytest>=7", "pytest-xdist"]},
+    extras_require={
+        "test": ["pytest>=7", "pytest-xdist"],
+        "bench": ["matplotlib"],
+        "tune": ["cloudpickle", "psutil"],  # MetaSchedule's process pools
+    },
     entry_points={"console_scripts": ["tvm-evt=tvm_evt.cli:main"]},
 )

@@ -1,0 +1,439 @@
+"""End-to-end training-step benchmark: PyTorch eager, torch.compile and TVM pipelines on one GPU.
+
+One *measurement* is (system, model): a fresh subprocess builds the model, compiles it for the
+system, runs ``--warmup`` steps, then times ``--steps`` steps with CUDA events around each step
+(forward + backward + optimizer update) and reports the median.  Results are appended to
+``<out>/bench_e2e.json`` and the Markdown table / PNG chart are rewritten after every measurement,
+so a run cut short keeps what it measured; a failing or timed-out measurement is recorded with its
+error and the run goes on.
+
+Conventions (stated in the report):
+
+* bf16 mixed precision with fp32 master weights everywhere: torch runs fp32 parameters under
+  ``torch.autocast("cuda", torch.bfloat16)``; TVM compiles with ``precision="bf16"``
+  (AutoMixedPrecision keeps fp32 weights and fp32 normalisations/softmax/loss).
+* Optimizer: AdamW(lr=1e-4) for every system (torch: ``fused=True``; TVM: fused into the step).
+* Attention on the torch side both as explicit matmul/softmax (``eager``, ``compile``, ...) and
+  as ``F.scaled_dot_product_attention`` (the ``*_sdpa`` systems); TVM systems compile the
+  explicit form (the one the EVT partitioner sees).
+* ResNet runs channels-last on the torch side; TVM imports the NCHW graph.
+* Peak memory: ``torch.cuda.max_memory_allocated`` for torch systems; for every system also the
+  device memory in use (``cudaMemGetInfo``) after the steps minus before the model was built —
+  the only number that sees TVM's pooled allocator.
+* Compile time: torch: the first step (tracing + compilation); TVM: ``compile_training``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# model key -> (preset, kwargs at full size, kwargs with --quick, label)
+MODELS = {
+    "bert_large": ("bert_large_layer", {"batch": 32, "seq": 512}, {"batch": 8, "seq": 128}, "BERT-Large layer"),
+    "gpt2_medium": ("gpt2_medium_block", {"batch": 16, "seq": 1024}, {"batch": 4, "seq": 256}, "GPT-2 medium block"),
+    "vit_b16": ("vit_b16_block", {"batch": 128}, {"batch": 16}, "ViT-B/16 block"),
+    "resnet50": ("resnet50_conv3", {"batch": 128}, {"batch": 16, "size": 28}, "ResNet-50 conv3_x stage"),
+    "xml_cnn": ("xml_cnn_eurlex", {}, {"batch": 8, "seq": 128}, "XML-CNN (EUR-Lex)"),
+}
+ATTENTION_MODELS = ("bert_large", "gpt2_medium", "vit_b16")
+SYSTEMS = {
+    "eager": "PyTorch eager (math attention)",
+    "eager_sdpa": "PyTorch eager (SDPA)",
+    "compile": "torch.compile default (math attention)",
+    "compile_sdpa": "torch.compile default (SDPA)",
+    "compile_max_autotune": "torch.compile max-autotune (math attention)",
+    "compile_max_autotune_sdpa": "torch.compile max-autotune (SDPA)",
+    "tvm_default": "TVM Relax default CUDA pipeline (no evt)",
+    "tvm_evt": "tvm_evt (evt pipeline, untuned)",
+    "tvm_evt_tuned": "tvm_evt (evt pipeline, tuned)",
+}
+BASELINE = "eager"
+RESULTS_JSON, RESULTS_MD, RESULTS_PNG = "bench_e2e.json", "bench_e2e.md", "bench_e2e.png"
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------- the CLI
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="bench.py", description="Training-step time, peak memory and compile time per model "
+        "for PyTorch eager, torch.compile and TVM (default pipeline, tvm_evt untuned/tuned) on one GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per measurement (median)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compiling) one")
+    ap.add_argument("--out", default="./bench_out", help="output directory (JSON, Markdown, PNG)")
+    ap.add_argument("--quick", action="store_true", help="smaller batch/sequence for a fast smoke run")
+    ap.add_argument("--tuning-dir", default=None,
+                    help="root of tune.py work dirs: <dir>/<model key> is used by tvm_evt_tuned (else skipped)")
+    ap.add_argument("--timeout", type=float, default=540, help="seconds per measurement subprocess")
+    ap.add_argument("--profile", action="store_true", help="also list the top kernels of each measurement")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per measurement with --profile")
+    ap.add_argument("--fresh", action="store_true", help="drop earlier results in --out instead of skipping them")
+    ap.add_argument("--replot", action="store_true", help="only rewrite the table and chart from --out's JSON")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.systems = [s for s in args.systems.split(",") if s]
+    for kind, names, known in (("model", args.models, MODELS), ("system", args.systems, SYSTEMS)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            parser().error(f"unknown {kind}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    if args.steps < 1:
+        parser().error("--steps must be >= 1")
+    return args
+
+
+def gpu_problem() -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU is visible to torch {torch.__version__}"
+    return None
+
+
+def applicable(system: str, model: str, tuning_dir: str | None) -> str | None:
+    """Why (system, model) is not measured, or None."""
+    if system.endswith("_sdpa") and model not in ATTENTION_MODELS:
+        return "no attention"
+    if system == "tvm_evt_tuned" and not (tuning_dir and (Path(tuning_dir) / model).is_dir()):
+        return "no tuning dir"
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.replot:
+        write_reports(load_results(out), out)
+        return 0
+    why = gpu_problem()
+    if why:
+        print(f"bench: cannot run: {why}; this benchmark needs a CUDA GPU (H100).", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"meta": {}, "rows": []} if args.fresh else load_results(out)
+    data["meta"] = meta(args)
+    done = {(r["model"], r["system"]) for r in data["rows"] if r.get("ok") or r.get("skipped")}
+    for model in args.models:
+        for system in args.systems:
+            if (model, system) in done:
+                _log(f"{model} / {system}: in {out / RESULTS_JSON} already (use --fresh to re-measure)")
+                continue
+            skip = applicable(system, model, args.tuning_dir)
+            row = {"model": model, "system": system, "skipped": skip} if skip else run_measurement(args, model, system)
+            data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
+            write_reports(data, out)
+            _log(f"{model} / {system}: " + (f"skipped ({skip})" if skip else
+                 f"{row['step_ms']:.2f} ms/step" if row.get("ok") else f"FAILED: {row.get('error')}"))
+    print(markdown(data))
+    return 0
+
+
+def meta(args) -> dict:
+    info = {"quick": args.quick, "steps": args.steps, "warmup": args.warmup, "python": platform.python_version(),
+            "precision": "bf16 autocast, fp32 master weights", "optimizer": "AdamW(lr=1e-4)"}
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                    gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    except ImportError:
+        pass
+    return info
+
+
+def run_measurement(args, model: str, system: str) -> dict:
+    """One measurement in a subprocess (a crash or hang loses only this row)."""
+    job = {"model": model, "system": system, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+           "tuning_dir": str(Path(args.tuning_dir) / model) if args.tuning_dir else None,
+           "profile": args.profile, "top": args.top}
+    cmd = [sys.executable, "-m", "tvm_evt.bench_e2e", "--measure", json.dumps(job)]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stderr or b"")[-1500:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"model": model, "system": system, "ok": False, "error": f"timed out after {args.timeout:.0f} s",
+                "log_tail": tail}
+    sys.stderr.write(proc.stderr[-4000:])
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"model": model, "system": system, "ok": False, "seconds": round(time.monotonic() - start, 1),
+            "error": f"exit code {proc.returncode}", "log_tail": proc.stderr[-1500:]}
+
+
+# ----------------------------------------------------------------------------- one measurement
+def build_entry(model: str, quick: bool):
+    from . import models
+
+    preset, full, small, _label = MODELS[model]
+    import torch
+
+    torch.manual_seed(0)
+    return models.PRESETS[preset](**(small if quick else full))
+
+
+def _use_sdpa(module, on: bool) -> None:
+    from .models import MultiHeadSelfAttention
+
+    for m in module.modules():
+        if isinstance(m, MultiHeadSelfAttention):
+            m.use_sdpa = on
+
+
+def measure(job: dict) -> dict:
+    """Run in the measurement subprocess: build, compile, warm up, time."""
+    import torch
+
+    model, system = job["model"], job["system"]
+    row = {"model": model, "system": system, "ok": False}
+    torch.cuda.init()
+    free0, total = torch.cuda.mem_get_info()
+    entry = build_entry(model, job["quick"])
+    row["description"] = entry.description
+    inputs = [t.cuda() for t in entry.example_inputs()]
+    if system.startswith("tvm"):
+        step, compile_s = _tvm_step(entry, inputs, system, job.get("tuning_dir"))
+    else:
+        step, compile_s = _torch_step(entry, inputs, system, channels_last=model == "resnet50")
+    start = time.perf_counter()
+    step()  # the first step: torch.compile compiles here
+    torch.cuda.synchronize()
+    row["first_step_s"] = round(time.perf_counter() - start, 2)
+    row["compile_s"] = round(compile_s if compile_s is not None else row["first_step_s"], 2)
+    for _ in range(job["warmup"]):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = time_steps(step, job["steps"])
+    row.update(ok=True, step_ms=statistics.median(times), step_ms_min=min(times), step_ms_max=max(times),
+               steps=len(times), torch_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
+               device_used_mb=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1))
+    if job.get("profile"):
+        row["kernels"] = profile_kernels(step, system, job.get("top", 15))
+    return row
+
+
+def time_steps(step, n: int) -> list[float]:
+    """Milliseconds of each of ``n`` steps between CUDA events on the current stream."""
+    import torch
+
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def _torch_step(entry, inputs, system: str, channels_last: bool = False):
+    import torch
+
+    module = entry.training_module().cuda()
+    _use_sdpa(module, system.endswith("_sdpa"))
+    if channels_last:
+        module = module.to(memory_format=torch.channels_last)
+        inputs = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs]
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    compiled = module
+    if system.startswith("compile"):
+        mode = "max-autotune" if "max_autotune" in system else None
+        compiled = torch.compile(module, mode=mode)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, None
+
+
+def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
+    import tvm
+
+    from . import optim
+    from .training import TrainingStep, as_target, build_training_module, compile_training
+    from .frontend import from_torch
+
+    optimizer = optim.AdamW(lr=1e-4)
+    example = [t.cpu() for t in inputs]
+    start = time.perf_counter()
+    if system == "tvm_default":
+        imported = from_torch(entry.model, example, entry.loss_fn)
+        graph = build_training_module(imported, optimizer, "bf16")
+        target = as_target(None)
+        executable = tvm.compile(graph.mod, target=target)  # TVM's default Relax CUDA pipeline
+        ts = TrainingStep(imported, graph, executable, target, time.perf_counter() - start)
+    else:
+        ts = compile_training(entry.model, example, loss_fn=entry.loss_fn, optimizer=optimizer, precision="bf16",
+                              tuning_dir=tuning_dir if system == "tvm_evt_tuned" else None)
+    compile_s = time.perf_counter() - start
+    return (lambda: ts(*inputs)), compile_s
+
+
+def profile_kernels(step, system: str, top: int) -> list[dict]:
+    """Top GPU kernels of a few steps by total time (torch.profiler sees TVM's kernels as well,
+    through CUPTI)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "cuda_time_total", 0)
+        if dev_us > 0:
+            rows.append({"kernel": ev.key[:120], "calls_per_step": ev.count / 3, "ms_per_step": dev_us / 3e3})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:top]
+
+
+# ------------------------------------------------------------------------------------- reports
+def load_results(out: Path) -> dict:
+    try:
+        data = json.loads((Path(out) / RESULTS_JSON).read_text())
+        if isinstance(data, dict) and isinstance(data.get("rows"), list):
+            return data
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    return {"meta": {}, "rows": []}
+
+
+def write_reports(data: dict, out: Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (RESULTS_JSON + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, out / RESULTS_JSON)
+    (out / RESULTS_MD).write_text(markdown(data))
+    try:
+        plot(data, out / RESULTS_PNG)
+    except ImportError:
+        _log("matplotlib is not installed: no PNG (pip install '.[bench]'; or --replot later)")
+
+
+def _speedups(data: dict) -> dict:
+    base = {r["model"]: r["step_ms"] for r in data["rows"] if r.get("ok") and r["system"] == BASELINE}
+    return {(r["model"], r["system"]): base[r["model"]] / r["step_ms"]
+            for r in data["rows"] if r.get("ok") and r["model"] in base and r["step_ms"] > 0}
+
+
+def markdown(data: dict) -> str:
+    m = data.get("meta", {})
+    speed = _speedups(data)
+    lines = [
+        f"# Training-step benchmark — {m.get('gpu') or 'GPU'}", "",
+        f"torch {m.get('torch')} (CUDA {m.get('cuda')}), Python {m.get('python')}; {m.get('precision')}; "
+        f"{m.get('optimizer')}; median of {m.get('steps')} steps after {m.get('warmup')} warm-up steps "
+        f"(CUDA events per step: forward + backward + optimizer update)" + ("; **--quick sizes**" if m.get("quick") else "")
+        + ". Speedup = eager ms / system ms. Memory: torch's peak allocated (torch systems) and device memory "
+        "in use after the steps (cudaMemGetInfo, all systems; includes TVM's memory pool).", "",
+        "| model | system | ms/step | speedup vs eager | compile s | torch peak MB | device used MB | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    morder = {k: i for i, k in enumerate(MODELS)}
+    for r in sorted(data["rows"], key=lambda r: (morder.get(r["model"], 99), order.get(r["system"], 99))):
+        label = MODELS.get(r["model"], (None, None, None, r["model"]))[3]
+        if r.get("skipped"):
+            lines.append(f"| {label} | {r['system']} | – | – | – | – | – | n/a: {r['skipped']} |")
+        elif not r.get("ok"):
+            err = str(r.get("error", "failed")).replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {label} | {r['system']} | – | – | – | – | – | FAILED: {err} |")
+        else:
+            sp = speed.get((r["model"], r["system"]))
+            torch_mb = r.get("torch_peak_mb") if not r["system"].startswith("tvm") else None
+            lines.append(f"| {label} | {r['system']} | {r['step_ms']:.2f} | {_fmt(sp, 'x')} | {_fmt(r.get('compile_s'), '1')} "
+                         f"| {_fmt(torch_mb, '0')} | {_fmt(r.get('device_used_mb'), '0')} | |")
+    prof = [r for r in data["rows"] if r.get("kernels")]
+    for r in prof:
+        lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", "",
+                  "| kernel | calls/step | ms/step | % of step |", "|---|---:|---:|---:|"]
+        for k in r["kernels"]:
+            name = k["kernel"].replace("|", "/")
+            lines.append(f"| `{name}` | {k['calls_per_step']:.0f} | {k['ms_per_step']:.3f} | "
+                         f"{100 * k['ms_per_step'] / r['step_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x, how: str) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return {"x": f"{x:.2f}×", "1": f"{x:.1f}", "0": f"{x:.0f}"}[how]
+
+
+def plot(data: dict, path: Path) -> Path:
+    """Grouped bars: speedup over eager per model and system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speed = _speedups(data)
+    models = [m for m in MODELS if any(k[0] == m for k in speed)]
+    systems = [s for s in SYSTEMS if any(k[1] == s for k in speed)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * max(1, len(models)) + 2), 4.5))
+    width = 0.8 / max(1, len(systems))
+    for i, s in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(models))]
+        ys = [speed.get((m, s), 0.0) for m in models]
+        ax.bar(xs, ys, width, label=SYSTEMS[s])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(models)))
+    ax.set_xticklabels([MODELS[m][3] for m in models], rotation=15)
+    ax.set_ylabel("speedup over PyTorch eager (×)")
+    ax.set_title(f"Training step, bf16 — {data.get('meta', {}).get('gpu') or 'GPU'}")
+    if systems:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _measure_main(job_json: str) -> int:
+    job = json.loads(job_json)
+    try:
+        row = measure(job)
+    except Exception as err:  # noqa: BLE001 - reported as the row's error
+        import traceback
+
+        traceback.print_exc()
+        row = {"model": job["model"], "system": job["system"], "ok": False,
+               "error": f"{type(err).__name__}: {str(err)[:400]}"}
+    print("RESULT " + json.dumps(row, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--measure":
+        sys.exit(_measure_main(sys.argv[2]))
+    sys.exit(main(sys.argv[1:]))

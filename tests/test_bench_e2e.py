@@ -1,0 +1,86 @@
+"""The end-to-end benchmark's CPU-testable parts: arguments, reports from fake results, no-GPU exit."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tvm_evt import bench_e2e, models
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake_results():
+    rows = [
+        {"model": "bert_large", "system": "eager", "ok": True, "step_ms": 100.0, "compile_s": 0.5,
+         "torch_peak_mb": 9000.0, "device_used_mb": 9500.0},
+        {"model": "bert_large", "system": "tvm_evt", "ok": True, "step_ms": 80.0, "compile_s": 60.0,
+         "device_used_mb": 7000.0, "kernels": [{"kernel": "evt_gemm|x", "calls_per_step": 4, "ms_per_step": 20.0}]},
+        {"model": "bert_large", "system": "compile", "ok": False, "error": "timed out after 540 s"},
+        {"model": "resnet50", "system": "eager_sdpa", "skipped": "no attention"},
+    ]
+    return {"meta": {"gpu": "Fake H100", "steps": 20, "warmup": 3}, "rows": rows}
+
+
+def test_parse_args_defaults_and_subsets():
+    args = bench_e2e.parse_args([])
+    assert args.models == list(bench_e2e.MODELS) and args.systems == list(bench_e2e.SYSTEMS)
+    args = bench_e2e.parse_args(["--models", "bert_large,xml_cnn", "--systems", "eager,tvm_evt", "--steps", "25",
+                                 "--quick", "--profile"])
+    assert args.models == ["bert_large", "xml_cnn"] and args.systems == ["eager", "tvm_evt"]
+    assert args.steps == 25 and args.quick and args.profile
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--models", "alexnet"])
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--systems", "jax"])
+
+
+def test_models_are_presets():
+    for preset, full, small, _label in bench_e2e.MODELS.values():
+        assert preset in models.PRESETS
+        assert set(small) <= set(full) | {"size", "seq", "batch"}
+
+
+def test_applicable():
+    assert bench_e2e.applicable("eager_sdpa", "resnet50", None) == "no attention"
+    assert bench_e2e.applicable("eager_sdpa", "bert_large", None) is None
+    assert bench_e2e.applicable("tvm_evt_tuned", "bert_large", None) == "no tuning dir"
+
+
+def test_reports_from_fake_results(tmp_path):
+    data = fake_results()
+    bench_e2e.write_reports(data, tmp_path)
+    assert json.loads((tmp_path / "bench_e2e.json").read_text()) == data
+    md = (tmp_path / "bench_e2e.md").read_text()
+    assert "| BERT-Large layer | tvm_evt | 80.00 | 1.25× |" in md
+    assert "FAILED: timed out" in md and "n/a: no attention" in md
+    assert "Top kernels: bert_large / tvm_evt" in md and "`evt_gemm/x`" in md
+    png = tmp_path / "bench_e2e.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bench_e2e.load_results(tmp_path) == data
+
+
+def test_replot_needs_no_gpu(tmp_path):
+    bench_e2e.write_reports(fake_results(), tmp_path)
+    (tmp_path / "bench_e2e.png").unlink()
+    assert bench_e2e.main(["--out", str(tmp_path), "--replot"]) == 0
+    assert (tmp_path / "bench_e2e.png").exists()
+
+
+def test_no_gpu_exits_with_code_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_e2e, "gpu_problem", lambda: "no CUDA GPU is visible")
+    assert bench_e2e.main(["--out", str(tmp_path)]) == 2
+    assert "cannot run: no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
+def test_script_without_gpu(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_script_help():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--systems" in out.stdout and "--profile" in out.stdout
