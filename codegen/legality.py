@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .backend import KernelConfig
+from .backend import KernelConfig, default_config, smem
 from .backend.sm90_emitter import Sm90Emitter
 from .errors import Unsupported
 from .frontend import SUPPORTED_EXTERNS, SUPPORTED_OPS, from_check_context, from_function
@@ -43,6 +43,9 @@ CAPABILITIES = Capabilities(
         "reductions are terminal (their result leaves the partition) and never over the batch",
         "intermediates may leave the partition (aux stores); at least one output is M x N",
         "every output depends on the matmul",
+        "shared memory: with some configuration (the default first, then narrower epilogue subtiles "
+        "and CTA tiles) the epilogue's D, aux-load and aux-store buffers leave room for 2 main-loop "
+        f"stages within {smem.SM90_SMEM_CAPACITY} bytes per CTA",
     ),
 )
 
@@ -60,11 +63,28 @@ class Legality:
 def check_partition(partition: Partition, config: KernelConfig | None = None) -> Legality:
     try:
         lowered = lower(partition)
-        emitter = Sm90Emitter(lowered, config)
-        emitter.emit()
+        Sm90Emitter(lowered, config).emit()  # the node, dtype and alignment rules
+        chosen = fitting_config(lowered, config)
+        if chosen != (config or default_config(lowered.gemm.dtype_a)):
+            Sm90Emitter(lowered, chosen).emit()
     except Unsupported as err:
         return Legality(False, err.reason)
     return Legality(True, partition=lowered)
+
+
+def fitting_config(lowered: Partition, config: KernelConfig | None = None) -> KernelConfig:
+    """``config`` (default: the default configuration) or the first fallback whose main loop gets
+    2+ shared-memory stages (``backend.smem.fit_config``); ``Unsupported`` naming the byte counts
+    when none does."""
+    config = config or default_config(lowered.gemm.dtype_a)
+    chosen = smem.fit_config(lowered, config)
+    if chosen is None:
+        tightest = min((smem.usage(lowered, c) for c in smem.fallbacks(config)), key=lambda u: u.epilogue_bytes)
+        raise Unsupported(
+            "the epilogue needs too much shared memory for 2 main-loop stages in any configuration: "
+            f"{smem.usage(lowered, config).describe()}; smallest: {tightest.describe()}"
+        )
+    return chosen
 
 
 def legality(func, config: KernelConfig | None = None) -> Legality:

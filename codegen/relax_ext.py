@@ -9,6 +9,11 @@ the exported shared library and the VM finds ``__tvm_ffi_<symbol>`` there.  Such
 runnable before export; ``Executable.jit()`` exports and reloads it.  Our object bundles the static
 CUDA runtime (see ``build/link.py``) so the final link needs no ``-lcudart``.
 
+Each kernel's configuration is one whose main loop gets 2+ shared-memory stages
+(``legality.fitting_config``).  Should nvcc still reject a kernel, it is rebuilt once with the most
+conservative configuration that fits (``backend.smem.conservative_config``); if that fails too, the
+error names the partition, the configuration and nvcc's first error line.
+
 Registration is explicit (``register()``), not an import side effect.
 """
 from __future__ import annotations
@@ -19,10 +24,12 @@ import tvm
 import tvm_ffi
 
 from . import select
-from .backend import KernelConfig, default_config, emit
-from .build import build_many, link_module
+from .backend import KernelConfig, default_config, emit, smem
+from .build import BuildError, build_each, link_module
 from .errors import Unsupported
 from .frontend import from_function
+from .ir import Partition
+from .legality import fitting_config
 from .passes import lower
 
 CODEGEN_NAME = "evt"
@@ -35,14 +42,18 @@ CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits
 def _config(options, partition) -> KernelConfig:
     """Explicit options (``tile``, ``schedule``, ...) win; then, with option ``select`` or
     ``TVM_EVT_SELECT=1``, the choice ``codegen.select`` persisted for this partition on this GPU;
-    then the default."""
+    then the default.  A choice whose epilogue leaves the main loop fewer than 2 shared-memory
+    stages is replaced by the first fallback that fits (``legality.fitting_config``)."""
     options = options or {}
     explicit = {k: options[k] for k in CONFIG_KEYS if k in options}
     if explicit:
-        return KernelConfig.from_json({**default_config(partition.gemm.dtype_a).to_json(), **explicit})
-    if _truthy(options.get("select", os.environ.get("TVM_EVT_SELECT", ""))):
-        return select.select_config(partition)
-    return default_config(partition.gemm.dtype_a)
+        wanted = KernelConfig.from_json({**default_config(partition.gemm.dtype_a).to_json(), **explicit})
+    elif _truthy(options.get("select", os.environ.get("TVM_EVT_SELECT", ""))):
+        wanted = select.select_config(partition)
+    else:
+        wanted = default_config(partition.gemm.dtype_a)
+    lowered = partition if partition.visitor is not None else lower(partition)
+    return fitting_config(lowered, wanted)
 
 
 def _truthy(value) -> bool:
@@ -51,11 +62,46 @@ def _truthy(value) -> bool:
 
 def generate_sources(funcs, options=None) -> dict[str, str]:
     """symbol -> C++ source for each partition function; raises ``Unsupported`` with the reason."""
-    sources = {}
+    return {symbol: source for symbol, (_, _, source) in generate_kernels(funcs, options).items()}
+
+
+def generate_kernels(funcs, options=None) -> dict[str, tuple[Partition, KernelConfig, str]]:
+    """symbol -> (lowered partition, configuration, C++ source) for each partition function."""
+    kernels = {}
     for func in funcs:
         partition = lower(from_function(func))
-        sources[partition.symbol] = emit(partition, _config(options, partition))
-    return sources
+        config = _config(options, partition)
+        kernels[partition.symbol] = (partition, config, emit(partition, config))
+    return kernels
+
+
+def build_kernels(kernels: dict[str, tuple[Partition, KernelConfig, str]], jobs=None) -> dict:
+    """symbol -> object; a kernel nvcc rejects is rebuilt once with the conservative configuration,
+    and a second failure raises ``BuildError`` naming the partition, configuration and error."""
+    results = build_each({s: src for s, (_, _, src) in kernels.items()}, jobs=jobs)
+    for symbol, result in list(results.items()):
+        if not isinstance(result, BuildError):
+            continue
+        partition, config, _ = kernels[symbol]
+        retry = smem.conservative_config(partition, config.tile[2])
+        if retry is None or retry == config:
+            raise _build_failure(symbol, config, result, None)
+        try:
+            results[symbol] = build_each({symbol: emit(partition, retry)}, jobs=1)[symbol]
+        except Unsupported as err:
+            raise _build_failure(symbol, config, result, (retry, err.reason)) from result
+        if isinstance(results[symbol], BuildError):
+            raise _build_failure(symbol, config, result, (retry, results[symbol].first_error)) from result
+    return results
+
+
+def _build_failure(symbol, config, err: BuildError, retry) -> BuildError:
+    msg = f"relax.ext.evt: nvcc failed for partition {symbol} with {config.name}: {err.first_error}"
+    if retry is not None:
+        msg += f"; the retry with {retry[0].name} failed too: {retry[1]}"
+    else:
+        msg += "; no other configuration fits its shared memory"
+    return BuildError(f"{msg}\n{err}", name=symbol, stderr=err.stderr)
 
 
 def evt_codegen(funcs, options, constant_names):
@@ -65,15 +111,19 @@ def evt_codegen(funcs, options, constant_names):
         return []
     options = dict(options.items()) if options is not None else {}
     try:
-        sources = generate_sources(funcs, options)
+        kernels = generate_kernels(funcs, options)
     except Unsupported as err:
         raise tvm.error.TVMError(
             f"relax.ext.evt: a partition cannot be offloaded: {err.reason} "
             "(partition with tvm_evt.codegen.legality.pattern_check to leave it to TVM)"
         ) from err
-    objects = build_many(sources, jobs=options.get("jobs"))
-    obj = link_module([objects[s] for s in sources], list(sources))
-    return [tvm.runtime.load_static_library(str(obj), list(sources))]
+    jobs = options.get("jobs")
+    try:
+        objects = build_kernels(kernels, jobs=int(jobs) if jobs is not None else None)
+    except BuildError as err:
+        raise tvm.error.TVMError(str(err)) from err
+    obj = link_module([objects[s] for s in kernels], list(kernels))
+    return [tvm.runtime.load_static_library(str(obj), list(kernels))]
 
 
 def register() -> None:

@@ -25,6 +25,18 @@ from . import toolchain
 class BuildError(RuntimeError):
     """nvcc rejected an emitted kernel (a codegen bug); the message holds the compiler output."""
 
+    def __init__(self, message: str, name: str | None = None, stderr: str = ""):
+        super().__init__(message)
+        self.name = name
+        self.stderr = stderr
+
+    @property
+    def first_error(self) -> str:
+        """The first line of the compiler output that reports an error (else the first line)."""
+        text = self.stderr or str(self)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+
 
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -86,28 +98,44 @@ def build_object(source: str, name: str = "kernel", nvcc: str | None = None) -> 
             cmd = toolchain.compile_command(nvcc, root / f"{key}.cu", out)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise BuildError(f"nvcc failed for {name} ({root / f'{key}.cu'}):\n{proc.stderr[-8000:]}")
+                raise BuildError(f"nvcc failed for {name} ({root / f'{key}.cu'}):\n{proc.stderr[-8000:]}",
+                                 name=name, stderr=proc.stderr)
             os.replace(out, obj)
     return obj, False
 
 
 def build_many(sources: dict[str, str], jobs: int | None = None, progress: bool = True) -> dict[str, Path]:
-    """Build independent kernels in parallel (nvcc processes), showing progress on stderr."""
+    """Build independent kernels in parallel (nvcc processes), showing progress on stderr; raises
+    the first ``BuildError`` after every kernel was tried."""
+    results = build_each(sources, jobs, progress)
+    for name, result in results.items():
+        if isinstance(result, BuildError):
+            raise result
+    return results
+
+
+def build_each(sources: dict[str, str], jobs: int | None = None,
+               progress: bool = True) -> dict[str, Path | BuildError]:
+    """``build_many`` that returns each kernel's object or its ``BuildError`` (nothing raised)."""
     jobs = jobs or max(1, min(len(sources), os.cpu_count() or 1))
-    results: dict[str, Path] = {}
+    results: dict[str, Path | BuildError] = {}
     start = time.monotonic()
 
     def one(item):
         name, src = item
         t0 = time.monotonic()
-        path, cached = build_object(src, name)
+        try:
+            path, cached = build_object(src, name)
+        except BuildError as err:
+            return name, err, False, time.monotonic() - t0
         return name, path, cached, time.monotonic() - t0
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for done, (name, path, cached, secs) in enumerate(pool.map(one, sources.items()), 1):
             results[name] = path
             if progress:
-                how = "cached" if cached else f"built in {secs:.0f}s"
+                how = ("FAILED: " + path.first_error if isinstance(path, BuildError)
+                       else "cached" if cached else f"built in {secs:.0f}s")
                 print(
                     f"[tvm_evt] {done}/{len(sources)} {name}: {how} "
                     f"({time.monotonic() - start:.0f}s elapsed)",
