@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from .backend import CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, default_config, emit
+from .backend import CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, default_config, emit, smem
 from .build.cache import atomic_write, file_lock
 from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, TensorDesc
 from .passes import lower
@@ -301,6 +301,10 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
         picks[p.symbol] = list(dict.fromkeys([*best, default] if include_default or not best else best))
         if epilogue_tiles:
             picks[p.symbol] += [epilogue_variant(c) for c in picks[p.symbol] if c.epi_tile is None]
+        # a configuration whose epilogue leaves the main loop < 2 stages cannot build: not timed
+        fitting = [c for c in picks[p.symbol] if smem.usage(p, c).fits]
+        fallback = smem.fit_config(p, default)
+        picks[p.symbol] = fitting or ([fallback] if fallback is not None else [])
         for cfg in picks[p.symbol]:
             jobs[f"{p.symbol}__{cfg.name}"] = (dataclasses.replace(p, symbol=f"{p.symbol}__{cfg.name}"), cfg)
     times = measure(jobs) if jobs else {}

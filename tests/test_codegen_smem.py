@@ -237,3 +237,24 @@ def test_model_matches_sizeof_printed_by_nvcc(tmp_path, request):
     subprocess.run(cmd, check=True, capture_output=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")[:-1]
     assert got == want
+
+
+def test_tune_times_only_configs_that_fit(cache_home):
+    from tvm_evt.codegen import select
+
+    p = adamw_partition()
+    jobs_seen = []
+
+    def measure(jobs):
+        jobs_seen.append(jobs)
+        return {name: 1.0 for name in jobs}
+
+    choices = select.tune([p], measure, gpu="g", space="quick")
+    fused = jobs_seen[1]
+    assert fused and all(smem.usage(q, cfg).fits for q, cfg in fused.values())
+    assert smem.usage(p, choices[p.symbol].config).fits
+
+
+def test_epilogue_subtile_n_is_a_multiple_of_16():
+    with pytest.raises(ValueError):  # CUTLASS static_asserts N % 16 == 0 for an explicit subtile
+        KernelConfig(tile=(128, 64, 64), epi_tile=(128, 8))

@@ -49,7 +49,8 @@ class KernelConfig:
         if self.epi_tile is not None:
             em, en = self.epi_tile
             warps_m = 128 if self.schedule is Schedule.COOPERATIVE else 64  # rows of the consumer warpgroup(s)
-            if em != warps_m or self.tile[0] % em or self.tile[1] % en or en not in (8, 16, 32, 64):
+            # en: CUTLASS's sm90_compute_tile_shape_or_override static_asserts N % 16 == 0
+            if em != warps_m or self.tile[0] % em or self.tile[1] % en or en not in (16, 32, 64):
                 raise ValueError(f"epilogue tile {self.epi_tile} does not divide the CTA tile {self.tile[:2]}")
 
     @property
