@@ -2,7 +2,7 @@
 
 Each dropout site ``d = R.nn.dropout(x, rate)`` becomes
 
-    keep = reshape(call_tir(dropout_keep_<numel>_<p>, (seed, site)), x.shape)   # bool
+    keep = call_tir(dropout_keep_<shape>_<p>, (seed, site))   # bool, shaped like x
     d    = (where(keep, x, 0) * (1 / (1 - p)), keep)
 
 where ``seed`` is a new trailing parameter ``rng_seed: R.Tensor((2,), "uint32")`` of the
@@ -46,35 +46,30 @@ class _DropoutLowerer(PyExprMutator):
             return call
         x = call.args[0]
         rate = float(call.attrs.rate)
-        sinfo = x.ty
-        shape = [int(s) for s in sinfo.shape]
-        numel = 1
-        for s in shape:
-            numel *= s
-        dtype = str(sinfo.dtype)
+        shape = [int(s) for s in x.ty.shape]
+        dtype = str(x.ty.dtype)
         site = self.sites
         self.sites += 1
         if rate == 0.0:
             return relax.Tuple([x, relax.op.ones_like(x, "bool")])
         tag = f"{rate:.6g}".replace(".", "p")
-        gvar = self._keep_func(f"dropout_keep_{numel}_{tag}", numel, rate)
-        flat = self.builder_.emit(
+        gvar = self._keep_func(f"dropout_keep_{'x'.join(map(str, shape))}_{tag}", shape, rate)
+        keep = self.builder_.emit(
             relax.call_tir(
-                gvar, [self.seed, relax.const(site, "uint32")], relax.TensorType((numel,), "bool")
+                gvar, [self.seed, relax.const(site, "uint32")], relax.TensorType(shape, "bool")
             )
         )
-        keep = self.builder_.emit(relax.op.reshape(flat, shape))
         # where() treats its condition as non-differentiable: no gradient reaches the RNG
         kept = self.builder_.emit(relax.op.where(keep, x, relax.const(0, dtype)))
         out = self.builder_.emit(relax.op.multiply(kept, relax.const(1.0 / (1.0 - rate), dtype)))
         return relax.Tuple([out, keep])
 
-    def _keep_func(self, name: str, numel: int, rate: float) -> relax.GlobalVar:
+    def _keep_func(self, name: str, shape: list[int], rate: float) -> relax.GlobalVar:
         mod = self.builder_.get()
         for gv in mod.get_global_vars():
             if gv.name_hint == name:
                 return gv
-        func = dropout_keep_primfunc(numel, rate).with_attr("global_symbol", name)
+        func = dropout_keep_primfunc(shape, rate).with_attr("global_symbol", name)
         return self.builder_.add_func(func, name)
 
 

@@ -61,14 +61,23 @@ def philox_word0(counter, key):
     return c[0], lets
 
 
-def dropout_keep_primfunc(numel: int, rate: float):
-    """PrimFunc (seed: uint32[2], site: uint32[], keep: bool[numel])."""
+def dropout_keep_primfunc(shape, rate: float):
+    """PrimFunc (seed: uint32[2], site: uint32[], keep: bool[*shape]) by the convention above.
+
+    The mask is produced in the tensor's own shape (element index = row-major linear index),
+    so no reshape sits between the RNG kernel and its consumers for FuseTIR to trip over."""
+    shape = [int(s) for s in shape]
     seed = te.placeholder((2,), "uint32", name="seed")
     site = te.placeholder((), "uint32", name="site")
     threshold = keep_threshold(rate)
+    strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
 
-    def element(i):
-        idx = tirx.Cast("uint64", i)
+    def element(*index):
+        idx = tirx.const(0, "uint64")
+        for i, stride in zip(index, strides):
+            idx = idx + tirx.Cast("uint64", i) * tirx.const(stride, "uint64")
         counter = [
             tirx.Cast("uint32", idx & tirx.const(0xFFFFFFFF, "uint64")),
             tirx.Cast("uint32", idx >> tirx.const(32, "uint64")),
@@ -81,7 +90,7 @@ def dropout_keep_primfunc(numel: int, rate: float):
             body = tirx.Let(var, value, body)
         return body
 
-    keep = te.compute((numel,), element, name="dropout_keep")
+    keep = te.compute(shape, element, name="dropout_keep")
     return te.create_prim_func([seed, site, keep])
 
 

@@ -278,3 +278,31 @@ def test_bf16_conv_and_concat_models_agree_with_fp32(name):
     loss32, _ = _compile(entry, inputs).loss_and_grads(*inputs)
     loss, _ = _compile(entry, inputs, precision="bf16").loss_and_grads(*inputs)
     assert rel_err(loss, loss32) <= 2e-2
+
+
+def test_dropout_mask_is_generated_in_the_tensors_shape():
+    """The Philox kernel writes the mask shaped like x (row-major element index), matching the
+    numpy reference of the convention; CUDA's FuseTIR rejected a reshape after it."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from tvm_evt.relax_passes.lower_dropout import LowerDropout
+    from tvm_evt.relax_passes.philox import dropout_keep_numpy
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((3, 5, 7), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            d = bb.emit(relax.op.nn.dropout(x, 0.4))
+            y = bb.emit_output(relax.TupleGetItem(d, 0))
+        bb.emit_func_output(y)
+    mod = LowerDropout()(bb.get())
+    assert "reshape" not in mod.script()
+    ex = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](
+        tvm.runtime.tensor(np.ones((3, 5, 7), "float32")),
+        tvm.runtime.tensor(np.array([11, 22], "uint32")),
+    ).numpy()
+    keep = dropout_keep_numpy(105, (11, 22), 0, 0.4).reshape(3, 5, 7)
+    np.testing.assert_array_equal(out != 0, keep)
