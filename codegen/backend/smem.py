@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from ..ir import AuxLoad, AuxStore, EVTNode, Partition, RowBroadcast
-from .config import Decomposition, KernelConfig, Schedule
+from .config import KernelConfig, Schedule
 from .functors import BITS
 
 SM90_SMEM_CAPACITY = 232448  # cutlass::gemm::collective::detail::sm90_smem_capacity_bytes (227 KiB)
@@ -185,15 +185,11 @@ def usage(partition: Partition, config: KernelConfig) -> SmemUsage:
     collective = _Storage(_round_up(d_bytes, d_align), d_align)  # union with the empty C buffer
     tensors = _struct([collective, fusion])
     epilogue = _struct([tensors, _Storage(2 * 8 * stages_c, 8)])  # + the C load pipeline's barriers
-    stage = _round_up((tm * tk * BITS[_mma(g.dtype_a)] + tn * tk * BITS[_mma(g.dtype_b)]) // 8, 128)
+    stage = _round_up((tm * tk * BITS[g.dtype_a] + tn * tk * BITS[g.dtype_b]) // 8, 128)  # tf32: 32 bits
     stage_bytes = stage + BARRIER_BYTES
     stages = (SM90_SMEM_CAPACITY // 128 * 128 - _round_up(epilogue.size, 128)) // stage_bytes
     return SmemUsage(config, (em, en), stages_c, stages_d, tuple(parts), epilogue.size,
                      (tensors.size, tensors.align), stage_bytes, stages)
-
-
-def _mma(dtype: str) -> str:
-    return dtype  # fp32 operands run as tf32: still 32 bits in shared memory
 
 
 # ------------------------------------------------------------------------------ choosing configs
@@ -235,12 +231,7 @@ def conservative_configs(tile_k: int) -> list[KernelConfig]:
 def fit_config(partition: Partition, config: KernelConfig) -> KernelConfig | None:
     """``config`` when its main loop gets 2+ stages, else the first of ``fallbacks(config)`` that
     does (deterministic), else None (no configuration can build the partition)."""
-    for cfg in fallbacks(config):
-        if cfg.decomposition is not Decomposition.DATA_PARALLEL and cfg.schedule is not Schedule.COOPERATIVE:
-            continue
-        if usage(partition, cfg).fits:
-            return cfg
-    return None
+    return next((cfg for cfg in fallbacks(config) if usage(partition, cfg).fits), None)
 
 
 def conservative_config(partition: Partition, tile_k: int) -> KernelConfig | None:
