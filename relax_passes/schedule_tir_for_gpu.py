@@ -4,12 +4,17 @@
 whole build when a rule raises on one function (TVM 0.27's Reduction rule trips an rfactor
 check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
 with each rule in that order, alone; a rule that raises or declines hands the function to the
-next one, and ``Fallback`` schedules anything left.
+next one, and ``Fallback`` schedules anything left that has block iterators.  What even
+``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward``, the
+embedding gradient's scatter-add — runs as written on a single GPU thread: correct, slow, and
+reported with a warning.
 """
 
 from __future__ import annotations
 
 import tvm
+import warnings
+
 from tvm import tirx
 
 
@@ -24,6 +29,15 @@ def _scheduled(func) -> bool:
     return bool(func.attrs) and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]) == 1
 
 
+def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` as written, launched as one block of one thread."""
+    body = func.body
+    for tag in ("threadIdx.x", "blockIdx.x"):
+        axis = tirx.IterVar(tvm.ir.Range(0, 1), tirx.Var(tag, "int32"), tirx.IterVar.ThreadIndex, tag)
+        body = tirx.AttrStmt(axis, "thread_extent", tirx.const(1, "int32"), body)
+    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+
+
 @tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
 class ScheduleTIRForGPU:
     """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it."""
@@ -32,7 +46,7 @@ class ScheduleTIRForGPU:
         from tvm.s_tir import dlight as dl
 
         rules = _rules()
-        updates = {}
+        updates, serial = {}, []
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or _scheduled(func):
                 continue
@@ -46,7 +60,13 @@ class ScheduleTIRForGPU:
                     updates[gv] = out[gv]
                     break
             else:
-                raise RuntimeError(f"no DLight rule could schedule {gv.name_hint} for the GPU")
+                serial.append(gv.name_hint)
+                updates[gv] = single_thread(func)
+        if serial:
+            warnings.warn(
+                f"no DLight rule schedules {', '.join(sorted(serial))}: run on one GPU thread",
+                stacklevel=2,
+            )
         if not updates:
             return mod
         mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)

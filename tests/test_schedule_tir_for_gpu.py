@@ -1,0 +1,64 @@
+"""ScheduleTIRForGPU on TVM's opaque embedding-gradient kernel (builds for CUDA without a GPU)."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU, single_thread
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+
+
+def _embedding_grad_module():
+    bb = relax.BlockBuilder()
+    grad = relax.Var("grad", relax.TensorType((32, 16), "float32"))
+    table = relax.Var("table", relax.TensorType((10, 16), "float32"))
+    idx = relax.Var("idx", relax.TensorType((32,), "int32"))
+    with bb.function("main", [grad, table, idx]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.grad.take_backward(grad, table, idx, axis=0))
+        bb.emit_func_output(out)
+    with CUDA:
+        return tvm.transform.Sequential(
+            [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+             relax.transform.FuseOps(), relax.transform.FuseTIR()]
+        )(bb.get())
+
+
+def test_unschedulable_kernel_runs_on_one_thread():
+    mod = _embedding_grad_module()
+    with CUDA, pytest.warns(UserWarning, match="take_backward"):
+        scheduled = ScheduleTIRForGPU()(mod)
+    prims = [f for _, f in scheduled.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert prims and all(int(f.attrs["tirx.is_scheduled"]) == 1 for f in prims)
+    assert any("threadIdx.x" in f.script() for f in prims)
+
+
+def test_single_thread_keeps_the_computation():
+    """The wrapper only adds the launch: on the CPU the same PrimFunc body computes the
+    scatter-add that numpy does."""
+    mod = _embedding_grad_module()
+    gv, func = next((gv, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    assert single_thread(func).body.body.body.same_as(func.body)
+    lib = tvm.compile(tvm.IRModule({"f": func.with_attr("global_symbol", "f")}),
+                      target=tvm.target.Target({"kind": "llvm"}))
+    rng = np.random.default_rng()
+    g = rng.standard_normal((32, 16)).astype("float32")
+    t = np.zeros((10, 16), "float32")
+    idx = rng.integers(0, 10, 32).astype("int32")
+    out = tvm.runtime.tensor(np.zeros((10, 16), "float32"))
+    lib["f"](*(tvm.runtime.tensor(a) for a in (g, t, idx)), out)
+    expected = np.zeros((10, 16))
+    np.add.at(expected, idx, g)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_scheduled_module_builds_for_cuda():
+    mod = _embedding_grad_module()
+    with CUDA, pytest.warns(UserWarning):
+        mod = ScheduleTIRForGPU()(mod)
+    tvm.compile(mod, target=CUDA)
