@@ -36,7 +36,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-xdist"],
+        # the tests draw the report PNGs and run the tuning flow
+        "test": ["pytest>=7", "pytest-xdist", "matplotlib", "cloudpickle", "psutil"],
         "bench": ["matplotlib"],
         "tune": ["cloudpickle", "psutil"],  # MetaSchedule's process pools
     },
