@@ -1,10 +1,34 @@
-"""One helper for passes that rewrite a function's bindings and then its returned fields."""
+"""Helpers shared by the passes: static shapes, mutating every Relax function of a module, and
+rewriting a function's bindings and then its returned fields."""
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import tvm
 from tvm import relax
+
+
+def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    """The static shape of a tensor-typed expression, else None (tuple, symbolic extent)."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    try:
+        return tuple(int(s) for s in ty.shape.values)
+    except TypeError:  # symbolic extent
+        return None
+
+
+def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.IRModule:
+    """Run `mutator` (a PyExprMutator built on `mod`) over every Relax function of `mod`;
+    `before_each(func)` may prime the mutator with per-function facts first."""
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            if before_each is not None:
+                before_each(func)
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    return mutator.builder_.get()
 
 
 def rewrite_function(

@@ -20,6 +20,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions
+
 VARIANCE = tvm.ir.Op.get("relax.variance")
 
 
@@ -44,8 +46,4 @@ class DecomposeBatchNorm:
     """Rewrite every ``relax.variance`` of every Relax function into Σx and Σx² moments."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        decomposer = _VarianceDecomposer(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                decomposer.builder_.update_func(gv, decomposer.visit_expr(func))
-        return decomposer.builder_.get()
+        return mutate_relax_functions(_VarianceDecomposer(mod), mod)

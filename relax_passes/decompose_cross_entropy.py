@@ -25,20 +25,12 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions, static_shape as _shape
+
 LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 SCATTER_ELEMENTS = tvm.ir.Op.get("relax.scatter_elements")
 ZERO_FILLS = frozenset(tvm.ir.Op.get(name) for name in ("relax.zeros_like", "relax.zeros"))
-
-
-def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    try:
-        return tuple(int(s) for s in ty.shape.values)
-    except TypeError:  # symbolic extent
-        return None
 
 
 def _log_softmax_sites(func: relax.Function) -> set[tuple[relax.Expr, int]]:
@@ -108,8 +100,8 @@ class DecomposeCrossEntropy:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         decomposer = _CrossEntropyDecomposer(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                decomposer.paired = _log_softmax_sites(func)
-                decomposer.builder_.update_func(gv, decomposer.visit_expr(func))
-        return decomposer.builder_.get()
+
+        def pair_log_softmax(func):
+            decomposer.paired = _log_softmax_sites(func)
+
+        return mutate_relax_functions(decomposer, mod, pair_log_softmax)

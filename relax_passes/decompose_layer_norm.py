@@ -20,6 +20,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions
+
 LAYER_NORM = tvm.ir.Op.get("relax.nn.layer_norm")
 
 
@@ -55,8 +57,4 @@ class DecomposeLayerNorm:
     """Decompose every ``relax.nn.layer_norm`` of every Relax function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        decomposer = _LayerNormDecomposer(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                decomposer.builder_.update_func(gv, decomposer.visit_expr(func))
-        return decomposer.builder_.get()
+        return mutate_relax_functions(_LayerNormDecomposer(mod), mod)

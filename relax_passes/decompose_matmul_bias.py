@@ -15,18 +15,10 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions, static_shape as _shape
+
 ADD = tvm.ir.Op.get("relax.add")
 MATMUL = tvm.ir.Op.get("relax.matmul")
-
-
-def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    try:
-        return tuple(int(s) for s in ty.shape.values)
-    except TypeError:  # symbolic extent
-        return None
 
 
 @mutator
@@ -51,8 +43,4 @@ class DecomposeMatmulBias:
     """Order every matmul + bias add of every Relax function as ``add(matmul, bias)``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        orderer = _BiasOrderer(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                orderer.builder_.update_func(gv, orderer.visit_expr(func))
-        return orderer.builder_.get()
+        return mutate_relax_functions(_BiasOrderer(mod), mod)

@@ -28,6 +28,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions
+
 EXP = tvm.ir.Op.get("relax.exp")
 LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
 POWER = tvm.ir.Op.get("relax.power")
@@ -105,8 +107,4 @@ class EliminateLoss:
     """Cut the loss-gradient path free of the loss value in every Relax function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        eliminator = _LossEliminator(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                eliminator.builder_.update_func(gv, eliminator.visit_expr(func))
-        return eliminator.builder_.get()
+        return mutate_relax_functions(_LossEliminator(mod), mod)

@@ -26,6 +26,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions, static_shape as _shape
+
 SUM = tvm.ir.Op.get("relax.sum")
 MEAN = tvm.ir.Op.get("relax.mean")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
@@ -38,16 +40,6 @@ ARANGE = tvm.ir.Op.get("relax.arange")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 REDUCE = {SUM: relax.op.sum, MEAN: relax.op.mean}
-
-
-def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    try:
-        return tuple(int(s) for s in ty.shape.values)
-    except TypeError:  # symbolic extent
-        return None
 
 
 def _aligned(shape: tuple[int, ...], ndim: int) -> tuple[int, ...] | None:
@@ -224,8 +216,4 @@ class EliminateReduction:
     """Remove or shrink the reductions of every Relax function (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        eliminator = _ReductionEliminator(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                eliminator.builder_.update_func(gv, eliminator.visit_expr(func))
-        return eliminator.builder_.get()
+        return mutate_relax_functions(_ReductionEliminator(mod), mod)

@@ -13,6 +13,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions
+
 POWER = tvm.ir.Op.get("relax.power")
 
 
@@ -51,8 +53,4 @@ class ExpandSmallPower:
     """Rewrite constant small-exponent powers in every Relax function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        expander = _Expander(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                expander.builder_.update_func(gv, expander.visit_expr(func))
-        return expander.builder_.get()
+        return mutate_relax_functions(_Expander(mod), mod)

@@ -23,6 +23,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import mutate_relax_functions, static_shape as _shape
+
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
 BROADCAST_TO = tvm.ir.Op.get("relax.broadcast_to")
@@ -31,16 +33,6 @@ IMPLICIT_BROADCAST = frozenset(
     tvm.ir.Op.get(f"relax.{name}")
     for name in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 )
-
-
-def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    try:
-        return tuple(int(s) for s in ty.shape.values)
-    except TypeError:  # symbolic extent
-        return None
 
 
 def _axes(call: relax.Call, ndim: int) -> list[int]:
@@ -112,8 +104,4 @@ class FoldLayoutIntoMatmul:
     """Compose permute/reshape chains and drop no-op layout ops in every Relax function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        folder = _LayoutFolder(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                folder.builder_.update_func(gv, folder.visit_expr(func))
-        return folder.builder_.get()
+        return mutate_relax_functions(_LayoutFolder(mod), mod)

@@ -120,7 +120,6 @@ def _make_importer(convert_map: dict, origin_log: list, strip_prefix: str):
 
 def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: str = ""):
     """Translate an ExportedProgram into an `ImportedModel` (see module docstring)."""
-    import torch
     from torch.export.graph_signature import InputKind, OutputKind
 
     from .converters import CONVERT_MAP
