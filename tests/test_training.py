@@ -306,3 +306,17 @@ def test_dropout_mask_is_generated_in_the_tensors_shape():
     ).numpy()
     keep = dropout_keep_numpy(105, (11, 22), 0, 0.4).reshape(3, 5, 7)
     np.testing.assert_array_equal(out != 0, keep)
+
+
+def test_inputs_may_be_views_at_an_offset():
+    """A slice of a larger tensor (storage offset, not 64-byte aligned) still runs: the step
+    copies what DLPack cannot hand over as is."""
+    entry = models.ZOO["mlp"]()
+    no_dropout(entry.model)
+    x, target = entry.example_inputs()
+    step = _compile(entry, (x, target))
+    big = torch.randn(x.numel() + 3)
+    view = big[3:].view(x.shape)  # 12-byte offset
+    loss, _ = step.loss_and_grads(view, target)
+    ref_loss, _, _ = torch_loss_and_grads(entry, (view.clone(), target))
+    assert rel_err(loss, ref_loss) <= 1e-5

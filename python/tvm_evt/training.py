@@ -149,8 +149,6 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
 
 def _to_tvm(t, device):
     """torch tensor → TVM tensor on `device`, zero-copy through DLPack when possible."""
-    import torch
-
     if device.dlpack_device_type() == 2 and t.device.type != "cuda":  # kDLCUDA
         t = t.to(f"cuda:{device.index}")
     elif device.dlpack_device_type() == 1 and t.device.type != "cpu":
@@ -158,10 +156,8 @@ def _to_tvm(t, device):
     t = t.contiguous()
     try:
         return tvm.runtime.from_dlpack(t)
-    except Exception:  # misaligned storage (TVM asks for 64-byte alignment): copy
-        if t.dtype == torch.bfloat16:
-            return tvm.runtime.from_dlpack(t.clone())
-        return tvm.runtime.tensor(t.detach().cpu().numpy(), device)
+    except Exception:  # a view at an offset TVM finds misaligned (it asks for 64 bytes): copy
+        return tvm.runtime.from_dlpack(t.clone())
 
 
 def _to_torch(x):
