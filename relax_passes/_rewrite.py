@@ -20,6 +20,15 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
         return None
 
 
+def producer(mutator, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
+    """The call to `op` bound to `expr` in the function `mutator` is visiting, else None."""
+    if isinstance(expr, relax.Var):
+        bound = mutator.lookup_binding(expr)
+        if isinstance(bound, relax.Call) and bound.op == op:
+            return bound
+    return None
+
+
 def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.IRModule:
     """Run `mutator` (a PyExprMutator built on `mod`) over every Relax function of `mod`;
     `before_each(func)` may prime the mutator with per-function facts first."""

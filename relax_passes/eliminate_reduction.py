@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, static_shape as _shape
+from ._rewrite import mutate_relax_functions, producer, static_shape as _shape
 
 SUM = tvm.ir.Op.get("relax.sum")
 MEAN = tvm.ir.Op.get("relax.mean")
@@ -62,11 +62,7 @@ def _is_zero(expr: relax.Expr) -> bool:
 @mutator
 class _ReductionEliminator(PyExprMutator):
     def _producer(self, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
-        if isinstance(expr, relax.Var):
-            bound = self.lookup_binding(expr)
-            if isinstance(bound, relax.Call) and bound.op == op:
-                return bound
-        return None
+        return producer(self, expr, op)
 
     def _fit(self, expr: relax.Expr, out: tuple[int, ...]) -> relax.Expr:
         """`expr` with shape `out` (same element count) — a reshape if it differs."""

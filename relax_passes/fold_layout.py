@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, static_shape as _shape
+from ._rewrite import mutate_relax_functions, producer, static_shape as _shape
 
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
@@ -43,11 +43,7 @@ def _axes(call: relax.Call, ndim: int) -> list[int]:
 @mutator
 class _LayoutFolder(PyExprMutator):
     def _producer(self, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
-        if isinstance(expr, relax.Var):
-            bound = self.lookup_binding(expr)
-            if isinstance(bound, relax.Call) and bound.op == op:
-                return bound
-        return None
+        return producer(self, expr, op)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
