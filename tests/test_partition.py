@@ -18,7 +18,7 @@ from tvm import relax
 import tvm_evt
 from tvm_evt import models
 from tvm_evt.codegen.legality import legality
-from tvm_evt.pipeline import front_passes
+from tvm_evt.pipeline import pre_partition_passes
 from tvm_evt.relax_passes import evt_cost
 from tvm_evt.relax_passes.partition_evt import (
     CODEGEN, OpGraph, PartitionEVT, assignment_feasible, build_problem, cluster_gain, partition_report,
@@ -74,7 +74,7 @@ def test_zoo(name):
     assert errs[worst] <= 1e-4, f"{worst}: {errs[worst]:.3g}"
 
     # the same partitioning (from the cache the compile filled), checked
-    graph_mod = tvm.transform.Sequential(front_passes()[:-1])(step.graph.mod)
+    graph_mod = tvm.transform.Sequential(pre_partition_passes())(step.graph.mod)
     parted = PartitionEVT(functions=("train_step",))(graph_mod)
     report = partition_report(parted)["train_step"]
     assert report["method"] == "cache"
@@ -200,7 +200,7 @@ def _bert_graph():
     entry = models.ZOO["bert_layer"]()
     imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
     graph = tvm_evt.build_training_module(imported, None)
-    return tvm.transform.Sequential(front_passes()[:-1])(graph.mod)
+    return tvm.transform.Sequential(pre_partition_passes())(graph.mod)
 
 
 def test_deterministic_and_cached():

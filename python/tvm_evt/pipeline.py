@@ -5,6 +5,7 @@ One list of phases, in order (``phases(target)``):
     evt_graph_passes   loss elimination, decomposition, reduction elimination, layout folding
                        (relax_passes/graph_passes.py; skipped with a warning while it is absent)
     PartitionEVT       the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
+    DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
     -- CUDA --
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, then DLight's default GPU
@@ -26,6 +27,7 @@ import tvm
 from tvm import relax
 
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
+from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
 PIPELINE_NAME = "evt"
@@ -45,12 +47,17 @@ def graph_passes() -> list:
     return [evt_graph_passes()]
 
 
+def pre_partition_passes() -> list:
+    """The graph passes up to (not including) the partitioner."""
+    return graph_passes() + [relax.transform.CanonicalizeBindings()]  # var-to-var bindings hide producers
+
+
 def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
                  functions: tuple[str, ...] | None = None) -> list:
     """The target-independent phases: graph passes, then the partitioner."""
-    return graph_passes() + [
-        relax.transform.CanonicalizeBindings(),  # var-to-var bindings would hide producers
+    return pre_partition_passes() + [
         PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions),
+        DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
     ]
 
 
