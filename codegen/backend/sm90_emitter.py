@@ -23,7 +23,6 @@ from ..ir import (
     ReduceAxis,
     RowBroadcast,
     ScalarBroadcast,
-    TopoVisitor,
 )
 from ..philox import dropout_scale, keep_threshold
 from .config import KernelConfig, Schedule, default_config
@@ -118,16 +117,11 @@ class Sm90Emitter:
                 f"{FUSION}::Sm90AuxLoad<{desc}::Stages, typename {desc}::EpilogueTile, {_cpp(node.dtype)}, "
                 f"{_stride_type(node.stride)}, typename {desc}::SmemLayoutAtom, typename {desc}::CopyOpS2R>",
             )
-        if isinstance(node, RowBroadcast):
+        if isinstance(node, (RowBroadcast, ColBroadcast)):
+            kind = "Sm90RowBroadcast" if isinstance(node, RowBroadcast) else "Sm90ColBroadcast"
             return self._declare(
                 name,
-                f"{FUSION}::Sm90RowBroadcast<0, TileShape, {_cpp(node.dtype)}, ElementCompute, "
-                f"{_stride_type(node.stride)}>",
-            )
-        if isinstance(node, ColBroadcast):
-            return self._declare(
-                name,
-                f"{FUSION}::Sm90ColBroadcast<0, TileShape, {_cpp(node.dtype)}, ElementCompute, "
+                f"{FUSION}::{kind}<0, TileShape, {_cpp(node.dtype)}, ElementCompute, "
                 f"{_stride_type(node.stride)}>",
             )
         if isinstance(node, ScalarBroadcast):

@@ -123,12 +123,21 @@ def _keep_mask(importer, like: relax.Expr, shape: Sequence[int], p: float) -> re
     return bb.emit(relax.op.astype(keep, dtype))
 
 
-def _dropout_tensor(importer, x: relax.Expr, p: float, train: bool) -> relax.Expr:
-    bb = importer.block_builder
+def _trivial_dropout(importer, x: relax.Expr, p: float, train: bool) -> relax.Expr | None:
+    """The result of a dropout that draws nothing (eval mode or p == 0: x; p >= 1: zeros),
+    else None."""
     if not train or p == 0.0:
         return x
     if p >= 1.0:
-        return bb.emit(relax.op.zeros_like(x))
+        return importer.block_builder.emit(relax.op.zeros_like(x))
+    return None
+
+
+def _dropout_tensor(importer, x: relax.Expr, p: float, train: bool) -> relax.Expr:
+    trivial = _trivial_dropout(importer, x, p, train)
+    if trivial is not None:
+        return trivial
+    bb = importer.block_builder
     return bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(x, p)), 0))
 
 
@@ -166,10 +175,9 @@ def _convert_feature_dropout(node: fx.Node, importer) -> relax.Expr:
     bb = importer.block_builder
     x = importer.env[node.args[0]]
     p, train = _dropout_args(node)
-    if not train or p == 0.0:
-        return x
-    if p >= 1.0:
-        return bb.emit(relax.op.zeros_like(x))
+    trivial = _trivial_dropout(importer, x, p, train)
+    if trivial is not None:
+        return trivial
     mask = _keep_mask(importer, x, _feature_noise_shape(x), p)
     return bb.emit(relax.op.multiply(x, relax.op.multiply(mask, _const(1.0 / (1.0 - p), x))))
 
@@ -182,10 +190,9 @@ def _make_alpha_dropout(per_channel: bool) -> Converter:
         bb = importer.block_builder
         x = importer.env[node.args[0]]
         p, train = _dropout_args(node)
-        if not train or p == 0.0:
-            return x
-        if p >= 1.0:
-            return bb.emit(relax.op.zeros_like(x))
+        trivial = _trivial_dropout(importer, x, p, train)
+        if trivial is not None:
+            return trivial
         shape = _feature_noise_shape(x) if per_channel else _shape(x)
         b = _keep_mask(importer, x, shape, p)
         a = 1.0 / math.sqrt((_SELU_ALPHA_SCALE**2 * p + 1.0) * (1.0 - p))

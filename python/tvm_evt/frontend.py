@@ -114,8 +114,7 @@ def _make_importer(convert_map: dict, origin_log: list, strip_prefix: str):
 
     for name, fn in list(importer.convert_map.items()):
         importer.convert_map[name] = traced(fn, name in custom_ops)
-    # every wrapper takes (node) alone, custom converters included
-    return importer, set()
+    return importer
 
 
 def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: str = ""):
@@ -129,7 +128,7 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     nodes = list(ep.graph.nodes)
 
     origin_log: list = []
-    importer, custom_ops = _make_importer(convert_map, origin_log, strip_prefix)
+    importer = _make_importer(convert_map, origin_log, strip_prefix)
 
     for node in nodes:
         if node.op == "call_function" and node.target.__name__ not in importer.convert_map:
@@ -220,7 +219,8 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     const_params = [params_buffers[n] for n in const_binding]
     with bb.function("main", params=func_params + const_params, attrs={"num_input": len(user_inputs)}):
         with bb.dataflow():
-            outs = importer._translate_fx_graph(ep.graph_module, nodes, renamed, custom_ops)
+            # every wrapper takes (node) alone, custom converters included: no custom_ops set
+            outs = importer._translate_fx_graph(ep.graph_module, nodes, renamed, set())
             outs = list(outs)
             loss = outs[user_out[0]]
             if not isinstance(loss, relax.Expr) or loss.ty.ndim != 0:

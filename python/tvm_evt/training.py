@@ -33,10 +33,6 @@ from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
 
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-_TORCH_DTYPES = {
-    "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
-    "int64": "int64", "int32": "int32", "bool": "bool", "uint8": "uint8", "int8": "int8",
-}
 
 
 # ---------------------------------------------------------------------------- targets
@@ -210,7 +206,7 @@ class TrainingStep:
         out = []
         for name, t, (shape, dtype) in zip(names, inputs, specs):
             got_dtype = str(t.dtype).replace("torch.", "")
-            if tuple(t.shape) != shape or _TORCH_DTYPES.get(got_dtype, got_dtype) != dtype:
+            if tuple(t.shape) != shape or got_dtype != dtype:
                 raise InputMismatchError(
                     f"input '{name}': expected shape {list(shape)} dtype {dtype}, "
                     f"got shape {list(t.shape)} dtype {got_dtype}"
