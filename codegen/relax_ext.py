@@ -36,7 +36,7 @@ CODEGEN_NAME = "evt"
 GLOBAL_FUNC = f"relax.ext.{CODEGEN_NAME}"
 
 
-CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits", "epi_tile")
+CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits", "epi_tile", "atomic_reduce")
 
 
 def _config(options, partition) -> KernelConfig:

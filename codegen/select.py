@@ -20,9 +20,10 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from .backend import CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, default_config, emit, smem
+from .backend import (CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, atomic_reduction,
+                      default_config, emit, smem)
 from .build.cache import atomic_write, file_lock
-from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, TensorDesc
+from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, Reduction, ReduceAxis, TensorDesc
 from .passes import lower
 
 H100_SMS = 132
@@ -85,6 +86,18 @@ def epilogue_variant(cfg: KernelConfig) -> KernelConfig:
     main-loop stages; tried in the second stage of ``tune`` for partitions with an epilogue."""
     rows = 128 if cfg.schedule is Schedule.COOPERATIVE else 64
     return dataclasses.replace(cfg, epi_tile=(rows, 16))
+
+
+def reduction_variant(partition: Partition, cfg: KernelConfig) -> KernelConfig | None:
+    """``cfg`` with atomically finished row/column sums, for partitions that have a float32 one
+    (tried in the second stage of ``tune``); None when no reduction would change."""
+    if cfg.atomic_reduce:
+        return None
+    variant = dataclasses.replace(cfg, atomic_reduce=True)
+    if any(isinstance(n, Reduction) and n.axis is not ReduceAxis.SCALAR and atomic_reduction(n, variant)
+           for n in partition.epilogue.nodes):
+        return variant
+    return None
 
 
 def is_long_k(m: int, n: int, k: int, num_sms: int = H100_SMS) -> bool:
@@ -267,7 +280,8 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
     (``inf`` for a kernel that failed to build or verify).  Stage 1 times each distinct plain GEMM
     on every candidate; stage 2 times each partition on its ``top_k`` main-loop configurations
     (plus the default when ``include_default``), and with ``epilogue_tiles`` each of those again
-    with a narrow epilogue subtile (``epilogue_variant``); a partition none of whose kernels ran
+    with a narrow epilogue subtile (``epilogue_variant``), and a partition with float32 row/column
+    sums each again with atomic sums (``reduction_variant``); a partition none of whose kernels ran
     gets no choice.  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
     """
     cache = cache or SelectionCache()
@@ -301,6 +315,7 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
         picks[p.symbol] = list(dict.fromkeys([*best, default] if include_default or not best else best))
         if epilogue_tiles:
             picks[p.symbol] += [epilogue_variant(c) for c in picks[p.symbol] if c.epi_tile is None]
+        picks[p.symbol] += [v for v in (reduction_variant(p, c) for c in picks[p.symbol]) if v is not None]
         # a configuration whose epilogue leaves the main loop < 2 stages cannot build: not timed
         fitting = [c for c in picks[p.symbol] if smem.usage(p, c).fits]
         fallback = smem.fit_config(p, default)

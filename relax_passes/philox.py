@@ -4,14 +4,16 @@ Convention (shared by every dropout site of a training graph, and by any kernel 
 regenerates a mask, e.g. an EVT epilogue):
 
 * key     = (seed[0], seed[1]), the step's 64-bit seed as two uint32 words;
-* counter = (i mod 2^32, i div 2^32, site, 0), where ``i`` is the row-major element index
-  of the tensor being masked and ``site`` numbers the dropout op in the graph;
-* word 0 of Philox4x32-10(counter, key) decides: keep iff ``(word0 >> 8) >= round(p * 2^24)``,
-  so an element is kept with probability 1 - p (to 2^-24);
+* element ``i`` (the row-major element index of the tensor being masked) takes word ``i mod 4``
+  of the Philox4x32-10 draw with counter = (d mod 2^32, d div 2^32, site, 0), d = i div 4, where
+  ``site`` numbers the dropout op in the graph: four consecutive elements share one draw;
+* keep iff ``(word >> 8) >= round(p * 2^24)``, so an element is kept with probability 1 - p
+  (to 2^-24);
 * kept elements are scaled by 1 / (1 - p) (by the graph, not by the mask kernel).
 
 Because the mask is a pure function of (seed, site, index), forward and backward (and any
-recomputation) see the same mask without storing it.
+recomputation) see the same mask without storing it.  The numpy reference is
+``tvm_evt.codegen.philox`` (the GEMM epilogue implements the same convention).
 """
 
 from __future__ import annotations
@@ -19,14 +21,8 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
-PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
-PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
-ROUNDS = 10
-
-
-def keep_threshold(rate: float) -> int:
-    """The 24-bit threshold below which an element is dropped."""
-    return int(round(rate * (1 << 24)))
+from ..codegen import philox as codegen_philox
+from ..codegen.philox import PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, ROUNDS, keep_threshold
 
 
 def _u32(value: int):
@@ -41,8 +37,8 @@ def _mulhilo(a, m: int):
     return hi, lo
 
 
-def philox_word0(counter, key):
-    """TIR expression of word 0 of Philox4x32-10, rounds bound with Let (linear size)."""
+def philox_words(counter, key):
+    """TIR expressions of the four words of Philox4x32-10, rounds bound with Let (linear size)."""
     lets = []
 
     def bind(name, value):
@@ -58,7 +54,7 @@ def philox_word0(counter, key):
         if r < ROUNDS - 1:
             c[3] = bind(f"w{r}", c[3])
             k0, k1 = bind(f"ka{r}", k0 + _u32(PHILOX_W0)), bind(f"kb{r}", k1 + _u32(PHILOX_W1))
-    return c[0], lets
+    return c, lets
 
 
 def dropout_keep_primfunc(shape, rate: float):
@@ -78,13 +74,17 @@ def dropout_keep_primfunc(shape, rate: float):
         idx = tirx.const(0, "uint64")
         for i, stride in zip(index, strides):
             idx = idx + tirx.Cast("uint64", i) * tirx.const(stride, "uint64")
+        draw = idx >> tirx.const(2, "uint64")
         counter = [
-            tirx.Cast("uint32", idx & tirx.const(0xFFFFFFFF, "uint64")),
-            tirx.Cast("uint32", idx >> tirx.const(32, "uint64")),
+            tirx.Cast("uint32", draw & tirx.const(0xFFFFFFFF, "uint64")),
+            tirx.Cast("uint32", draw >> tirx.const(32, "uint64")),
             site[()],
             _u32(0),
         ]
-        word, lets = philox_word0(counter, (seed[0], seed[1]))
+        words, lets = philox_words(counter, (seed[0], seed[1]))
+        j = tirx.Cast("uint32", idx & tirx.const(3, "uint64"))
+        word = tirx.Select(j == _u32(0), words[0], tirx.Select(j == _u32(1), words[1],
+                           tirx.Select(j == _u32(2), words[2], words[3])))
         body = (word >> _u32(8)) >= _u32(threshold)
         for var, value in reversed(lets):
             body = tirx.Let(var, value, body)
@@ -94,19 +94,6 @@ def dropout_keep_primfunc(shape, rate: float):
     return te.create_prim_func([seed, site, keep])
 
 
-def philox_numpy(counter, key) -> list[int]:
-    """Reference Philox4x32-10 on python ints (Random123 known answer: counter=key=0 gives
-    0x6627e8d5 0xe169c58d 0xbc57ac4c 0x9b00dbd8)."""
-    c, (k0, k1), m32 = [int(x) for x in counter], (int(key[0]), int(key[1])), 0xFFFFFFFF
-    for _ in range(ROUNDS):
-        p0, p1 = c[0] * PHILOX_M0, c[2] * PHILOX_M1
-        c = [((p1 >> 32) ^ c[1] ^ k0) & m32, p1 & m32, ((p0 >> 32) ^ c[3] ^ k1) & m32, p0 & m32]
-        k0, k1 = (k0 + PHILOX_W0) & m32, (k1 + PHILOX_W1) & m32
-    return c
-
-
 def dropout_keep_numpy(numel: int, seed: tuple[int, int], site: int, rate: float) -> np.ndarray:
-    """Boolean keep mask by the convention above (slow; for tests)."""
-    thr = keep_threshold(rate)
-    words = [philox_numpy((i & 0xFFFFFFFF, i >> 32, site, 0), seed)[0] for i in range(numel)]
-    return (np.array(words, dtype=np.uint64) >> 8) >= thr
+    """Boolean keep mask of ``numel`` elements by the convention above."""
+    return codegen_philox.dropout_keep((1, 1, numel), seed, site, rate).reshape(numel)

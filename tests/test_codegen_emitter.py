@@ -130,3 +130,16 @@ def test_epilogue_subtile_is_a_config_input():
     for bad in ((64, 16), (128, 48)):  # cooperative needs 128 rows; N must divide the tile
         with pytest.raises(ValueError):
             KernelConfig(epi_tile=bad)
+
+
+
+def test_atomic_row_sums_are_a_config_input():
+    from tvm_evt.codegen import bench
+
+    p = bench.Case("x", "colsum", bench.Problem("p", "dgrad", 512, 256, 128)).build().partition
+    assert "Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float" in emit(p)
+    atomic = KernelConfig(atomic_reduce=True)
+    assert atomic.name == "coop_128x128x64_c1x1_atomic" and KernelConfig.from_json(atomic.to_json()) == atomic
+    src = emit(p, atomic)
+    assert "Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add, 0, TileShape, float" in src
+    assert "atomic_add" not in emit(build(bias_relu), atomic)  # nothing to reduce: the same kernel

@@ -220,3 +220,19 @@ def test_tune_gives_no_choice_when_nothing_ran(cache_home):
     p = case("relu_bwd", "dgrad", m=4096, n=4096, k=256)
     assert select.tune([p], fake_measure({}, {}, []), gpu="g", space="quick") == {}
     assert select.lookup(p, gpu="g") is None
+
+
+def test_colsum_partitions_also_try_atomic_sums(cache_home):
+    p = case("colsum", "dgrad", m=4096, n=4096, k=256)
+    plain_ms = {c.name: 1.0 for c in select.candidates(p, "quick")}
+    fused_ms = {n: 1.0 for n in plain_ms}
+    fused_ms["coop_128x128x64_c1x1_atomic"] = 0.5
+    calls = []
+    choices = select.tune([p], fake_measure(plain_ms, fused_ms, calls), gpu="g", space="quick", top_k=1,
+                          epilogue_tiles=False)
+    assert sorted(c.split("__")[1] for c in calls[1]) == ["coop_128x128x64_c1x1", "coop_128x128x64_c1x1_atomic"]
+    chosen = choices[p.symbol].config
+    assert chosen.atomic_reduce and KernelConfig.from_json(json.loads(json.dumps(chosen.to_json()))) == chosen
+    assert select.lookup(p, gpu="g") == chosen
+    # no float32 row/column sum: no atomic variant
+    assert select.reduction_variant(case("gelu_bwd", "dgrad"), default_config("bfloat16")) is None

@@ -36,6 +36,10 @@ class KernelConfig:
     # 64x32 ping-pong for 16-bit D).  A smaller one shrinks the epilogue's shared memory (D, aux
     # load/store buffers), which the main loop's ``StageCountAutoCarveout`` turns into stages.
     epi_tile: tuple[int, int] | None = None
+    # Row/column sums into float32 finished with atomics (``red.global.add``) instead of CUTLASS's
+    # workspace + last-CTA pass: no per-tile workspace traffic or tile counters, but the order of
+    # the partial sums (so the last bits of the result) varies from run to run.
+    atomic_reduce: bool = False
 
     def __post_init__(self):
         if self.schedule is Schedule.COOPERATIVE and self.tile[0] % 128:
@@ -66,6 +70,8 @@ class KernelConfig:
             parts.append(f"splitk{self.splits}")
         if self.epi_tile is not None:
             parts.append(f"e{self.epi_tile[0]}x{self.epi_tile[1]}")
+        if self.atomic_reduce:
+            parts.append("atomic")
         return "_".join(parts)
 
     def to_json(self) -> dict:
@@ -73,6 +79,7 @@ class KernelConfig:
             "tile": list(self.tile), "cluster": list(self.cluster), "schedule": self.schedule.value,
             "raster": self.raster.value, "decomposition": self.decomposition.value, "splits": self.splits,
             **({"epi_tile": list(self.epi_tile)} if self.epi_tile is not None else {}),
+            **({"atomic_reduce": True} if self.atomic_reduce else {}),
         }
 
     @classmethod
@@ -87,6 +94,7 @@ class KernelConfig:
             decomposition=Decomposition(str(d.get("decomposition", base.decomposition.value))),
             splits=int(d.get("splits", base.splits)),
             epi_tile=_epi_tile(d.get("epi_tile")),
+            atomic_reduce=str(d.get("atomic_reduce", False)).strip().lower() in ("1", "true", "yes", "on"),
         )
 
 

@@ -21,6 +21,7 @@ from ..ir import (
     Partition,
     Reduction,
     ReduceAxis,
+    ReduceFn,
     RowBroadcast,
     ScalarBroadcast,
 )
@@ -73,6 +74,13 @@ def _store_stride(p: Partition, axis: ReduceAxis | None):
         ReduceAxis.COL: (1, 0, m if batched else 0),
         ReduceAxis.SCALAR: (0, 0, 1 if batched else 0),
     }[axis]
+
+
+def atomic_reduction(node: Reduction, config: KernelConfig) -> bool:
+    """Whether a row/column reduction is finished with atomics: asked for by the configuration,
+    and only for float32 sums (atomics reduce in the output type; CUTLASS's float max atomic does
+    not propagate NaN as ``Max`` does)."""
+    return config.atomic_reduce and node.fn is ReduceFn.SUM and node.dtype == "float32"
 
 
 class Sm90Emitter:
@@ -157,9 +165,10 @@ class Sm90Emitter:
                     f"{FUSION}::Sm90ScalarReduction<{reg}, {atomic}, {out}, ElementCompute, {ROUND}, {stride}>",
                 )
             kind = "Sm90RowReduction" if node.axis is ReduceAxis.ROW else "Sm90ColReduction"
+            gmem = atomic if atomic_reduction(node, self.config) else final
             return self._declare(
                 name,
-                f"{FUSION}::{kind}<{reg}, {reg}, {final}, 0, TileShape, {out}, ElementCompute, {ROUND}, {stride}>",
+                f"{FUSION}::{kind}<{reg}, {reg}, {gmem}, 0, TileShape, {out}, ElementCompute, {ROUND}, {stride}>",
             )
         raise Unsupported(f"no SM90 visitor for node kind {node.kind}")
 

@@ -105,10 +105,11 @@ struct WhereFn {
 };
 template <class T> using Where = Ternary<WhereFn, T>;
 
-// Word 0 of Philox4x32-10 with counter (lo32(i), hi32(i), site, 0) and key (k0, k1); the
-// convention is documented in tvm_evt/codegen/philox.py.
-CUTLASS_DEVICE uint32_t philox_word0(uint64_t index, uint32_t site, uint32_t k0, uint32_t k1) {
-  uint32_t c0 = uint32_t(index), c1 = uint32_t(index >> 32), c2 = site, c3 = 0;
+// Philox4x32-10 draw ``draw`` = (lo32, hi32, site, 0) under key (k0, k1): all four words.  Element
+// i uses word i % 4 of draw i / 4 (the convention is documented in tvm_evt/codegen/philox.py).
+struct PhiloxWords { uint32_t w[4]; };
+CUTLASS_DEVICE PhiloxWords philox_draw(uint64_t draw, uint32_t site, uint32_t k0, uint32_t k1) {
+  uint32_t c0 = uint32_t(draw), c1 = uint32_t(draw >> 32), c2 = site, c3 = 0;
   CUTLASS_PRAGMA_UNROLL
   for (int r = 0; r < 10; ++r) {
     if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
@@ -117,10 +118,15 @@ CUTLASS_DEVICE uint32_t philox_word0(uint64_t index, uint32_t site, uint32_t k0,
     uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
     c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
   }
-  return c0;
+  return {{c0, c1, c2, c3}};
+}
+CUTLASS_DEVICE uint32_t philox_pick(PhiloxWords const& r, uint32_t j) {
+  return j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];  // selects, no local memory
 }
 
-// keep ? x * scale : 0 with keep = (philox_word0(i) >> 8) >= threshold, i = (l * M + m) * N + n.
+// keep ? x * scale : 0 with keep = (philox word of i >> 8) >= threshold, i = (l * M + m) * N + n.
+// A thread's fragment holds adjacent columns in pairs, so consecutive elements usually share a
+// draw: the last draw is kept and reused.
 template <class ElementOutput, class ElementCompute = float>
 struct Sm90PhiloxDropout {
   struct SharedStorage {};
@@ -177,11 +183,17 @@ struct Sm90PhiloxDropout {
       cutlass::NumericConverter<ElementCompute, ElementInput> to_compute;
       cutlass::NumericConverter<ElementOutput, ElementCompute> to_output;
       Array<ElementOutput, FragmentSize> out;
+      uint64_t drawn = ~uint64_t(0);
+      PhiloxWords words;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         auto coord = tC_cD_mn(epi_v * FragmentSize + i);
         uint64_t index = (uint64_t(l) * uint64_t(M) + uint64_t(get<0>(coord))) * uint64_t(N) + uint64_t(get<1>(coord));
-        bool keep = (philox_word0(index, params->site, k0, k1) >> 8) >= params->threshold;
+        if ((index >> 2) != drawn) {
+          drawn = index >> 2;
+          words = philox_draw(drawn, params->site, k0, k1);
+        }
+        bool keep = (philox_pick(words, uint32_t(index) & 3u) >> 8) >= params->threshold;
         ElementCompute x = to_compute(frg_input[i]);
         out[i] = to_output(keep ? x * ElementCompute(params->scale) : ElementCompute(0));
       }
