@@ -5,9 +5,9 @@ whole build when a rule raises on one function (TVM 0.27's Reduction rule trips 
 check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
 with each rule in that order, alone; a rule that raises or declines hands the function to the
 next one, and ``Fallback`` schedules anything left that has block iterators.  What even
-``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward``, the
-embedding gradient's scatter-add — runs as written on a single GPU thread: correct, slow, and
-reported with a warning.
+``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward`` (which the
+evt pipeline replaces beforehand: ``LowerTakeBackward``) — runs as written on a single GPU
+thread: correct, slow, and reported with a warning.
 """
 
 from __future__ import annotations

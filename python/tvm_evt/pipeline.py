@@ -8,6 +8,7 @@ One list of phases, in order (``phases(target)``):
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
     -- CUDA --
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
+    LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
@@ -28,6 +29,7 @@ from tvm import relax
 
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
+from .relax_passes.lower_take_backward import LowerTakeBackward
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
 PIPELINE_NAME = "evt"
@@ -75,6 +77,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             + cuda.library_dispatch_passes(target)
             + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule
+                LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
