@@ -27,6 +27,7 @@ from ._rewrite import mutate_relax_functions, static_shape
 
 TAKE_BACKWARD = tvm.ir.Op.get("relax.grad.take_backward")
 THREADS = 256
+ACC_DTYPE = "float32"
 
 
 def scatter_add_primfunc(outer: int, rows: int, inner: int, n: int, grad_dtype: str, index_dtype: str):
@@ -40,7 +41,7 @@ def scatter_add_primfunc(outer: int, rows: int, inner: int, n: int, grad_dtype: 
 
     @T.prim_func(private=True)
     def scatter_add(grad: T.Buffer((outer, n, inner), grad_dtype), indices: T.Buffer((n,), index_dtype),
-                    out: T.Buffer((outer, rows, inner), "float32")):
+                    out: T.Buffer((outer, rows, inner), ACC_DTYPE)):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         for bx in T.thread_binding(T.Cast(idx, blocks(out_numel)), thread="blockIdx.x"):
             for tx in T.thread_binding(T.Cast(idx, THREADS), thread="threadIdx.x"):
