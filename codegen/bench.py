@@ -28,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,7 +74,7 @@ def bert_problems(quick: bool = False) -> list[Problem]:
     wgrad = [Problem("QKV dW", "wgrad", 3 * H, H, T), Problem("attn-out dW", "wgrad", H, H, T),
              Problem("FFN1 dW", "wgrad", F, H, T), Problem("FFN2 dW", "wgrad", H, F, T)]
     if quick:
-        return [fwd[2], fwd[3], dgrad[3], wgrad[1]]
+        return [fwd[2], fwd[3], dgrad[3], wgrad[0], wgrad[1]]
     return fwd + dgrad + wgrad
 
 
@@ -615,7 +616,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--out", default="./bench_out", help="output directory (bench_gemm.md, bench_gemm.json)")
-    ap.add_argument("--quick", action="store_true", help="4 GEMM shapes, 5 fused cases, the 'quick' search space")
+    ap.add_argument("--quick", action="store_true", help="5 GEMM shapes, 5 fused cases, the 'quick' search space")
     ap.add_argument("--space", choices=sorted(select.SPACES), default=None,
                     help="candidate table size (default: 'quick' with --quick, else 'default')")
     ap.add_argument("--top-k", type=int, default=None, help="main-loop configs re-profiled with the epilogue (default 1 with --quick, else 2)")
@@ -626,7 +627,32 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-vm-check", action="store_true", help="skip measuring the Relax VM route's overhead")
     ap.add_argument("--emit-only", metavar="DIR", help="write every candidate's C++ source to DIR and exit (no GPU)")
+    ap.add_argument("--prebuild", action="store_true",
+                    help="build (into the cache, no GPU) every kernel a run builds before it has timings: the "
+                    "main-loop candidates and each fused case on the default configuration and its variants")
     return ap
+
+
+def prebuild(cases: list[Case], args) -> dict:
+    """Build what ``select.tune`` builds when no timing is known, i.e. everything but the fused
+    kernels of the main loops a GPU run will rank first; nothing is timed or persisted."""
+    stats = []
+
+    def build_only(jobs):
+        sources = {}
+        for name, (p, cfg) in jobs.items():
+            try:
+                sources[name] = emit(p, cfg)
+            except Unsupported:
+                continue
+        _log(f"building {len(sources)} kernels with {args.jobs} jobs")
+        stats.append(build_tolerant(sources, args.jobs)[2])
+        return {n: math.inf for n in jobs}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        select.tune([c.partition for c in cases], build_only, "prebuild", space=args.space, top_k=args.top_k,
+                    include_default=True, cache=select.SelectionCache(Path(tmp) / "select.json"))
+    return {k: sum(s[k] for s in stats) for k in ("built", "cached", "failed", "seconds")}
 
 
 def emit_all(cases: list[Case], space: str, directory: Path) -> list[Path]:
@@ -668,6 +694,9 @@ def main(argv=None) -> int:
     if args.emit_only:
         paths = emit_all(bert_cases(args.quick), args.space, Path(args.emit_only))
         print(f"wrote {len(paths)} kernel sources to {args.emit_only}")
+        return 0
+    if args.prebuild:
+        print(f"prebuilt: {prebuild(bert_cases(args.quick), args)}")
         return 0
     why = gpu_problem()
     if why:

@@ -236,3 +236,25 @@ def test_colsum_partitions_also_try_atomic_sums(cache_home):
     assert select.lookup(p, gpu="g") == chosen
     # no float32 row/column sum: no atomic variant
     assert select.reduction_variant(case("gelu_bwd", "dgrad"), default_config("bfloat16")) is None
+
+
+def test_bench_prebuild_builds_what_needs_no_timing(cache_home, monkeypatch, capsys):
+    built = []
+
+    def fake_build(sources, jobs):
+        built.extend(sources)
+        return {}, {}, {"built": len(sources), "cached": 0, "failed": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(bench, "build_tolerant", fake_build)
+    assert bench.main(["--quick", "--prebuild", "--jobs", "2"]) == 0
+    assert "prebuilt: {'built': %d" % len(built) in capsys.readouterr().out
+    plain = [n for n in built if n.startswith("evt_plain_")]
+    fused = {n.split("__")[0]: [] for n in built if not n.startswith("evt_plain_")}
+    for n in built:
+        if not n.startswith("evt_plain_"):
+            fused[n.split("__")[0]].append(n.split("__")[1])
+    assert any(n.endswith("_streamk") for n in plain)  # the long-K weight gradients' candidates
+    assert sorted(fused["evt_colsum_FFN2_dX"]) == ["coop_128x128x64_c1x1", "coop_128x128x64_c1x1_atomic",
+                                                    "coop_128x128x64_c1x1_e128x16", "coop_128x128x64_c1x1_e128x16_atomic"]
+    assert sorted(fused["evt_gelu_bwd_FFN2_dX"]) == ["coop_128x128x64_c1x1", "coop_128x128x64_c1x1_e128x16"]
+    assert select.SelectionCache().load() == {}  # nothing persisted
