@@ -28,7 +28,7 @@ from ..ir import (
 from ..philox import dropout_scale, keep_threshold
 from .config import KernelConfig, Schedule, default_config
 from .functors import BITS, CPP_TYPE, DL_TYPE, FUNCTOR, REDUCE
-from .templates import HEADER, KERNEL, PRELUDE, SCHEDULER_ARGS, TILE_SCHEDULER
+from .templates import DROPOUT, HEADER, KERNEL, PRELUDE, SCHEDULER_ARGS, TILE_SCHEDULER
 
 CODEGEN_VERSION = "0.1.0"
 FUSION = "cutlass::epilogue::fusion"
@@ -329,7 +329,8 @@ class Sm90Emitter:
             tile_scheduler=TILE_SCHEDULER[cfg.decomposition.value],
             scheduler_args=SCHEDULER_ARGS[cfg.decomposition.value].substitute(splits=cfg.splits),
         )
-        return HEADER.substitute(values) + PRELUDE + KERNEL.substitute(values)
+        dropout = DROPOUT if any(isinstance(n, Dropout) for n in p.epilogue.nodes) else ""
+        return HEADER.substitute(values) + PRELUDE + dropout + KERNEL.substitute(values)
 
 
 def emit(partition: Partition, config: KernelConfig | None = None) -> str:

@@ -20,7 +20,7 @@ HEADER = Template("""\
 #include <cstdio>
 """)
 
-# Functors and the Philox dropout node.  Compute functors see Array<float, N> (ElementCompute);
+# Functors and the FFI helpers.  Compute functors see Array<float, N> (ElementCompute);
 # the conversion to each node's output type is Sm90Compute's.
 PRELUDE = """\
 #ifndef TVM_EVT_PRELUDE
@@ -104,114 +104,6 @@ struct WhereFn {
   CUTLASS_HOST_DEVICE float operator()(float c, float a, float b) const { return c != 0.0f ? a : b; }
 };
 template <class T> using Where = Ternary<WhereFn, T>;
-
-// Philox4x32-10 draw ``draw`` = (lo32, hi32, site, 0) under key (k0, k1): all four words.  Element
-// i uses word i % 4 of draw i / 4 (the convention is documented in tvm_evt/codegen/philox.py).
-struct PhiloxWords { uint32_t w[4]; };
-CUTLASS_DEVICE PhiloxWords philox_draw(uint64_t draw, uint32_t site, uint32_t k0, uint32_t k1) {
-  uint32_t c0 = uint32_t(draw), c1 = uint32_t(draw >> 32), c2 = site, c3 = 0;
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < 10; ++r) {
-    if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
-    uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-    uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-    uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
-  }
-  return {{c0, c1, c2, c3}};
-}
-CUTLASS_DEVICE uint32_t philox_pick(PhiloxWords const& r, uint32_t j) {
-  return j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];  // selects, no local memory
-}
-
-// keep ? x * scale : 0 with keep = (philox word of i >> 8) >= threshold, i = (l * M + m) * N + n.
-// A thread's fragment holds adjacent columns in pairs, so consecutive elements usually share a
-// draw: the last draw is kept and reused.
-template <class ElementOutput, class ElementCompute = float>
-struct Sm90PhiloxDropout {
-  struct SharedStorage {};
-  struct Arguments {
-    uint32_t const* seed_ptr = nullptr;  // uint32[2]: the key
-    uint32_t site = 0;
-    uint32_t threshold = 0;               // round(p * 2^24)
-    float scale = 1.0f;                   // 1 / (1 - p)
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) { return args.seed_ptr != nullptr; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE Sm90PhiloxDropout() {}
-  CUTLASS_HOST_DEVICE Sm90PhiloxDropout(Params const& params, SharedStorage const&) : params_ptr(&params) {}
-  Params const* params_ptr = nullptr;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
-
-  template <class CTensor>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor&& tC_cD, int64_t M, int64_t N, int64_t l, Params const* params)
-        : tC_cD(cute::forward<CTensor>(tC_cD)), M(M), N(N), l(l), params(params),
-          k0(params->seed_ptr[0]), k1(params->seed_ptr[1]) {}
-    CTensor tC_cD;
-    int64_t M, N, l;
-    Params const* params;
-    uint32_t k0, k1;
-
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE Array<ElementOutput, FragmentSize>
-    visit(Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
-          Array<ElementInput, FragmentSize> const& frg_input) {
-      using namespace cute;
-      Tensor tC_cD_mn = tC_cD(_, _, _, epi_m, epi_n);
-      cutlass::NumericConverter<ElementCompute, ElementInput> to_compute;
-      cutlass::NumericConverter<ElementOutput, ElementCompute> to_output;
-      Array<ElementOutput, FragmentSize> out;
-      uint64_t drawn = ~uint64_t(0);
-      PhiloxWords words;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        auto coord = tC_cD_mn(epi_v * FragmentSize + i);
-        uint64_t index = (uint64_t(l) * uint64_t(M) + uint64_t(get<0>(coord))) * uint64_t(N) + uint64_t(get<1>(coord));
-        if ((index >> 2) != drawn) {
-          drawn = index >> 2;
-          words = philox_draw(drawn, params->site, k0, k1);
-        }
-        bool keep = (philox_pick(words, uint32_t(index) & 3u) >> 8) >= params->threshold;
-        ElementCompute x = to_compute(frg_input[i]);
-        out[i] = to_output(keep ? x * ElementCompute(params->scale) : ElementCompute(0));
-      }
-      return out;
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    using namespace cute;
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto [m, n, k, l] = args.tile_coord_mnkl;
-    Tensor coord = make_identity_tensor(make_shape(M, N, L));
-    Tensor tC_cD = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-        coord, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx);
-    return ConsumerStoreCallbacks<decltype(tC_cD)>(cute::move(tC_cD), int64_t(M), int64_t(N), int64_t(l), params_ptr);
-  }
-};
 
 // The entry functions speak the TVM FFI C ABI directly (no C++ exceptions, no iostreams), so a
 // kernel object needs nothing from libstdc++: see ``codegen/build/link.py``.
@@ -387,3 +279,122 @@ SCHEDULER_ARGS = {
         f"\n  args.scheduler.splits = ${{splits}};\n  args.scheduler.decomposition_mode = {_DECOMPOSITION}::SplitK;"
     ),
 }
+
+# The dropout node, emitted only into kernels that have one (so that the other kernels' sources,
+# and their cache entries, do not depend on it).
+DROPOUT = """\
+#ifndef TVM_EVT_DROPOUT
+#define TVM_EVT_DROPOUT
+namespace tvm_evt {
+using cutlass::Array;
+
+// Philox4x32-10 draw ``draw`` = (lo32, hi32, site, 0) under key (k0, k1): all four words.  Element
+// i uses word i % 4 of draw i / 4 (the convention is documented in tvm_evt/codegen/philox.py).
+struct PhiloxWords { uint32_t w[4]; };
+CUTLASS_DEVICE PhiloxWords philox_draw(uint64_t draw, uint32_t site, uint32_t k0, uint32_t k1) {
+  uint32_t c0 = uint32_t(draw), c1 = uint32_t(draw >> 32), c2 = site, c3 = 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 10; ++r) {
+    if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+    uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+  }
+  return {{c0, c1, c2, c3}};
+}
+CUTLASS_DEVICE uint32_t philox_pick(PhiloxWords const& r, uint32_t j) {
+  return j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];  // selects, no local memory
+}
+
+// keep ? x * scale : 0 with keep = (philox word of i >> 8) >= threshold, i = (l * M + m) * N + n.
+// A thread's fragment holds adjacent columns in pairs, so consecutive elements usually share a
+// draw: the last draw is kept and reused.
+template <class ElementOutput, class ElementCompute = float>
+struct Sm90PhiloxDropout {
+  struct SharedStorage {};
+  struct Arguments {
+    uint32_t const* seed_ptr = nullptr;  // uint32[2]: the key
+    uint32_t site = 0;
+    uint32_t threshold = 0;               // round(p * 2^24)
+    float scale = 1.0f;                   // 1 / (1 - p)
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) { return args.seed_ptr != nullptr; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE Sm90PhiloxDropout() {}
+  CUTLASS_HOST_DEVICE Sm90PhiloxDropout(Params const& params, SharedStorage const&) : params_ptr(&params) {}
+  Params const* params_ptr = nullptr;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CTensor>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor&& tC_cD, int64_t M, int64_t N, int64_t l, Params const* params)
+        : tC_cD(cute::forward<CTensor>(tC_cD)), M(M), N(N), l(l), params(params),
+          k0(params->seed_ptr[0]), k1(params->seed_ptr[1]) {}
+    CTensor tC_cD;
+    int64_t M, N, l;
+    Params const* params;
+    uint32_t k0, k1;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE Array<ElementOutput, FragmentSize>
+    visit(Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+          Array<ElementInput, FragmentSize> const& frg_input) {
+      using namespace cute;
+      Tensor tC_cD_mn = tC_cD(_, _, _, epi_m, epi_n);
+      cutlass::NumericConverter<ElementCompute, ElementInput> to_compute;
+      cutlass::NumericConverter<ElementOutput, ElementCompute> to_output;
+      Array<ElementOutput, FragmentSize> out;
+      uint64_t drawn = ~uint64_t(0);
+      PhiloxWords words;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        auto coord = tC_cD_mn(epi_v * FragmentSize + i);
+        uint64_t index = (uint64_t(l) * uint64_t(M) + uint64_t(get<0>(coord))) * uint64_t(N) + uint64_t(get<1>(coord));
+        if ((index >> 2) != drawn) {
+          drawn = index >> 2;
+          words = philox_draw(drawn, params->site, k0, k1);
+        }
+        bool keep = (philox_pick(words, uint32_t(index) & 3u) >> 8) >= params->threshold;
+        ElementCompute x = to_compute(frg_input[i]);
+        out[i] = to_output(keep ? x * ElementCompute(params->scale) : ElementCompute(0));
+      }
+      return out;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    Tensor coord = make_identity_tensor(make_shape(M, N, L));
+    Tensor tC_cD = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        coord, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx);
+    return ConsumerStoreCallbacks<decltype(tC_cD)>(cute::move(tC_cD), int64_t(M), int64_t(N), int64_t(l), params_ptr);
+  }
+};
+}  // namespace tvm_evt
+#endif  // TVM_EVT_DROPOUT
+"""
