@@ -18,8 +18,12 @@ recomputation) see the same mask without storing it.  The numpy reference is
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import tvm
 from tvm import te, tirx
+from tvm.script import tirx as T
 
 from ..codegen import philox as codegen_philox
 from ..codegen.philox import PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, ROUNDS, keep_threshold
@@ -61,7 +65,9 @@ def dropout_keep_primfunc(shape, rate: float):
     """PrimFunc (seed: uint32[2], site: uint32[], keep: bool[*shape]) by the convention above.
 
     The mask is produced in the tensor's own shape (element index = row-major linear index),
-    so no reshape sits between the RNG kernel and its consumers for FuseTIR to trip over."""
+    so no reshape sits between the RNG kernel and its consumers for FuseTIR to trip over.  Each
+    element evaluates its whole draw; the function is tagged ``tvm_evt.dropout_keep`` (the rate)
+    and ``tvm_evt.dropout_shape`` so that the CUDA build swaps in ``dropout_keep_gpu_primfunc``."""
     shape = [int(s) for s in shape]
     seed = te.placeholder((2,), "uint32", name="seed")
     site = te.placeholder((), "uint32", name="site")
@@ -91,7 +97,70 @@ def dropout_keep_primfunc(shape, rate: float):
         return body
 
     keep = te.compute(shape, element, name="dropout_keep")
-    return te.create_prim_func([seed, site, keep])
+    func = te.create_prim_func([seed, site, keep])
+    func = func.with_attr("tvm_evt.dropout_keep", tvm.runtime.convert(float(rate)))
+    return func.with_attr("tvm_evt.dropout_shape", tvm.runtime.convert(shape))
+
+
+THREADS = 256
+U32, BOOL = "uint32", "bool"
+
+
+def dropout_keep_gpu_primfunc(shape, rate: float):
+    """``dropout_keep_primfunc`` scheduled for CUDA: one thread per Philox draw writes four
+    consecutive mask elements (the tail of a tensor whose size is not a multiple of 4 is
+    guarded), a quarter of the integer work of one draw per element.
+
+    CUDA only: the same loop built by LLVM for x86 returned wrong masks (with and without
+    ``tirx.noalias``, depending on the loop's size), so the CPU keeps the per-element form."""
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    draws = (numel + 3) // 4
+    idx = "int64" if numel >= 2**31 - 4 * THREADS else "int32"
+    threshold = keep_threshold(rate)
+    blocks, threads = (draws + THREADS - 1) // THREADS, THREADS
+    m0, m1, w0, w1, mask32 = PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, 0xFFFFFFFF
+
+    @T.prim_func(private=True)
+    def dropout_keep(seed: T.Buffer((2,), U32), site: T.Buffer((), U32), keep: T.Buffer(shape, BOOL)):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        flat = T.decl_buffer((numel,), "bool", data=keep.data)
+        for bx in T.thread_binding(T.Cast(idx, blocks), thread="blockIdx.x"):
+            for tx in T.thread_binding(T.Cast(idx, threads), thread="threadIdx.x"):
+                d = bx * threads + tx
+                if d < draws:
+                    c = T.alloc_buffer((6,), "uint32", scope="local")  # counter c0..c3, key k0, k1
+                    prod = T.alloc_buffer((2,), "uint64", scope="local")  # the two 32x32 -> 64-bit products
+                    c[0] = T.Cast("uint32", T.Cast("uint64", d) & T.uint64(mask32))
+                    c[1] = T.Cast("uint32", T.Cast("uint64", d) >> T.uint64(32))
+                    c[2] = site[()]
+                    c[3] = T.uint32(0)
+                    c[4] = seed[0]
+                    c[5] = seed[1]
+                    for _r in T.unroll(ROUNDS):
+                        prod[0] = T.Cast("uint64", c[0]) * T.uint64(m0)
+                        prod[1] = T.Cast("uint64", c[2]) * T.uint64(m1)
+                        c[0] = T.Cast("uint32", prod[1] >> T.uint64(32)) ^ c[1] ^ c[4]
+                        c[1] = T.Cast("uint32", prod[1] & T.uint64(mask32))
+                        c[2] = T.Cast("uint32", prod[0] >> T.uint64(32)) ^ c[3] ^ c[5]
+                        c[3] = T.Cast("uint32", prod[0] & T.uint64(mask32))
+                        c[4] = c[4] + T.uint32(w0)  # the bump after the last round is unused
+                        c[5] = c[5] + T.uint32(w1)
+                    for j in T.unroll(4):
+                        if d * 4 + j < numel:
+                            flat[d * 4 + j] = (c[j] >> T.uint32(8)) >= T.uint32(threshold)
+
+    return dropout_keep
+
+
+def gpu_variant(func):
+    """The thread-bound form of a ``dropout_keep_primfunc`` (same symbol), else None."""
+    attrs = func.attrs
+    if not attrs or "tvm_evt.dropout_keep" not in attrs:
+        return None
+    shape = [int(x) for x in attrs["tvm_evt.dropout_shape"]]
+    out = dropout_keep_gpu_primfunc(shape, float(attrs["tvm_evt.dropout_keep"]))
+    return out.with_attr("global_symbol", attrs["global_symbol"]) if "global_symbol" in attrs else out
 
 
 def dropout_keep_numpy(numel: int, seed: tuple[int, int], site: int, rate: float) -> np.ndarray:

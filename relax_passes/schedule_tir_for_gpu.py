@@ -1,8 +1,9 @@
 """ScheduleTIRForGPU: DLight's default GPU schedules, applied rule by rule per function.
 
-``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` stops the
-whole build when a rule raises on one function (TVM 0.27's Reduction rule trips an rfactor
-check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
+Functions that bring their own GPU form (``philox.gpu_variant``: the dropout masks, one thread
+per Philox draw) take it.  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
+Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
+trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
 with each rule in that order, alone; a rule that raises or declines hands the function to the
 next one, and ``Fallback`` schedules anything left that has block iterators.  What even
 ``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward`` (which the
@@ -16,6 +17,8 @@ import tvm
 import warnings
 
 from tvm import tirx
+
+from .philox import gpu_variant
 
 
 def _rules():
@@ -49,6 +52,10 @@ class ScheduleTIRForGPU:
         updates, serial = {}, []
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or _scheduled(func):
+                continue
+            own = gpu_variant(func)  # kernels that bring their own GPU form (the dropout masks)
+            if own is not None:
+                updates[gv] = own
                 continue
             single = tvm.IRModule({gv: func})
             for rule in rules:

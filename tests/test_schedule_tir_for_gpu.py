@@ -1,4 +1,4 @@
-"""ScheduleTIRForGPU on TVM's opaque embedding-gradient kernel (builds for CUDA without a GPU)."""
+"""ScheduleTIRForGPU: TVM's opaque embedding-gradient kernel, the dropout masks' own GPU form (builds for CUDA without a GPU)."""
 
 import shutil
 
@@ -62,3 +62,45 @@ def test_scheduled_module_builds_for_cuda():
     with CUDA, pytest.warns(UserWarning):
         mod = ScheduleTIRForGPU()(mod)
     tvm.compile(mod, target=CUDA)
+
+
+def _dropout_module(shape=(3, 5, 70)):
+    from tvm_evt.relax_passes.lower_dropout import LowerDropout
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            d = bb.emit(relax.op.nn.dropout(x, 0.3))
+            y = bb.emit_output(relax.TupleGetItem(d, 0))
+        bb.emit_func_output(y)
+    with CUDA:
+        return tvm.transform.Sequential(
+            [LowerDropout(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+             relax.transform.FuseOps(), relax.transform.FuseTIR()]
+        )(bb.get())
+
+
+def test_dropout_masks_take_their_own_gpu_form():
+    """One thread per Philox draw (four mask elements), not DLight's one thread per element."""
+    with CUDA:
+        mod = ScheduleTIRForGPU()(_dropout_module())
+    (keep,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("dropout_keep")]
+    assert int(keep.attrs["tirx.is_scheduled"]) == 1 and 'thread="threadIdx.x"' in keep.script()
+    assert "T.thread_binding(2, thread=\"blockIdx.x\")" in keep.script()  # 1050 elements / 4 / 256 threads
+    prim = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint.startswith("dropout_keep")})
+    source = tvm.tirx.build(prim, target=CUDA).imports[0].inspect_source()
+    assert "threadIdx.x" in source and source.count("3528531795") == 10  # ten unrolled rounds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 5, 70), (2, 16, 33, 65)])
+def test_dropout_mask_gpu_form_matches_numpy(shape):
+    from tvm_evt.relax_passes.philox import dropout_keep_gpu_primfunc, dropout_keep_numpy
+
+    func = dropout_keep_gpu_primfunc(shape, 0.3).with_attr("global_symbol", "keep")
+    lib = tvm.tirx.build(tvm.IRModule({"keep": func}), target=CUDA)
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.zeros(shape, "bool"), dev)
+    lib["keep"](tvm.runtime.tensor(np.array([7, 99], "uint32"), dev), tvm.runtime.tensor(np.array(4, "uint32"), dev), out)
+    np.testing.assert_array_equal(out.numpy().reshape(-1), dropout_keep_numpy(int(np.prod(shape)), (7, 99), 4, 0.3))
