@@ -9,6 +9,7 @@ One list of phases, in order (``phases(target)``):
     -- CUDA --
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
+    SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
@@ -31,6 +32,7 @@ from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEV
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.lower_take_backward import LowerTakeBackward
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+from .relax_passes.split_reduction import SplitReduction
 
 PIPELINE_NAME = "evt"
 
@@ -78,6 +80,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule
                 LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
+                SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
