@@ -159,7 +159,8 @@ def evaluate(p: Partition, params) -> list[np.ndarray]:
             v = np.where(keep, ins[0] * np.float64(philox.dropout_scale(node.p)), 0.0)
         elif isinstance(node, AuxStore):
             v = ins[0]
-            outputs[node.output] = np.broadcast_to(v, p.outputs[node.output].shape)
+            tile = tuple(p.batch_shape) + (p.gemm.m, p.gemm.n)  # stored as the tile, viewed as the output
+            outputs[node.output] = np.broadcast_to(v, tile).reshape(p.outputs[node.output].shape)
         elif isinstance(node, Reduction):
             v = ins[0]
             red = _reduce(np.broadcast_to(v, tuple(p.batch_shape) + (p.gemm.m, p.gemm.n)), node)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import math
 import os
 import tempfile
 import time
@@ -360,6 +361,19 @@ def _choose_core(graph: OpGraph, check, seed: int):
     return None, reason
 
 
+def same_tile(candidate: tuple | None, gemm: tuple) -> bool:
+    """Is a tensor of shape ``candidate`` the GEMM's output ``gemm`` ([batch,] M, N) element for
+    element?  Reshapes that split or merge the leading (M or batch) dimensions keep every element
+    where it was: [B*S, N] and [B, S, N]; [B*H, S, S] and [B, H, S, S]."""
+    if candidate is None or gemm is None or len(candidate) < 2:
+        return False
+    if candidate == gemm:
+        return True
+    if math.prod(candidate) != math.prod(gemm) or candidate[-1] != gemm[-1]:
+        return False
+    return len(gemm) == 2 or candidate[-2] == gemm[-2]
+
+
 def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
     """Seeds, cores and legal epilogue candidates of every matmul in the block."""
     check = check or _Legality(graph)
@@ -368,7 +382,7 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
                    | set(rp.SUPPORTED_EXTERNS))
     reductions = set(rp.REDUCE_OPS)
     epilogue_dtypes = rp.EPILOGUE_DTYPES
-    clusters, refused = [], {}
+    clusters, refused, cores = [], {}, {}
     for seed in (n.index for n in graph.nodes if n.op == "relax.matmul"):
         node = graph.nodes[seed]
         if not node.users and not node.is_output:
@@ -376,7 +390,11 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
         core, reason = _choose_core(graph, check, seed)
         if core is None:
             refused[seed] = reason
-            continue
+        else:
+            cores[seed] = core
+    operand_views = {v for core in cores.values() for v in core}  # folded into some main loop
+    for seed, core in cores.items():
+        node = graph.nodes[seed]
         core_reads = set()
         for i in list(core) + [seed]:
             for key, _ in _node_inputs(graph, graph.nodes[i]):
@@ -399,9 +417,11 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
             if any(graph.nodes[j].op in reductions for j in dep if j != seed):
                 continue  # reductions are terminal
             if cand.op in elementwise:
-                ok_shape = cand.shape == shape and cand.dtype in epilogue_dtypes
+                ok_shape = same_tile(cand.shape, shape) and cand.dtype in epilogue_dtypes
+            elif cand.op == "relax.reshape":  # [M, N] <-> [B, S, N]: the same tile, a free view
+                ok_shape = same_tile(cand.shape, shape) and v not in operand_views
             elif cand.op in reductions:
-                ok_shape = graph.nodes[dep[0]].shape == shape
+                ok_shape = same_tile(graph.nodes[dep[0]].shape, shape)
             else:
                 ok_shape = False
             if not ok_shape:
@@ -508,7 +528,7 @@ def cluster_gain(problem: Problem, c: int, members: set[int]) -> float:
               if graph.nodes[i].is_output or any(u not in owned for u in graph.nodes[i].users)]
     fused = sum(reads.values()) + sum(graph.nodes[i].nbytes for i in stores)
     mn = _elems(cl.shape)
-    cost = sum(evt_cost.node_cost(mn) for _ in members)
+    cost = sum(evt_cost.node_cost(mn, graph.nodes[i].op) for i in members)
     cost += sum(evt_cost.aux_store_cost(_elems(graph.nodes[i].shape)) for i in stores)
     cost -= evt_cost.aux_store_cost(mn)  # one store is the GEMM's output D, not an aux store
     return unfused - fused - cost
@@ -530,7 +550,7 @@ def assignment_feasible(problem: Problem, assign: dict[int, int]) -> str | None:
     for c, cl in enumerate(problem.clusters):
         owned = members[c] | {cl.seed}
         stores = [i for i in owned if graph.nodes[i].is_output or any(u not in owned for u in graph.nodes[i].users)]
-        if not any(graph.nodes[i].shape == cl.shape for i in stores):
+        if not any(same_tile(graph.nodes[i].shape, cl.shape) for i in stores):
             return f"cluster {c} stores no M x N tensor"
     if find_cycle(problem, assign) is not None:
         return "the cluster graph has a cycle"
@@ -632,7 +652,7 @@ def _component_model(problem: Problem, comp: list[int], cuts: list) -> _Model:
         cl = problem.clusters[c]
         mn = _elems(cl.shape)
         for v in cl.candidates:
-            var(("x", v, c), graph.nodes[v].traffic - evt_cost.node_cost(mn))
+            var(("x", v, c), graph.nodes[v].traffic - evt_cost.node_cost(mn, graph.nodes[v].op))
         # the constant part: the core's traffic, minus its reads, plus the D add-back
         const = sum(graph.nodes[i].traffic for i in list(cl.views) + [cl.seed])
         reads = {}
@@ -655,7 +675,7 @@ def _component_model(problem: Problem, comp: list[int], cuts: list) -> _Model:
         for v in [cl.seed] + cl.candidates:
             node = graph.nodes[v]
             si = var(("s", v, c), -(node.nbytes + evt_cost.aux_store_cost(_elems(node.shape))))
-            if node.shape == cl.shape:
+            if same_tile(node.shape, cl.shape):
                 mn_stores.append(si)
             xv = {} if v == cl.seed else {names[("x", v, c)]: -1}
             const_rhs = 1 if v == cl.seed else 0
@@ -887,7 +907,7 @@ class PartitionInfo:
 def _bytes_saved(problem: Problem, c: int, members: set[int]) -> int:
     graph, cl = problem.graph, problem.clusters[c]
     mn = _elems(cl.shape)
-    costs = len(members) * evt_cost.node_cost(mn)
+    costs = sum(evt_cost.node_cost(mn, graph.nodes[i].op) for i in members)
     owned = members | {cl.seed}
     stores = [i for i in owned if graph.nodes[i].is_output or any(u not in owned for u in graph.nodes[i].users)]
     costs += sum(evt_cost.aux_store_cost(_elems(graph.nodes[i].shape)) for i in stores) - evt_cost.aux_store_cost(mn)

@@ -4,6 +4,7 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import re
 import time
 
 import pytest
@@ -155,7 +156,7 @@ def test_partitioner_output_for_bert_tiny_adamw_fits(cache_home):
         assert smem.usage(p, cfg).fits, gv.name_hint
         if not smem.usage(p, default_config(p.gemm.dtype_a)).fits:
             narrowed.append((gv.name_hint, cfg.name))
-    assert narrowed and all(name.endswith("_e128x16") for _, name in narrowed)
+    assert narrowed and all(re.search(r"_e\d+x16$", name) for _, name in narrowed)  # narrow epilogue subtiles
 
 
 # ------------------------------------------------------------------------- relax.ext.evt retry

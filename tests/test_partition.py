@@ -215,3 +215,49 @@ def test_deterministic_and_cached():
     assert partition_report(warm)["train_step"]["method"] == "cache"
     tvm.ir.assert_structural_equal(_functions(cold), _functions(warm))
     tvm.ir.assert_structural_equal(_functions(a), _functions(warm))
+
+
+# ----------------------------------------------------- partitions vs the epilogue interpreter
+@pytest.mark.parametrize("name", ["bert_layer", "gpt2_block", "vit"])
+def test_partitions_compute_what_the_codegen_reads(name):
+    """Each evt partition of a zoo model's training graph, run by TVM (LegalizeOps + llvm), equals
+    the numpy interpreter of the epilogue IR the codegen reads from it (``from_function`` +
+    ``lower``): the reshapes between [M, N] and [B, S, N] it aliases, the [B, S, 1] / [1, 1, N]
+    operands it views in the tile's rank, reductions over the split form."""
+    import numpy as np
+
+    from tvm_evt.codegen import from_function, lower, reference
+    from tvm_evt.pipeline import _composite
+    from tvm_evt.tuning import training_graph
+
+    entry = models.ZOO[name]()
+    _, graph = training_graph(entry, "fp32")
+    parted = PartitionEVT(functions=("train_step",))(tvm.transform.Sequential(pre_partition_passes())(graph.mod))
+    rng = np.random.default_rng(0)
+    reshaped = 0
+    for gv, func in sorted(_partitions(parted).items(), key=lambda kv: kv[0].name_hint):
+        partition = lower(from_function(func))
+        composite = _composite(func)
+        bindings = [b for block in composite.body.blocks for b in block.bindings]
+        reshaped += any(isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.reshape")
+                        and not any(b.value.args[0].same_as(p) for p in composite.params) for b in bindings)
+        arrays = []
+        for p in func.params:
+            shape = tuple(int(d) for d in p.ty.shape.values)
+            dtype = str(p.ty.dtype)
+            arrays.append(np.array([0x1234, 0x5678], "uint32") if dtype == "uint32" else
+                          rng.integers(0, 2, shape).astype(bool) if dtype == "bool" else
+                          rng.uniform(-1, 1, shape).astype(dtype))
+        ex = tvm.compile(tvm.IRModule({"main": composite.without_attr("Composite").with_attr("global_symbol", "main")}),
+                         target=tvm.target.Target(LLVM))
+        got = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in arrays])
+        got = [got] if hasattr(got, "numpy") else list(got)
+        for i, (g, e) in enumerate(zip(got, reference.evaluate(partition, arrays))):
+            g, e = g.numpy().astype(np.float64), np.asarray(e, dtype=np.float64)
+            assert g.shape == e.shape, f"{gv.name_hint} output {i}: {g.shape} vs {e.shape}"
+            finite = np.isfinite(e)  # a causal mask's -inf: the same infinities on both sides
+            np.testing.assert_array_equal(g[~finite], e[~finite])
+            g, e = g[finite], e[finite]
+            err = np.linalg.norm(g - e) / max(np.linalg.norm(e), 1e-30)
+            assert err <= 1e-4, f"{gv.name_hint} output {i}: relative error {err:.3g}"
+    assert reshaped, "no partition fused across a [M, N] <-> [B, S, N] reshape"

@@ -113,6 +113,20 @@ def _static_shape(expr, what: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def tile_view(shape: tuple[int, ...], tile: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``shape`` in the tile's rank when it is the tile (or a broadcast of it) with the leading
+    dimensions split: [B, S, N] -> [B*S, N] for an (M, N) tile; [b, h, M, N] -> [b*h, M, N] for an
+    (L, M, N) tile; [B, S, 1] -> [B*S, 1]; [1, 1, N] -> [1, N].  None when it is not."""
+    rank = len(tile)
+    if len(shape) <= rank:
+        return None
+    keep = rank - 1  # dims kept as they are: N, or (M, N) of a batched tile
+    lead = math.prod(shape[:len(shape) - keep])
+    view = (lead,) + tuple(shape[len(shape) - keep:])
+    ok = all(v in (1, t) for v, t in zip(view, tile))
+    return view if ok else None
+
+
 def _desc(expr, what: str) -> TensorDesc:
     return TensorDesc(_static_shape(expr, what), _dtype(expr))
 
@@ -164,7 +178,12 @@ class _Builder:
         elif name in LAYOUT_OPS:
             src = self.operand(value.args[0])
             if not isinstance(self.nodes[src], LAYOUT_KINDS):
-                raise Unsupported(f"{name} of an epilogue value (only inputs can be transposed/reshaped)")
+                if name == "relax.reshape" and self._same_tile(_static_shape(var, "reshape")) \
+                        and self._same_tile(_static_shape(value.args[0], "reshape input")):
+                    self.env[var] = src  # [M, N] <-> [B, S, N]: every element stays where it is
+                    return
+                raise Unsupported(f"{name} of an epilogue value (only inputs can be transposed/reshaped, "
+                                  "and epilogue values only between forms of the M x N tile)")
             if name == "relax.permute_dims":
                 rank = len(_static_shape(value.args[0], "permute_dims input"))
                 axes = value.attrs.axes
@@ -190,8 +209,26 @@ class _Builder:
             raise Unsupported(f"{name} produces {dtype}; the epilogue supports {sorted(EPILOGUE_DTYPES)}")
 
     def compute(self, op: OpKind, args, dtype) -> int:
-        ins = tuple(self.operand(a) for a in args)
+        ins = tuple(self.tiled(self.operand(a), a) for a in args)
         return self.add(Compute(op=op, inputs=ins, dtype=dtype))
+
+    @property
+    def tile(self) -> tuple[int, ...]:
+        return tuple(self.batch_shape) + (self.gemm.m, self.gemm.n)
+
+    def _same_tile(self, shape) -> bool:
+        return self.gemm is not None and (tuple(shape) == self.tile or tile_view(tuple(shape), self.tile) == self.tile)
+
+    def tiled(self, i: int, expr) -> int:
+        """Input-derived operand ``i`` reshaped to the tile's rank when Relax gave it in the
+        split-leading-dims form of the tile ([B, S, N], [B, S, 1], [1, 1, N])."""
+        if self.gemm is None or not isinstance(self.nodes[i], LAYOUT_KINDS):
+            return i
+        shape = getattr(getattr(expr, "ty", None), "shape", None)
+        if shape is None or not hasattr(shape, "values"):
+            return i
+        view = tile_view(_static_shape(expr, "operand"), self.tile)
+        return i if view is None else self.add(Reshape(inputs=(i,), new_shape=view))
 
     def _depends_on_acc(self, i: int) -> bool:
         node = self.nodes[i]
@@ -232,8 +269,14 @@ class _Builder:
     def reduction(self, var, call, fn: ReduceFn) -> Reduction:
         src = self.operand(call.args[0])
         rank = len(self.batch_shape) + 2
+        src_rank = len(_static_shape(call.args[0], "reduction input"))
         axis = call.attrs.axis
-        axes = set(range(rank)) if axis is None else {int(a) % rank for a in axis}
+        axes = set(range(src_rank)) if axis is None else {int(a) % src_rank for a in axis}
+        if src_rank > rank:  # the split form [B, S, N] of an (M, N) tile: the leading dims are M
+            split = src_rank - rank + 1  # dims that make up the tile's first dim
+            if not (axes >= set(range(split)) or not axes & set(range(split))):
+                raise Unsupported(f"reduction over axes {sorted(axes)} splits the tile's leading dimension")
+            axes = ({0} if axes & set(range(split)) else set()) | {a - split + 1 for a in axes if a >= split}
         if axes == {rank - 2}:
             kind = ReduceAxis.ROW
         elif axes == {rank - 1}:
@@ -256,7 +299,7 @@ class _Builder:
                     raise Unsupported(f"dropout {what} must be a compile-time R.prim_value")
             return self.add(Dropout(inputs=(x,), p=float(p.value), seed_param=seed, site=int(site.value), dtype=dtype))
         if name in EXTERN_BINARY:
-            ins = tuple(self.operand(a) for a in call.args[1:3])
+            ins = tuple(self.tiled(self.operand(a), a) for a in call.args[1:3])
             return self.add(Compute(op=EXTERN_BINARY[name], inputs=ins, dtype=dtype))
         raise Unsupported(f"extern call {name!r} cannot be fused into a GEMM epilogue")
 
@@ -285,7 +328,7 @@ class _Builder:
                 src = self.operand(var)
                 if isinstance(self.nodes[src], LAYOUT_KINDS):
                     raise Unsupported(f"output {i} is an input passed through, not an epilogue value")
-                if desc.shape != tuple(self.batch_shape) + (self.gemm.m, self.gemm.n):
+                if not self._same_tile(desc.shape):
                     raise Unsupported(f"output {i} of shape {desc.shape} is not the GEMM's M x N shape")
                 self.add(AuxStore(inputs=(src,), output=i, dtype=desc.dtype))
             if not self._depends_on_acc(src):
