@@ -2,9 +2,9 @@
 configuration, legality's refusal, and relax.ext.evt's retry after an nvcc failure."""
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
-import re
 import time
 
 import pytest
