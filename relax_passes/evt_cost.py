@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-COST_MODEL_VERSION = 2  # part of the partition cache key: bump when anything below changes
+COST_MODEL_VERSION = 3  # part of the partition cache key: bump when anything below changes
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -153,6 +153,13 @@ _NODE, _STORE = fit_epilogue_costs()
 EPILOGUE_NODE_COST, AUX_STORE_COST = _NODE * _TVM_SCALE, _STORE * _TVM_SCALE
 """Bytes-equivalent per output element, in the unit of the bytes TVM's kernels move: charged for
 each compute node of an epilogue and for each store beyond the GEMM's output D."""
+FUSE_REDUCTIONS = False
+"""Whether reductions may join an epilogue at all.  Off: with the current codegen every fused
+reduction measured slower than a separate one -- the FFN2 dX column sum 0.78x of torch's matmul +
+sum tuned and 0.43x with the default configuration (bench_gemm); in the BERT-Large step (batch
+32, seq 512) fusing reductions (the softmax-backward row sum into the batched attention GEMM, the
+LayerNorm weight gradients) made one CUTLASS kernel take 1.93 ms and left the step at 11.64 ms,
+where no kernel had exceeded 0.67 ms before (11.61 ms)."""
 REDUCTION_COST = REDUCTION_OVERHEAD_MS[0] * 1e-3 * H100_HBM_BYTES_PER_S / REDUCTION_OVERHEAD_MS[1] * _TVM_SCALE
 """Bytes-equivalent per element of the reduced M x N tile, for a reduction in the epilogue."""
 

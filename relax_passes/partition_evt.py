@@ -421,7 +421,7 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
             elif cand.op == "relax.reshape":  # [M, N] <-> [B, S, N]: the same tile, a free view
                 ok_shape = same_tile(cand.shape, shape) and v not in operand_views
             elif cand.op in reductions:
-                ok_shape = same_tile(graph.nodes[dep[0]].shape, shape)
+                ok_shape = evt_cost.FUSE_REDUCTIONS and same_tile(graph.nodes[dep[0]].shape, shape)
             else:
                 ok_shape = False
             if not ok_shape:
