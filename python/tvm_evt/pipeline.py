@@ -10,7 +10,7 @@ One list of phases, in order (``phases(target)``):
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
-    LegalizeOps ...    TVM's CUDA legalisation: FuseOps, FuseTIR, then DLight's default GPU
+    LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
     -- any other target (the CPU reference path) --
@@ -29,6 +29,7 @@ import tvm
 from tvm import relax
 
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
+from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.lower_take_backward import LowerTakeBackward
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
@@ -84,7 +85,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
-                relax.transform.FuseOps(),
+                BoundedFuseOps(),  # <= 32 ops per kernel: DLight's rules stall on hundreds
                 relax.transform.FuseTIR(),
                 ScheduleTIRForGPU(),
             ]
