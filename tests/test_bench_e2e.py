@@ -84,3 +84,15 @@ def test_script_without_gpu(tmp_path):
 def test_script_help():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--systems" in out.stdout and "--profile" in out.stdout
+
+
+def test_error_summary_keeps_the_compiler_error_line():
+    log = ("NVRTC compilation failed:\n"
+           "cuda_fp8.hpp(1461): warning #1444-D: class \"double4\" was declared deprecated\n" * 20
+           + "default_function_kernel.cu(42): error: identifier \"__hfma2\" is undefined\n"
+           "1 error detected in the compilation of \"default_function_kernel.cu\".\n")
+    text = bench_e2e.error_summary(RuntimeError(log))
+    assert text.startswith("RuntimeError: NVRTC compilation failed:")
+    assert 'identifier "__hfma2" is undefined' in text
+    assert "double4" not in text
+    assert bench_e2e.error_summary(ValueError("plain message")) == "ValueError: plain message"

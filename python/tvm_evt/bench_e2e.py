@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -419,6 +420,17 @@ def plot(data: dict, path: Path) -> Path:
     return path
 
 
+def error_summary(err: BaseException, limit: int = 400) -> str:
+    """``Type: message`` for the report, where the message is the compiler's error lines when the
+    text has any (NVRTC and nvcc put pages of warnings before the one line that matters)."""
+    text = str(err)
+    errors = [ln.strip() for ln in text.splitlines()
+              if re.search(r"\berror\b", ln, re.IGNORECASE) and not re.search(r"\bwarning\b", ln, re.IGNORECASE)]
+    first = text.splitlines()[0].strip() if text.strip() else ""
+    picked = " / ".join(dict.fromkeys([first] + errors[:3])) if errors else text
+    return f"{type(err).__name__}: {picked[:limit]}"
+
+
 def _measure_main(job_json: str) -> int:
     job = json.loads(job_json)
     try:
@@ -427,8 +439,7 @@ def _measure_main(job_json: str) -> int:
         import traceback
 
         traceback.print_exc()
-        row = {"model": job["model"], "system": job["system"], "ok": False,
-               "error": f"{type(err).__name__}: {str(err)[:400]}"}
+        row = {"model": job["model"], "system": job["system"], "ok": False, "error": error_summary(err)}
     print("RESULT " + json.dumps(row, default=str), flush=True)
     return 0
 
