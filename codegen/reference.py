@@ -129,6 +129,7 @@ def evaluate(p: Partition, params) -> list[np.ndarray]:
     """Run the partition on numpy ``params``; returns its outputs (in their dtypes)."""
     values: list[np.ndarray] = []
     outputs: dict[int, np.ndarray] = {}
+    tile = tuple(p.batch_shape) + (p.gemm.m, p.gemm.n)  # stores write the tile; outputs view it
     for node in p.epilogue.nodes:
         ins = [values[j] for j in node.inputs]
         if isinstance(node, AccFetch):
@@ -159,11 +160,10 @@ def evaluate(p: Partition, params) -> list[np.ndarray]:
             v = np.where(keep, ins[0] * np.float64(philox.dropout_scale(node.p)), 0.0)
         elif isinstance(node, AuxStore):
             v = ins[0]
-            tile = tuple(p.batch_shape) + (p.gemm.m, p.gemm.n)  # stored as the tile, viewed as the output
-            outputs[node.output] = np.broadcast_to(v, tile).reshape(p.outputs[node.output].shape)
+            outputs[node.output] = np.broadcast_to(v, tile).reshape(p.outputs[node.output].shape)  # tile, viewed
         elif isinstance(node, Reduction):
             v = ins[0]
-            red = _reduce(np.broadcast_to(v, tuple(p.batch_shape) + (p.gemm.m, p.gemm.n)), node)
+            red = _reduce(np.broadcast_to(v, tile), node)
             outputs[node.output] = round_to(red, node.dtype).reshape(p.outputs[node.output].shape)
         else:
             raise TypeError(f"no reference semantics for {node.kind}")

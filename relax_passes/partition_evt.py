@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-import math
 import os
 import tempfile
 import time
@@ -361,17 +360,11 @@ def _choose_core(graph: OpGraph, check, seed: int):
     return None, reason
 
 
-def same_tile(candidate: tuple | None, gemm: tuple) -> bool:
-    """Is a tensor of shape ``candidate`` the GEMM's output ``gemm`` ([batch,] M, N) element for
-    element?  Reshapes that split or merge the leading (M or batch) dimensions keep every element
-    where it was: [B*S, N] and [B, S, N]; [B*H, S, S] and [B, H, S, S]."""
-    if candidate is None or gemm is None or len(candidate) < 2:
-        return False
-    if candidate == gemm:
-        return True
-    if math.prod(candidate) != math.prod(gemm) or candidate[-1] != gemm[-1]:
-        return False
-    return len(gemm) == 2 or candidate[-2] == gemm[-2]
+def same_tile(shape: tuple | None, gemm: tuple) -> bool:
+    """The codegen's ``same_tile``: is ``shape`` the GEMM output ``gemm`` element for element
+    ([B*S, N] and [B, S, N]; [B*H, S, S] and [B, H, S, S])?"""
+    _, rp = _codegen()
+    return gemm is not None and rp.same_tile(shape, gemm)
 
 
 def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:

@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions
+from ._rewrite import mutate_relax_functions, static_shape
 
 # op name -> (relax builder, its stages are sums) ; mean is a sum divided by the count
 REDUCTIONS = {
@@ -41,13 +41,6 @@ MAX_KEPT = 16384  # more outputs than this already give DLight enough parallel w
 TARGET_PARTIALS = 1 << 17  # first-stage partial results wanted (threads of a column reduction)
 ROW_CHUNK = 1024  # elements each first-stage partial reduces when everything is reduced
 MIN_CHUNK = 16
-
-
-def _static_shape(ty) -> list[int] | None:
-    shape = getattr(ty, "shape", None)
-    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
-        return None
-    return [int(d) for d in shape]
 
 
 def _reduced_prefix(call: relax.Call, ndim: int) -> int | None:
@@ -78,13 +71,13 @@ class _Splitter(PyExprMutator):
         if not isinstance(call.op, tvm.ir.Op) or call.op.name not in REDUCTIONS:
             return call
         x = call.args[0]
-        shape, out_shape = _static_shape(x.ty), _static_shape(call.ty)
+        shape, out_shape = static_shape(x), static_shape(call)
         if shape is None or out_shape is None or not shape:
             return call
         k = _reduced_prefix(call, len(shape))
         if k is None or k == 0:
             return call
-        reduced, rest = math.prod(shape[:k]), shape[k:]
+        reduced, rest = math.prod(shape[:k]), list(shape[k:])
         c = chunk(reduced, math.prod(rest))
         if c is None:
             return call
@@ -100,7 +93,7 @@ class _Splitter(PyExprMutator):
             out = emit(relax.op.divide(out, relax.const(float(reduced), acc)))
         if acc != out_dtype:
             out = emit(relax.op.astype(out, out_dtype))
-        if rest != out_shape:  # keepdims
+        if tuple(rest) != out_shape:  # keepdims
             out = relax.op.reshape(out, out_shape)
         return out
 

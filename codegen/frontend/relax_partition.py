@@ -127,6 +127,12 @@ def tile_view(shape: tuple[int, ...], tile: tuple[int, ...]) -> tuple[int, ...] 
     return view if ok else None
 
 
+def same_tile(shape: tuple[int, ...] | None, tile: tuple[int, ...]) -> bool:
+    """Is a tensor of ``shape`` the GEMM's output ``tile`` ([batch,] M, N) element for element:
+    the tile itself or its split-leading-dims form ([B, S, N] for (B*S, N))?"""
+    return shape is not None and (tuple(shape) == tuple(tile) or tile_view(tuple(shape), tuple(tile)) == tuple(tile))
+
+
 def _desc(expr, what: str) -> TensorDesc:
     return TensorDesc(_static_shape(expr, what), _dtype(expr))
 
@@ -217,7 +223,7 @@ class _Builder:
         return tuple(self.batch_shape) + (self.gemm.m, self.gemm.n)
 
     def _same_tile(self, shape) -> bool:
-        return self.gemm is not None and (tuple(shape) == self.tile or tile_view(tuple(shape), self.tile) == self.tile)
+        return self.gemm is not None and same_tile(shape, self.tile)
 
     def tiled(self, i: int, expr) -> int:
         """Input-derived operand ``i`` reshaped to the tile's rank when Relax gave it in the
