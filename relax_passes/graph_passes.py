@@ -15,6 +15,7 @@ from .decompose_layer_norm import DecomposeLayerNorm
 from .decompose_matmul_bias import DecomposeMatmulBias
 from .eliminate_loss import EliminateLoss
 from .eliminate_reduction import EliminateReduction
+from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
 from .fold_layout import FoldLayoutIntoMatmul
 
 
@@ -32,6 +33,7 @@ def evt_graph_passes() -> tvm.transform.Sequential:
             relax.transform.CanonicalizeBindings(),
             # reductions that need not exist go, then layout chains collapse onto matmuls
             EliminateReduction(),
+            EliminateSoftmaxBackwardReduction(),  # attention: rowsum(P*dP) -> rowsum(dO*O)
             FoldLayoutIntoMatmul(),
             relax.transform.FoldConstant(),
             # forward statistics shared with their backward recomputation, dead loss code gone
