@@ -96,7 +96,9 @@ def dropout_keep_primfunc(shape, rate: float):
             body = tirx.Let(var, value, body)
         return body
 
-    keep = te.compute(shape, element, name="dropout_keep")
+    # int64 extents, as LegalizeOps gives its consumers: FuseTIR requires a fused group's
+    # buffers of one Relax var to agree (int32 extents failed for ViT's embedding dropout)
+    keep = te.compute([tirx.IntImm("int64", e) for e in shape], element, name="dropout_keep")
     func = te.create_prim_func([seed, site, keep])
     func = func.with_attr("tvm_evt.dropout_keep", tvm.runtime.convert(float(rate)))
     return func.with_attr("tvm_evt.dropout_shape", tvm.runtime.convert(shape))

@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout, softmax_dropout_primfunc
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _attention_probs(n=40, dropout=True, p_used_early=False):
+    """softmax -> bf16 cast -> dropout (mask, scale) -> P·V; p also read later (the softmax gradient)."""
+    bb = relax.BlockBuilder()
+    s = relax.Var("s", relax.TensorType((2, 3, 5, n), "float32"))
+    keep = relax.Var("keep", relax.TensorType((2, 3, 5, n), "bool"))
+    v = relax.Var("v", relax.TensorType((2, 3, n, 8), "bfloat16"))
+    with bb.function("main", [s, keep, v]):
+        with bb.dataflow():
+            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            early = bb.emit(relax.op.multiply(p, relax.const(2.0, "float32")))
+            pb = bb.emit(relax.op.astype(p, "bfloat16"))
+            pw = bb.emit(relax.op.where(keep, pb, relax.const(0.0, "bfloat16")))
+            scale = bb.emit(relax.op.astype(relax.const(1.1111111640930176, "float32"), "bfloat16"))
+            pd = bb.emit(relax.op.multiply(pw, scale))
+            o = bb.emit(relax.op.matmul(pd if dropout else pb, v))
+            late = bb.emit(relax.op.multiply(p, early if p_used_early else p))
+            out = bb.emit_output(relax.Tuple([o, late, pd]))
+        bb.emit_func_output(out)
+    return relax.transform.DeadCodeElimination()(bb.get())
+
+
+def _calls(mod, name="main"):
+    return [b.value for block in mod[name].body.blocks for b in block.bindings if isinstance(b.value, relax.Call)]
+
+
+def test_softmax_and_dropout_tail_become_one_call_with_two_outputs():
+    after = FuseSoftmaxDropout()(_attention_probs())
+    ops = [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+    assert "relax.nn.softmax" not in ops and "relax.where" not in ops and "relax.astype" not in ops
+    fused = [c for c in _calls(after) if c.op == tvm.ir.Op.get("relax.call_tir")]
+    assert len(fused) == 1
+    gv = fused[0].args[0]
+    assert gv.name_hint == "softmax_dropout_2x3x5x40_bfloat16_mask_s1p11111"
+    assert [str(t.dtype) for t in fused[0].ty.fields] == ["float32", "bfloat16"]  # p (still read), pd
+    assert after[gv].attrs["tirx.is_scheduled"]
+
+
+@pytest.mark.parametrize("variant", [dict(dropout=False), dict(p_used_early=True)])
+def test_left_alone_without_a_dropout_tail_or_when_p_is_read_before_it(variant):
+    before = _attention_probs(**variant)
+    tvm.ir.assert_structural_equal(FuseSoftmaxDropout()(before), before)
+
+
+def _run(mod, args, target="llvm", dev=None):
+    ex = tvm.compile(mod, target=target)
+    vm = relax.VirtualMachine(ex, dev or tvm.cpu())
+    return [x.numpy() for x in vm["main"](*[tvm.runtime.tensor(a, dev or tvm.cpu()) for a in args])]
+
+
+@pytest.mark.parametrize("n", [40, 197])
+def test_fused_kernel_computes_what_the_ops_computed(n):
+    """The rewrite with unscheduled kernels, on the CPU: outputs equal the unfused graph's."""
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    args = [(rng.standard_normal((2, 3, 5, n)) * 4).astype("float32"), rng.random((2, 3, 5, n)) > 0.1,
+            rng.standard_normal((2, 3, n, 8)).astype(ml_dtypes.bfloat16)]
+    before = _attention_probs(n)
+    want = _run(before, args)
+    got = _run(FuseSoftmaxDropout(scheduled=False)(before), args)
+    (o_want, late_want, pd_want), (o_got, late_got, pd_got) = want, got
+    np.testing.assert_allclose(late_got, late_want, rtol=1e-5, atol=1e-7)  # float32 p: same ops, same order
+    # the bf16 tail: LLVM's bf16 legalisation may round cast-then-scale once instead of twice (1 ulp)
+    f32 = lambda x: x.astype("float32")
+    np.testing.assert_allclose(f32(pd_got), f32(pd_want), rtol=2**-7, atol=0)
+    np.testing.assert_allclose(f32(o_got), f32(o_want), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n", [197, 512, 1024])
+def test_scheduled_kernel_builds_for_cuda(n):
+    """No GPU needed: the schedule lowers and the CUDA source has the row reductions."""
+    func = softmax_dropout_primfunc((4, 16, n), "bfloat16", True, 1.25, True)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    src = lib.mod.imports[0].inspect_source()
+    assert "__shfl_down_sync" in src and "__shared__" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [197, 512, 1024])
+def test_scheduled_kernel_on_gpu_matches_torch(n):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    rows, scale = 4096, 1 / 0.9
+    func = softmax_dropout_primfunc((rows, n), "bfloat16", True, scale, True)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    s = torch.randn(rows, n, device="cuda") * 4
+    keep = torch.rand(rows, n, device="cuda") > 0.1
+    p = torch.full((rows, n), float("nan"), device="cuda")
+    pd = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (s, keep, p, pd)])
+    torch.cuda.synchronize()
+    ref = torch.softmax(s.double(), dim=-1)
+    ref_pd = torch.where(keep, ref.to(torch.bfloat16), 0) * torch.tensor(scale).to(torch.bfloat16)
+    assert torch.allclose(p.double(), ref, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(pd.float(), ref_pd.float(), rtol=1e-2, atol=1e-6)
