@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-COST_MODEL_VERSION = 3  # part of the partition cache key: bump when anything below changes
+COST_MODEL_VERSION = 4  # part of the partition cache key: bump when anything below changes
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -164,6 +164,10 @@ REDUCTION_COST = REDUCTION_OVERHEAD_MS[0] * 1e-3 * H100_HBM_BYTES_PER_S / REDUCT
 """Bytes-equivalent per element of the reduced M x N tile, for a reduction in the epilogue."""
 
 FREE_NODE_OPS = frozenset({"relax.reshape", "relax.permute_dims"})  # folded into strides
+WIDENING_CONSUMERS = frozenset({"relax.nn.softmax"})
+"""Ops whose kernel reads a 16-bit input through a widening ``astype`` (FuseSoftmaxDropout on the
+CUDA route, FuseOps' injective producers elsewhere): such a cast stays out of epilogues, so the GEMM
+stores the narrow value."""
 REDUCTION_OPS = frozenset({"relax.sum", "relax.max"})
 
 

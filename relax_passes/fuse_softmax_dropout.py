@@ -6,7 +6,7 @@ of the ``P·V`` GEMM.  TVM legalizes ``softmax`` into an opaque PrimFunc, so Fus
 it the elementwise tail, and DLight ran the tail as a separate kernel that read the float32
 probabilities back (BERT-Large, 32x16x512x512: softmax 0.44 ms + tail 0.74 ms on H100).  Here::
 
-    p  = softmax(s, axis=-1)          # s: float32 [..., n], p used elsewhere too
+    p  = softmax(s, axis=-1)          # s: float32 [..., n] (or astype(s16, float32)), p used elsewhere
     pb = astype(p, low)               # then, each optional, in this order:
     pw = where(mask, pb, 0)           #   the dropout keep mask
     pd = multiply(pw, scale)          #   the 1/(1-rate) scale (a scalar)
@@ -16,7 +16,8 @@ becomes one ``call_tir`` with outputs ``(p, pd)``, scheduled here: one thread bl
 with the same operations in the same order as before.  ``p`` is bit-identical; in the 16-bit tail
 the code generator may keep the cast-then-scale in float32 and round once where the separate
 kernels rounded twice (a difference of at most 1 ulp).  ``p`` is
-only written when something else reads it.  The tail's intermediate values must have no other
+only written when something else reads it; a widening ``astype`` that only feeds the softmax is
+read through (the partitioner leaves it out of the GEMM epilogue: ``evt_cost.WIDENING_CONSUMERS``).  The tail's intermediate values must have no other
 user, and ``p``'s other users must come after ``pd`` (the fused call sits where ``pd`` was).
 CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 """
@@ -46,19 +47,23 @@ def _threads(n: int) -> int:
 
 
 def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, scale: float | None,
-                             write_p: bool, scheduled: bool = True) -> tirx.PrimFunc:
-    """``p = softmax(s, axis=-1)`` (float32) and ``pd = where(mask, p.astype(low), 0) * scale``
+                             write_p: bool, scheduled: bool = True, in_dtype: str = "float32") -> tirx.PrimFunc:
+    """``p = softmax(s.astype(float32), axis=-1)`` and ``pd = where(mask, p.astype(low), 0) * scale``
     for tensors of `shape`, scheduled for CUDA (module docstring) unless `scheduled` is False."""
     *lead, n = shape
-    s = te.placeholder(shape, "float32", name="s")
+    x = te.placeholder(shape, in_dtype, name="s")
+
+    def s(idx):
+        return x[idx] if in_dtype == "float32" else x[idx].astype("float32")
+
     mask = te.placeholder(shape, "bool", name="mask") if masked else None
     k1 = te.reduce_axis((0, n), name="k1")
     k2 = te.reduce_axis((0, n), name="k2")
-    row_max = te.compute(lead, lambda *r: te.max(s[(*r, k1)], axis=k1), name="row_max")
-    row_sum = te.compute(lead, lambda *r: te.sum(te.exp(s[(*r, k2)] - row_max[r]), axis=k2), name="row_sum")
+    row_max = te.compute(lead, lambda *r: te.max(s((*r, k1)), axis=k1), name="row_max")
+    row_sum = te.compute(lead, lambda *r: te.sum(te.exp(s((*r, k2)) - row_max[r]), axis=k2), name="row_sum")
 
     def prob(*idx):
-        return te.exp(s[idx] - row_max[idx[:-1]]) / row_sum[idx[:-1]]
+        return te.exp(s(idx) - row_max[idx[:-1]]) / row_sum[idx[:-1]]
 
     def dropped(*idx):
         v = prob(*idx).astype(low)
@@ -72,7 +77,7 @@ def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, sca
         outs = list(te.compute(shape, lambda *idx: (prob(*idx), dropped(*idx)), name="out"))
     else:
         outs = [te.compute(shape, dropped, name="out")]
-    func = te.create_prim_func([s, *([mask] if masked else []), *outs])
+    func = te.create_prim_func([x, *([mask] if masked else []), *outs])
     if not scheduled:
         return func
     func = _schedule(func, n, ["out_v0", "out_v1"] if write_p else ["out"])
@@ -173,7 +178,12 @@ def find_fusions(func: relax.Function) -> dict:
         others = [i for i in uses.get(b.var, []) if i != index[cast.var]]
         if any(i <= index[tail.var] for i in others):
             continue
-        found[tail.var] = (b.var, call.args[0], mask, scale, str(cast.value.attrs.dtype), bool(others))
+        s = call.args[0]
+        widen = bound.get(s)  # s = astype(x16, float32) read by the softmax alone: read x16
+        if isinstance(widen, relax.Call) and widen.op == ASTYPE and str(widen.args[0].ty.dtype) in LOW \
+                and uses.get(s) == [index[b.var]]:
+            s = widen.args[0]
+        found[tail.var] = (b.var, s, mask, scale, str(cast.value.attrs.dtype), bool(others))
     return found
 
 
@@ -195,10 +205,12 @@ class _Fuser(PyExprMutator):
             return super().visit_var_binding_(binding)
         p, s, mask, scale, low, write_p = self.fusions[binding.var]
         shape = static_shape(binding.var)
-        name = "softmax_dropout_" + "x".join(map(str, shape)) + f"_{low}" + ("_mask" if mask is not None else "") \
+        in_dtype = str(s.ty.dtype)
+        name = f"softmax_dropout_{in_dtype}_" + "x".join(map(str, shape)) + f"_{low}" \
+            + ("_mask" if mask is not None else "") \
             + (f"_s{scale:.6g}".replace(".", "p") if scale is not None else "") + ("" if write_p else "_nop")
         gvar = self._func(name, lambda: softmax_dropout_primfunc(
-            shape, low, mask is not None, scale, write_p, self.scheduled))
+            shape, low, mask is not None, scale, write_p, self.scheduled, in_dtype))
         args = [self.visit_expr(s)] + ([self.visit_expr(mask)] if mask is not None else [])
         outs = ([relax.TensorType(shape, "float32")] if write_p else []) + [relax.TensorType(shape, low)]
         fused = self.builder_.emit(relax.call_tir(gvar, args, outs if write_p else outs[0]))

@@ -367,6 +367,17 @@ def same_tile(shape: tuple | None, gemm: tuple) -> bool:
     return gemm is not None and rp.same_tile(shape, gemm)
 
 
+def _cast_for_consumer(graph: OpGraph, node: OpNode) -> bool:
+    """A widening ``astype`` read only by ops whose kernels take the narrow input and widen it
+    themselves (``evt_cost.WIDENING_CONSUMERS``): fused into the epilogue it would only double
+    the bytes the GEMM stores and the consumer reads."""
+    if node.op != "relax.astype" or not node.users or len(node.inputs) != 1:
+        return False
+    src = graph.nodes[node.inputs[0]].dtype
+    return (src is not None and node.dtype is not None and evt_cost.dtype_bytes(node.dtype) > evt_cost.dtype_bytes(src)
+            and all(graph.nodes[u].op in evt_cost.WIDENING_CONSUMERS for u in node.users))
+
+
 def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
     """Seeds, cores and legal epilogue candidates of every matmul in the block."""
     check = check or _Legality(graph)
@@ -409,6 +420,8 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
                 continue  # an input on the seed's side cannot join: neither can this op
             if any(graph.nodes[j].op in reductions for j in dep if j != seed):
                 continue  # reductions are terminal
+            if _cast_for_consumer(graph, cand):
+                continue  # its consumer's kernel reads the narrow value and widens it itself
             if cand.op in elementwise:
                 ok_shape = same_tile(cand.shape, shape) and cand.dtype in epilogue_dtypes
             elif cand.op == "relax.reshape":  # [M, N] <-> [B, S, N]: the same tile, a free view

@@ -8,15 +8,15 @@ from tvm_evt.relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout, softma
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 
 
-def _attention_probs(n=40, dropout=True, p_used_early=False):
+def _attention_probs(n=40, dropout=True, p_used_early=False, widen=False):
     """softmax -> bf16 cast -> dropout (mask, scale) -> P·V; p also read later (the softmax gradient)."""
     bb = relax.BlockBuilder()
-    s = relax.Var("s", relax.TensorType((2, 3, 5, n), "float32"))
+    s = relax.Var("s", relax.TensorType((2, 3, 5, n), "bfloat16" if widen else "float32"))
     keep = relax.Var("keep", relax.TensorType((2, 3, 5, n), "bool"))
     v = relax.Var("v", relax.TensorType((2, 3, n, 8), "bfloat16"))
     with bb.function("main", [s, keep, v]):
         with bb.dataflow():
-            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(s, "float32")) if widen else s, axis=-1))
             early = bb.emit(relax.op.multiply(p, relax.const(2.0, "float32")))
             pb = bb.emit(relax.op.astype(p, "bfloat16"))
             pw = bb.emit(relax.op.where(keep, pb, relax.const(0.0, "bfloat16")))
@@ -40,9 +40,16 @@ def test_softmax_and_dropout_tail_become_one_call_with_two_outputs():
     fused = [c for c in _calls(after) if c.op == tvm.ir.Op.get("relax.call_tir")]
     assert len(fused) == 1
     gv = fused[0].args[0]
-    assert gv.name_hint == "softmax_dropout_2x3x5x40_bfloat16_mask_s1p11111"
+    assert gv.name_hint == "softmax_dropout_float32_2x3x5x40_bfloat16_mask_s1p11111"
     assert [str(t.dtype) for t in fused[0].ty.fields] == ["float32", "bfloat16"]  # p (still read), pd
     assert after[gv].attrs["tirx.is_scheduled"]
+
+
+def test_widening_cast_into_the_softmax_is_read_through():
+    after = FuseSoftmaxDropout()(_attention_probs(widen=True))
+    (fused,) = [c for c in _calls(after) if c.op == tvm.ir.Op.get("relax.call_tir")]
+    assert str(fused.args[1].fields[0].ty.dtype) == "bfloat16"
+    assert "relax.astype" not in [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
 
 
 @pytest.mark.parametrize("variant", [dict(dropout=False), dict(p_used_early=True)])
@@ -57,15 +64,16 @@ def _run(mod, args, target="llvm", dev=None):
     return [x.numpy() for x in vm["main"](*[tvm.runtime.tensor(a, dev or tvm.cpu()) for a in args])]
 
 
-@pytest.mark.parametrize("n", [40, 197])
-def test_fused_kernel_computes_what_the_ops_computed(n):
+@pytest.mark.parametrize("n,widen", [(40, False), (197, False), (40, True)])
+def test_fused_kernel_computes_what_the_ops_computed(n, widen):
     """The rewrite with unscheduled kernels, on the CPU: outputs equal the unfused graph's."""
     import ml_dtypes
 
     rng = np.random.default_rng()
-    args = [(rng.standard_normal((2, 3, 5, n)) * 4).astype("float32"), rng.random((2, 3, 5, n)) > 0.1,
+    args = [(rng.standard_normal((2, 3, 5, n)) * 4).astype(ml_dtypes.bfloat16 if widen else "float32"),
+            rng.random((2, 3, 5, n)) > 0.1,
             rng.standard_normal((2, 3, n, 8)).astype(ml_dtypes.bfloat16)]
-    before = _attention_probs(n)
+    before = _attention_probs(n, widen=widen)
     want = _run(before, args)
     got = _run(FuseSoftmaxDropout(scheduled=False)(before), args)
     (o_want, late_want, pd_want), (o_got, late_got, pd_got) = want, got
