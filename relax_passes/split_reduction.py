@@ -27,7 +27,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, static_shape
+from ._rewrite import mutate_relax_functions, producer, static_shape
+
+RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 # op name -> (relax builder, its stages are sums) ; mean is a sum divided by the count
 REDUCTIONS = {
@@ -85,9 +87,13 @@ class _Splitter(PyExprMutator):
         dtype, out_dtype = str(x.ty.dtype), str(call.ty.dtype)
         acc = "float32" if is_sum and dtype in ("bfloat16", "float16") else dtype
         emit = self.builder_.emit
-        src = emit(relax.op.astype(x, acc)) if acc != dtype else x
-        parts = emit(relax.op.reshape(src, [reduced // c, c] + rest))
-        partial = emit(reduce(parts, axis=[1]))
+        # reshape first, then cast: the reshape stays a view and FuseOps puts the (elementwise)
+        # cast into the reduction's kernel; cast first, the injective reshape stopped that and a
+        # float32 copy of the whole input was written (BERT-Large: 6 such copies, 0.57 ms a step)
+        inner = producer(self, x, RESHAPE)  # a reshape of a reshape is one view
+        parts = emit(relax.op.reshape(inner.args[0] if inner is not None else x, [reduced // c, c] + rest))
+        src = emit(relax.op.astype(parts, acc)) if acc != dtype else parts
+        partial = emit(reduce(src, axis=[1]))
         out = emit(reduce(partial, axis=[0]))
         if call.op.name == "relax.mean":
             out = emit(relax.op.divide(out, relax.const(float(reduced), acc)))

@@ -27,9 +27,9 @@ def test_loss_mean_of_everything_becomes_two_float32_sums():
         @R.function
         def main(x: R.Tensor((32, 512, 1024), "bfloat16")):
             with R.dataflow():
-                a = R.astype(x, "float32")
-                b = R.reshape(a, R.shape([16384, 1024]))
-                c = R.sum(b, axis=[1])
+                b = R.reshape(x, R.shape([16384, 1024]))
+                a = R.astype(b, "float32")
+                c = R.sum(a, axis=[1])
                 d = R.sum(c, axis=[0])
                 e = R.divide(d, R.const(16777216.0, "float32"))
                 y = R.astype(e, "bfloat16")
@@ -111,3 +111,31 @@ def test_split_reductions_compute_the_same_values(op, dtype, shape, axis, keepdi
     ref = getattr(np, op)(data.astype("float64"), axis=None if axis is None else tuple(axis), keepdims=keepdims)
     tol = 2e-3 if dtype == "float16" else 1e-5
     np.testing.assert_allclose(got.astype("float64"), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_cast_joins_the_first_stage_kernel_and_reshape_chains_collapse():
+    """Reshape (a view) before the float32 cast, so FuseOps gives the cast to the reduction's
+    kernel instead of writing a float32 copy; a reshape of a reshape is reshaped once."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(g: R.Tensor((16384, 1024), "bfloat16")):
+            with R.dataflow():
+                r = R.reshape(g, R.shape([32, 512, 1024]))
+                y = R.sum(r, axis=[0, 1])
+                R.output(y)
+            return y
+
+    after = _canonical(SplitReduction()(Before))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings]
+    first_reshape = next(c for c in calls if c.op == tvm.ir.Op.get("relax.reshape") and c.args[0].name == "g"
+                         and [int(d) for d in c.ty.shape] != [32, 512, 1024])
+    assert [int(d) for d in first_reshape.ty.shape][-1] == 1024
+    fused = relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(after)))
+    groups = [f for gv, f in fused.functions_items() if isinstance(f, relax.Function) and gv.name_hint != "main"]
+    for f in groups:  # the cast never runs as a kernel of its own (or with reshapes only)
+        names = [b.value.args[0].name_hint for b in f.body.blocks[0].bindings]
+        if any(n.startswith("cast") for n in names):
+            assert any(n.startswith("sum") for n in names), names
+    assert any(any(b.value.args[0].name_hint.startswith("cast") for b in f.body.blocks[0].bindings) for f in groups)
