@@ -212,3 +212,19 @@ class _AdaptiveMaxPool(nn.Module):
 @pytest.mark.parametrize("decompose", [True, False])
 def test_adaptive_max_pool_uneven_windows(decompose):
     _check(_AdaptiveMaxPool(), (torch.randn(2, 3, 5, 7),), run_ep_decomposition=decompose)
+
+
+def test_parameter_vars_are_c_identifiers_and_keep_torch_names():
+    """``nn.Sequential`` names parameters ``0.weight``: their Relax vars become kernel argument names
+    in generated CUDA, so they must be identifiers; users still see the torch names."""
+    import re
+
+    from tvm_evt.frontend import from_torch
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    imported = from_torch(model, [torch.randn(4, 8), torch.randn(4, 1)], loss_fn=nn.MSELoss())
+    assert imported.param_names[:2] == ["0.weight", "0.bias"]
+    assert "1.running_mean" in imported.buffer_names
+    names = [p.name for p in imported.mod["main"].params]
+    assert all(re.fullmatch(r"[A-Za-z_]\w*", n) for n in names), names
+    assert "p_0_weight" in names

@@ -18,6 +18,7 @@ that training needs are met:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -70,6 +71,14 @@ class _WithLoss:
                 return self.loss_fn(self.model(*inputs), target)
 
         return WithLoss()
+
+
+def _identifier(name: str) -> str:
+    """A C identifier for a parameter's Relax var (its torch name stays the key users see): the
+    names reach generated CUDA as kernel argument names, and ``layers.1.conv.weight`` of an
+    ``nn.Sequential`` became ``1_conv_weight_ptr``, which NVRTC rejects (ResNet-50 stage)."""
+    ident = re.sub(r"\W", "_", name)
+    return f"p_{ident}" if not ident or ident[0].isdigit() else ident
 
 
 def _module_path(node, strip_prefix: str) -> str:
@@ -155,13 +164,13 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
                 aliases[spec.arg.name] = seen[key]
                 continue
             name = strip(spec.target)
-            param_vars.append(relax.Var(name, var.ty))
+            param_vars.append(relax.Var(_identifier(name), var.ty))
             seen[key] = param_vars[-1]
             param_values[name] = tensor
         elif spec.kind is InputKind.BUFFER:
             var = params_buffers[spec.arg.name]
             name = strip(spec.target)
-            buffer_vars.append(relax.Var(name, var.ty))
+            buffer_vars.append(relax.Var(_identifier(name), var.ty))
             buffer_values[name] = named_buffers[spec.target]
         elif spec.kind in (InputKind.CONSTANT_TENSOR,):
             const_binding[spec.arg.name] = ep.constants[spec.target]
