@@ -62,7 +62,10 @@ def _leaves(out) -> list[np.ndarray]:
     return [leaf for item in out for leaf in _leaves(item)]
 
 
-def _assert_close(before, after, what: str, per_tensor: bool = True) -> None:
+REASSOCIATED_RTOL = 5e-5  # whole training steps whose passes reassociate sums
+
+
+def _assert_close(before, after, what: str, per_tensor: bool = True, rtol: float = RTOL) -> None:
     """Max abs difference over max |before|, ≤ RTOL per output tensor — or, with
     ``per_tensor=False``, over the largest float output of the function: random graphs have
     gradients that vanish analytically (e.g. of a row-constant shift before log_softmax),
@@ -77,7 +80,7 @@ def _assert_close(before, after, what: str, per_tensor: bool = True) -> None:
             continue
         scale = max(float(np.abs(b.astype("float64")).max()) if per_tensor else whole, 1e-30)
         err = float(np.abs(a.astype("float64") - b).max()) / scale
-        assert err <= RTOL, f"{what}[{i}]: rel err {err:.3g}"
+        assert err <= rtol, f"{what}[{i}]: rel err {err:.3g}"
 
 
 def check(transform, before: tvm.IRModule, expected: tvm.IRModule) -> None:
@@ -489,4 +492,6 @@ def test_zoo_train_step_keeps_loss_and_gradients(name):
     helpers = {gv: f for gv, f in graph.mod.functions_items() if not isinstance(f, relax.Function)}
     vm = _compile_pairs({"train_step": (graph.mod["train_step"], after["train_step"])}, helpers)
     args = _zoo_args(graph.mod["train_step"], imported, inputs)
-    _assert_close(vm["train_step"](*args), vm["train_step__after"](*args), name)
+    # EliminateSoftmaxBackwardReduction sums dO*O over the head dimension instead of P*dP over
+    # the keys: equal in exact arithmetic, different fp32 rounding (bert_tiny: 1.2e-5)
+    _assert_close(vm["train_step"](*args), vm["train_step__after"](*args), name, rtol=REASSOCIATED_RTOL)
