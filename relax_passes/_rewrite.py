@@ -1,5 +1,6 @@
-"""Helpers shared by the passes: static shapes, mutating every Relax function of a module, and
-rewriting a function's bindings and then its returned fields."""
+"""Helpers shared by the passes: static shapes, scalar constants, adding a generated function once,
+mutating every Relax function of a module, and rewriting a function's bindings and then its
+returned fields."""
 
 from __future__ import annotations
 
@@ -27,6 +28,33 @@ def producer(mutator, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
         if isinstance(bound, relax.Call) and bound.op == op:
             return bound
     return None
+
+
+def scalar_value(bound: dict, expr: relax.Expr) -> float | None:
+    """The value of a one-element constant, seen through `bound` (var -> bound value) and
+    ``astype``, else None."""
+    astype = tvm.ir.Op.get("relax.astype")
+    while True:
+        if isinstance(expr, relax.Var) and expr in bound:
+            expr = bound[expr]
+        elif isinstance(expr, relax.Call) and expr.op == astype:
+            expr = expr.args[0]
+        else:
+            break
+    if not isinstance(expr, tvm.ir.GenericConst):
+        return None
+    value = expr.value.numpy()
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
+def add_function_once(builder: relax.BlockBuilder, name: str,
+                      make: Callable[[], tvm.ir.BaseFunc]) -> relax.GlobalVar:
+    """The global var of function `name` in `builder`'s module, adding ``make()`` (with that
+    global symbol) the first time."""
+    for gv in builder.get().get_global_vars():
+        if gv.name_hint == name:
+            return gv
+    return builder.add_func(make().with_attr("global_symbol", name), name)
 
 
 def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.IRModule:

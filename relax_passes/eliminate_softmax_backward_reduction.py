@@ -37,7 +37,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, static_shape as _shape
+from ._rewrite import mutate_relax_functions, scalar_value, static_shape as _shape
 
 SUM = tvm.ir.Op.get("relax.sum")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
@@ -69,21 +69,6 @@ def _call(bound: dict, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
     return value if isinstance(value, relax.Call) and value.op == op else None
 
 
-def _scalar(bound: dict, expr: relax.Expr) -> float | None:
-    """The value of a one-element constant, seen through bindings and casts, else None."""
-    while True:
-        if isinstance(expr, relax.Var) and expr in bound:
-            expr = bound[expr]
-        elif isinstance(expr, relax.Call) and expr.op == ASTYPE:
-            expr = expr.args[0]
-        else:
-            break
-    if not isinstance(expr, tvm.ir.GenericConst):
-        return None
-    value = expr.value.numpy()
-    return float(value.reshape(-1)[0]) if value.size == 1 else None
-
-
 def _last_axis(shape: tuple[int, ...], axis) -> bool:
     return axis is not None and len(axis) == 1 and int(axis[0]) % len(shape) == len(shape) - 1
 
@@ -103,16 +88,16 @@ def _diagonal_chain(bound: dict, expr: relax.Expr):
                 break  # a reshape that moves the reduced axis
             expr = call.args[0]
         elif call.op in (MULTIPLY, DIVIDE):
-            k = _scalar(bound, call.args[1])
+            k = scalar_value(bound, call.args[1])
             if k is None or k == 0.0:
-                k = _scalar(bound, call.args[0]) if call.op == MULTIPLY else None
+                k = scalar_value(bound, call.args[0]) if call.op == MULTIPLY else None
                 if k is None:
                     break
                 expr = call.args[1]
             else:
                 expr = call.args[0]
             scale *= k if call.op == MULTIPLY else 1.0 / k
-        elif call.op == WHERE and _scalar(bound, call.args[2]) == 0.0:
+        elif call.op == WHERE and scalar_value(bound, call.args[2]) == 0.0:
             masks.append(_resolve(bound, call.args[0]))
             expr = call.args[1]
         else:

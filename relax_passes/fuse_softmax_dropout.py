@@ -31,7 +31,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, static_shape
+from ._rewrite import add_function_once, mutate_relax_functions, scalar_value, static_shape
 
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 ASTYPE = tvm.ir.Op.get("relax.astype")
@@ -112,21 +112,6 @@ def _schedule(func: tirx.PrimFunc, n: int, outputs: list[str]) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
-def _scalar(bound: dict, expr: relax.Expr) -> float | None:
-    """The value of a one-element constant, through bindings and casts, else None."""
-    while True:
-        if isinstance(expr, relax.Var) and expr in bound:
-            expr = bound[expr]
-        elif isinstance(expr, relax.Call) and expr.op == ASTYPE:
-            expr = expr.args[0]
-        else:
-            break
-    if not isinstance(expr, tvm.ir.GenericConst):
-        return None
-    value = expr.value.numpy()
-    return float(value.reshape(-1)[0]) if value.size == 1 else None
-
-
 def _uses(func: relax.Function) -> dict:
     """var -> indices of the bindings (and len(bindings) for the function's result) that read it."""
     uses: dict = {}
@@ -167,12 +152,12 @@ def find_fusions(func: relax.Function) -> dict:
         tail, mask, scale = cast, None, None
         nxt = only_user(tail.var)
         if nxt is not None and nxt.value.op == WHERE and nxt.value.args[1].same_as(tail.var) \
-                and _scalar(bound, nxt.value.args[2]) == 0.0 and static_shape(nxt.value.args[0]) == shape:
+                and scalar_value(bound, nxt.value.args[2]) == 0.0 and static_shape(nxt.value.args[0]) == shape:
             tail, mask = nxt, nxt.value.args[0]
             nxt = only_user(tail.var)
         if nxt is not None and nxt.value.op == MULTIPLY and nxt.value.args[0].same_as(tail.var) \
-                and _scalar(bound, nxt.value.args[1]) is not None:
-            tail, scale = nxt, _scalar(bound, nxt.value.args[1])
+                and scalar_value(bound, nxt.value.args[1]) is not None:
+            tail, scale = nxt, scalar_value(bound, nxt.value.args[1])
         if mask is None and scale is None:
             continue  # a bare cast: nothing to gain over TVM's two kernels
         others = [i for i in uses.get(b.var, []) if i != index[cast.var]]
@@ -209,7 +194,7 @@ class _Fuser(PyExprMutator):
         name = f"softmax_dropout_{in_dtype}_" + "x".join(map(str, shape)) + f"_{low}" \
             + ("_mask" if mask is not None else "") \
             + (f"_s{scale:.6g}".replace(".", "p") if scale is not None else "") + ("" if write_p else "_nop")
-        gvar = self._func(name, lambda: softmax_dropout_primfunc(
+        gvar = add_function_once(self.builder_, name, lambda: softmax_dropout_primfunc(
             shape, low, mask is not None, scale, write_p, self.scheduled, in_dtype))
         args = [self.visit_expr(s)] + ([self.visit_expr(mask)] if mask is not None else [])
         outs = ([relax.TensorType(shape, "float32")] if write_p else []) + [relax.TensorType(shape, low)]
@@ -218,12 +203,6 @@ class _Fuser(PyExprMutator):
             self.set_var_remap(p, self.builder_.emit(relax.TupleGetItem(fused, 0)))
             fused = self.builder_.emit(relax.TupleGetItem(fused, 1))
         self.set_var_remap(binding.var, fused)
-
-    def _func(self, name: str, make) -> relax.GlobalVar:
-        for gv in self.builder_.get().get_global_vars():
-            if gv.name_hint == name:
-                return gv
-        return self.builder_.add_func(make().with_attr("global_symbol", name), name)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseSoftmaxDropout")

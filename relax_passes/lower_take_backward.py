@@ -23,7 +23,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import tirx as T
 
-from ._rewrite import mutate_relax_functions, static_shape
+from ._rewrite import add_function_once, mutate_relax_functions, static_shape
 
 TAKE_BACKWARD = tvm.ir.Op.get("relax.grad.take_backward")
 THREADS = 256
@@ -77,18 +77,13 @@ class _Lowerer(PyExprMutator):
         rows, n = xshape[axis], ishape[0]
         gdtype, idtype, dtype = str(grad.ty.dtype), str(indices.ty.dtype), str(x.ty.dtype)
         name = f"scatter_add_{outer}x{rows}x{inner}_n{n}_{gdtype}_{idtype}"
-        gvar = self._func(name, lambda: scatter_add_primfunc(outer, rows, inner, n, gdtype, idtype))
+        gvar = add_function_once(self.builder_, name, lambda: scatter_add_primfunc(outer, rows, inner, n, gdtype, idtype))
         flat = self.builder_.emit(relax.op.reshape(grad, (outer, n, inner)))
         summed = self.builder_.emit(
             relax.call_tir(gvar, [flat, indices], relax.TensorType((outer, rows, inner), "float32")))
         out = self.builder_.emit(relax.op.reshape(summed, xshape))
         return out if dtype == "float32" else relax.op.astype(out, dtype)
 
-    def _func(self, name: str, make) -> relax.GlobalVar:
-        for gv in self.builder_.get().get_global_vars():
-            if gv.name_hint == name:
-                return gv
-        return self.builder_.add_func(make().with_attr("global_symbol", name), name)
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerTakeBackward")
