@@ -1,0 +1,61 @@
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.relax_passes.conv2d_to_matmul import Conv2dToMatmul
+
+CASES = [  # (x shape, w shape, stride, padding, dilation)
+    ((2, 8, 6, 6), (5, 8, 1, 1), 1, 0, 1),  # 1x1
+    ((2, 8, 7, 7), (5, 8, 1, 1), 2, 0, 1),  # 1x1, stride 2 (ResNet's downsampling shortcut)
+    ((2, 4, 8, 8), (6, 4, 3, 3), 1, 1, 1),  # 3x3 same
+    ((2, 4, 9, 9), (6, 4, 3, 3), 2, 1, 1),  # 3x3 stride 2
+    ((1, 3, 9, 10), (4, 3, 3, 2), (2, 1), (1, 0, 2, 1), (2, 1)),  # asymmetric everything
+    ((2, 3, 8, 12), (7, 3, 4, 4), 4, 0, 1),  # non-overlapping patches (ViT)
+]
+
+
+def _conv_module(xs, ws, stride, padding, dilation):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(xs, "float32"))
+    w = relax.Var("w", relax.TensorType(ws, "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.conv2d(x, w, strides=stride, padding=padding, dilation=dilation))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def _run(mod, args):
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def _ops(mod):
+    return [b.value.op.name for block in mod["main"].body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_conv2d_becomes_one_matmul_with_the_same_result(case):
+    before = _conv_module(*case)
+    after = Conv2dToMatmul()(before)
+    ops = _ops(after)
+    assert "relax.nn.conv2d" not in ops and ops.count("relax.matmul") == 1, ops
+    rng = np.random.default_rng()
+    args = [rng.standard_normal(case[0]).astype("float32"), rng.standard_normal(case[1]).astype("float32")]
+    np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-4)
+
+
+def test_large_overlapping_windows_and_groups_stay_conv2d():
+    stem = _conv_module((1, 3, 16, 16), (8, 3, 7, 7), 2, 3, 1)  # 49 taps
+    tvm.ir.assert_structural_equal(Conv2dToMatmul()(stem), stem)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((4, 1, 3, 3), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.conv2d(x, w, padding=1, groups=4))
+        bb.emit_func_output(y)
+    depthwise = bb.get()
+    tvm.ir.assert_structural_equal(Conv2dToMatmul()(depthwise), depthwise)
