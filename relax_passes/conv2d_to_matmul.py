@@ -1,4 +1,4 @@
-"""Conv2dToMatmul: 2-D convolutions as one GEMM over gathered input windows (im2col).
+"""Conv2dToMatmul: 2-D (and 1-D) convolutions as one GEMM over gathered input windows (im2col).
 
 TVM 0.27 has no GPU schedule for ``conv2d`` beyond DLight's fallback, and the convolutions that
 the gradient rules emit for weight gradients reduce over batch x height x width in one serial
@@ -16,8 +16,8 @@ gradient) are GEMMs the EVT partitioner offloads.  ``windows`` is chosen by the 
   a reshape and a transpose;
 * otherwise, at most ``MAX_WINDOW`` kernel taps: pad, one strided slice per tap, stacked.
 
-Only ``groups == 1`` NCHW/OIHW convolutions with static shapes are rewritten; the rest stay
-``conv2d``.  The gathered columns are KH*KW times the input (3x3: 9x) in memory.
+Only ``groups == 1`` NCHW/OIHW convolutions with static shapes are rewritten (and NCW/OIW
+``conv1d``, as a conv2d of height 1: XML-CNN); the rest stay as they are.  The gathered columns are KH*KW times the input (3x3: 9x) in memory.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from ._rewrite import mutate_relax_functions, static_shape
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
+CONV1D = tvm.ir.Op.get("relax.nn.conv1d")
 MAX_WINDOW = 9  # taps gathered by strided slices (3x3); larger overlapping windows stay conv2d
 
 
@@ -42,24 +43,30 @@ def _ints(values) -> list[int]:
 class _Rewriter(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if call.op != CONV2D:
+        if call.op not in (CONV2D, CONV1D):
             return call
         x, w = call.args
         xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
         a = call.attrs
+        layouts = ("NCHW", "OIHW", "NCHW") if call.op == CONV2D else ("NCW", "OIW", "NCW")
         if (xs is None or ws is None or ys is None or int(a.groups) != 1
-                or (a.data_layout, a.kernel_layout, a.out_layout or "NCHW") != ("NCHW", "OIHW", "NCHW")):
+                or (a.data_layout, a.kernel_layout, a.out_layout or layouts[2]) != layouts):
             return call
+        stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
+        if call.op == CONV1D:  # a conv2d of height 1
+            xs, ws, ys = (*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2]), (*ys[:2], 1, ys[2])
+            stride, dilation, pad = [1, *stride], [1, *dilation], [0, pad[0], 0, pad[1]]
+            x = self.builder_.emit(relax.op.reshape(x, xs))
         (n, c, h, wd), (o, _, kh, kw), (_, _, oh, ow) = xs, ws, ys
-        stride, dilation = _ints(a.strides), _ints(a.dilation)
-        pad = _ints(a.padding)  # top, left, bottom, right
-        cols = self._windows(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)
+        cols = self._windows(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)  # pad: top, left, bottom, right
         if cols is None:
             return call
         emit = self.builder_.emit
         w2 = emit(relax.op.permute_dims(emit(relax.op.reshape(w, [o, c * kh * kw])), [1, 0]))
         out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
         y = emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
+        if call.op == CONV1D:
+            return relax.op.permute_dims(emit(relax.op.reshape(y, [n, ow, o])), [0, 2, 1])
         y = emit(relax.op.reshape(y, [n, oh, ow, o]))
         return relax.op.permute_dims(y, [0, 3, 1, 2])
 

@@ -47,6 +47,24 @@ def test_conv2d_becomes_one_matmul_with_the_same_result(case):
     np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("k,stride,padding,dilation", [(2, 1, 0, 1), (8, 1, 0, 1), (3, 2, (1, 2), 2)])
+def test_conv1d_becomes_one_matmul_with_the_same_result(k, stride, padding, dilation):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 6, 20), "float32"))
+    w = relax.Var("w", relax.TensorType((5, 6, k), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.conv1d(x, w, strides=stride, padding=padding, dilation=dilation))
+        bb.emit_func_output(y)
+    before = bb.get()
+    after = Conv2dToMatmul()(before)
+    ops = _ops(after)
+    assert "relax.nn.conv1d" not in ops and ops.count("relax.matmul") == 1, ops
+    rng = np.random.default_rng()
+    args = [rng.standard_normal((2, 6, 20)).astype("float32"), rng.standard_normal((5, 6, k)).astype("float32")]
+    np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-4)
+
+
 def test_large_overlapping_windows_and_groups_stay_conv2d():
     stem = _conv_module((1, 3, 16, 16), (8, 3, 7, 7), 2, 3, 1)  # 49 taps
     tvm.ir.assert_structural_equal(Conv2dToMatmul()(stem), stem)
