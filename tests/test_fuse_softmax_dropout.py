@@ -1,3 +1,5 @@
+import shutil
+
 import numpy as np
 import pytest
 import tvm
@@ -84,6 +86,7 @@ def test_fused_kernel_computes_what_the_ops_computed(n, widen):
     np.testing.assert_allclose(f32(o_got), f32(o_want), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
 @pytest.mark.parametrize("n", [197, 512, 1024])
 def test_scheduled_kernel_builds_for_cuda(n):
     """No GPU needed: the schedule lowers and the CUDA source has the row reductions."""

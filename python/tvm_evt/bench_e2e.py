@@ -279,6 +279,7 @@ def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
     from . import optim
     from .training import TrainingStep, as_target, build_training_module, compile_training
     from .frontend import from_torch
+    from .pipeline import tvm_default_cuda_pipeline
 
     optimizer = optim.AdamW(lr=1e-4)
     example = [t.cpu() for t in inputs]
@@ -287,7 +288,7 @@ def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
         imported = from_torch(entry.model, example, entry.loss_fn)
         graph = build_training_module(imported, optimizer, "bf16")
         target = as_target(None)
-        executable = tvm.compile(graph.mod, target=target)  # TVM's default Relax CUDA pipeline
+        executable = tvm.compile(graph.mod, target=target, relax_pipeline=tvm_default_cuda_pipeline())
         ts = TrainingStep(imported, graph, executable, target, time.perf_counter() - start)
     else:
         ts = compile_training(entry.model, example, loss_fn=entry.loss_fn, optimizer=optimizer, precision="bf16",

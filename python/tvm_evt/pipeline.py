@@ -116,6 +116,29 @@ def evt_pipeline(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True)
     return _pipeline
 
 
+def tvm_default_cuda_pipeline():
+    """TVM's default Relax CUDA pipeline (no graph passes, no partitioning, DLight for every
+    kernel: the ``tvm_default`` baseline of ``scripts/bench.py``), with DLight applied per
+    function and rule (`ScheduleTIRForGPU`): TVM's own ``ApplyDefaultSchedule`` stops the build
+    when its Reduction rule trips an rfactor check, which it does on training graphs (BERT)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="TVMDefaultCUDAPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        from tvm.relax.backend.cuda import pipeline as cuda
+
+        target = tvm.target.Target.current()
+        legalize = [p for p in cuda.legalize_passes(target) if p.info.name != "ApplyDefaultSchedule"]
+        if len(legalize) != len(cuda.legalize_passes(target)) - 1:
+            raise RuntimeError("TVM's CUDA legalize passes changed: expected one ApplyDefaultSchedule")
+        with target:
+            return tvm.transform.Sequential(
+                cuda.library_dispatch_passes(target) + legalize + [ScheduleTIRForGPU()]
+                + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target)
+            )(mod)
+
+    return _pipeline
+
+
 if PIPELINE_NAME not in relax.pipeline.PIPELINE_MAP:  # registering twice raises (module reload)
     relax.register_pipeline(PIPELINE_NAME)(evt_pipeline)
 
