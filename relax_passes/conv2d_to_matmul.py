@@ -17,7 +17,8 @@ gradient) are GEMMs the EVT partitioner offloads.  ``windows`` is chosen by the 
 * otherwise, at most ``MAX_WINDOW`` kernel taps: pad, one strided slice per tap, stacked.
 
 Only ``groups == 1`` NCHW/OIHW convolutions with static shapes are rewritten (and NCW/OIW
-``conv1d``, as a conv2d of height 1: XML-CNN); the rest stay as they are.  The gathered columns are KH*KW times the input (3x3: 9x) in memory.
+``conv1d``, as a conv2d of height 1: XML-CNN); the rest stay as they are.  The gathered columns
+are KH*KW times the input (3x3: 9x) in memory.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="Conv2dToMatmul")
 class Conv2dToMatmul:
-    """Rewrite the eligible ``conv2d`` calls of every Relax function (see the module docstring)."""
+    """Rewrite the eligible ``conv2d`` / ``conv1d`` calls of every Relax function (see the module
+    docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return mutate_relax_functions(_Rewriter(mod), mod)

@@ -15,10 +15,11 @@ becomes one ``call_tir`` with outputs ``(p, pd)``, scheduled here: one thread bl
 (rows staged in shared memory, max and sum as cross-thread reductions), each element computed
 with the same operations in the same order as before.  ``p`` is bit-identical; in the 16-bit tail
 the code generator may keep the cast-then-scale in float32 and round once where the separate
-kernels rounded twice (a difference of at most 1 ulp).  ``p`` is
-only written when something else reads it; a widening ``astype`` that only feeds the softmax is
-read through (the partitioner leaves it out of the GEMM epilogue: ``evt_cost.WIDENING_CONSUMERS``).  The tail's intermediate values must have no other
-user, and ``p``'s other users must come after ``pd`` (the fused call sits where ``pd`` was).
+kernels rounded twice (a difference of at most 1 ulp).  ``p`` is only written when something
+else reads it; a widening ``astype`` that only feeds the softmax is read through (the
+partitioner leaves it out of the GEMM epilogue: ``evt_cost.WIDENING_CONSUMERS``).  The tail's
+intermediate values must have no other user, and ``p``'s other users must come after ``pd`` (the
+fused call sits where ``pd`` was).
 CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 """
 
@@ -124,7 +125,8 @@ def _uses(func: relax.Function) -> dict:
 
 
 def find_fusions(func: relax.Function) -> dict:
-    """``{pd: (p, s, mask, scale, low)}`` for each match of the module docstring's pattern."""
+    """``{pd: (p, s, mask, scale, low, write_p)}`` for each match of the module docstring's
+    pattern (``write_p``: something besides the tail reads ``p``)."""
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
@@ -155,9 +157,9 @@ def find_fusions(func: relax.Function) -> dict:
                 and scalar_value(bound, nxt.value.args[2]) == 0.0 and static_shape(nxt.value.args[0]) == shape:
             tail, mask = nxt, nxt.value.args[0]
             nxt = only_user(tail.var)
-        if nxt is not None and nxt.value.op == MULTIPLY and nxt.value.args[0].same_as(tail.var) \
-                and scalar_value(bound, nxt.value.args[1]) is not None:
-            tail, scale = nxt, scalar_value(bound, nxt.value.args[1])
+        if nxt is not None and nxt.value.op == MULTIPLY and nxt.value.args[0].same_as(tail.var):
+            scale = scalar_value(bound, nxt.value.args[1])
+            tail = nxt if scale is not None else tail
         if mask is None and scale is None:
             continue  # a bare cast: nothing to gain over TVM's two kernels
         others = [i for i in uses.get(b.var, []) if i != index[cast.var]]
@@ -181,7 +183,6 @@ class _Fuser(PyExprMutator):
     def prime(self, func: relax.Function) -> None:
         self.fusions = find_fusions(func)
         self.dropped = {p for p, *_ in self.fusions.values()}
-        self.p_of = {}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:

@@ -77,7 +77,8 @@ class _Lowerer(PyExprMutator):
         rows, n = xshape[axis], ishape[0]
         gdtype, idtype, dtype = str(grad.ty.dtype), str(indices.ty.dtype), str(x.ty.dtype)
         name = f"scatter_add_{outer}x{rows}x{inner}_n{n}_{gdtype}_{idtype}"
-        gvar = add_function_once(self.builder_, name, lambda: scatter_add_primfunc(outer, rows, inner, n, gdtype, idtype))
+        gvar = add_function_once(self.builder_, name,
+                                 lambda: scatter_add_primfunc(outer, rows, inner, n, gdtype, idtype))
         flat = self.builder_.emit(relax.op.reshape(grad, (outer, n, inner)))
         summed = self.builder_.emit(
             relax.call_tir(gvar, [flat, indices], relax.TensorType((outer, rows, inner), "float32")))

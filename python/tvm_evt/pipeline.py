@@ -127,8 +127,9 @@ def tvm_default_cuda_pipeline():
         from tvm.relax.backend.cuda import pipeline as cuda
 
         target = tvm.target.Target.current()
-        legalize = [p for p in cuda.legalize_passes(target) if p.info.name != "ApplyDefaultSchedule"]
-        if len(legalize) != len(cuda.legalize_passes(target)) - 1:
+        tvm_legalize = cuda.legalize_passes(target)
+        legalize = [p for p in tvm_legalize if p.info.name != "ApplyDefaultSchedule"]
+        if len(legalize) != len(tvm_legalize) - 1:
             raise RuntimeError("TVM's CUDA legalize passes changed: expected one ApplyDefaultSchedule")
         with target:
             return tvm.transform.Sequential(
