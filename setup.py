@@ -30,7 +30,7 @@ setup(
         "numpy",
         "torch>=2.4",
         "mip>=2.0,<3",
-        "highspy",
+        "highspy==1.15.1",  # python-mip 2.0 finds HiGHS in its layout; 1.16.0 moved the library ("HiGHS not found")
         "xgboost",
         "nvidia-cutlass==4.2.0.0",
         "tqdm",
