@@ -10,6 +10,7 @@ One list of phases, in order (``phases(target)``):
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
+    FuseLayerNorm      a decomposed layer norm left to TVM (statistics, normalize, affine, casts) as one kernel
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
@@ -32,6 +33,7 @@ from tvm import relax
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
 from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
+from .relax_passes.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower_take_backward import LowerTakeBackward
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
@@ -84,6 +86,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule
                 LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
+                FuseLayerNorm(),  # layer norm statistics + normalize/affine/casts: one row-per-block kernel
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),

@@ -1,0 +1,345 @@
+"""FuseLayerNorm: a decomposed layer norm's statistics and elementwise tail as one CUDA kernel.
+
+`DecomposeLayerNorm` spells the forward as row reductions and elementwise ops so that the
+backward can share them and the partitioner can see them.  Whatever the partitioner leaves to
+TVM, DLight schedules op by op: on BERT-Large (32x512x1024, float32 under AMP) one layer norm
+became seven kernels (mean/subtract, square, mean/rsqrt, normalize, affine, two casts), ~0.5 ms
+on H100, each re-reading the 64 MB row block.  On the CUDA route this pass turns the chain::
+
+    mean   = mean(x, [-1], keepdims)      centered = x - mean      square = centered * centered
+    var    = mean(square, [-1], keepdims) rstd = rsqrt(var + eps)  xhat = centered * rstd
+    y      = xhat * gamma                 z = y + beta             # each optional, in this order
+    [zl    = astype(z, low)  |  astype(reshape(z, s), low)]        # casts of the result, optional
+
+into one ``call_tir`` whose outputs are the chain's values that something else reads (typically
+``rstd`` and ``xhat`` for the gradient, and ``zl`` for the next GEMM), scheduled here: one
+thread block per row, the row staged in shared memory, both sums as cross-thread reductions.
+Every element is computed with the graph's operations in the graph's order (the sums may
+associate differently).  The chain must be float32 over the last axis, in one dataflow block,
+and its values may only be read after its last op (the fused call sits there).  Row statistics
+that are outputs (``rstd`` for the gradient) come from a second, small launch in the same
+function that sums the rows again: one more read of ``x``, where the alternative (writing them
+from the main nest) would need a block-wide barrier on global memory that TIR cannot express.
+CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._rewrite import add_function_once, mutate_relax_functions, scalar_value, static_shape
+from .fuse_softmax_dropout import OPAQUE, _threads, _uses
+
+MEAN = tvm.ir.Op.get("relax.mean")
+SUBTRACT = tvm.ir.Op.get("relax.subtract")
+MULTIPLY = tvm.ir.Op.get("relax.multiply")
+ADD = tvm.ir.Op.get("relax.add")
+RSQRT = tvm.ir.Op.get("relax.rsqrt")
+ASTYPE = tvm.ir.Op.get("relax.astype")
+RESHAPE = tvm.ir.Op.get("relax.reshape")
+LOW = ("bfloat16", "float16")
+MAX_ROW_BYTES = 48 * 1024  # the staged row lives in (static) shared memory
+
+# The chain's values: row statistics have shape [..., 1], the others [..., n].
+STATS = ("mean", "var", "var_eps", "rstd")
+ELEMENTS = ("centered", "square", "xhat", "y", "z")
+
+
+@dataclass(frozen=True)
+class LayerNormChain:
+    """One match: the vars of the chain by role, what the kernel reads and what it must write."""
+
+    x: relax.Var
+    eps: float
+    gamma: relax.Expr | None
+    beta: relax.Expr | None
+    values: dict  # role -> var, for the roles present
+    outputs: tuple[str, ...]  # roles read outside the chain, in STATS + ELEMENTS order
+    low: str | None  # dtype of the absorbed casts of the result
+    casts: tuple  # (cast var, reshape shape or None) for each absorbed cast
+    absorbed: frozenset  # vars whose bindings the fused call replaces
+
+    @property
+    def result(self) -> str:
+        return "z" if "z" in self.values else "y" if "y" in self.values else "xhat"
+
+
+def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_shape, outputs: tuple[str, ...],
+                        low: str | None, scheduled: bool = True) -> tirx.PrimFunc:
+    """The fused kernel for a float32 input of `shape`: parameters ``x[, gamma][, beta]``, then
+    the `outputs` (roles, stats first) and, with `low`, the result cast to `low`."""
+    *lead, n = shape
+    x = te.placeholder(shape, "float32", name="x")
+    gamma = te.placeholder(gamma_shape, "float32", name="gamma") if gamma_shape else None
+    beta = te.placeholder(beta_shape, "float32", name="beta") if beta_shape else None
+    inv_n = tirx.const(1.0 / n, "float32")  # TVM's mean: the sum times 1/n
+    eps_c = tirx.const(eps, "float32")
+
+    def row_sums(tag):
+        """sum(x) and sum(centered^2) per row: one pair per loop nest (see `_schedule`)."""
+        k1, k2 = te.reduce_axis((0, n), name="k1"), te.reduce_axis((0, n), name="k2")
+        s1 = te.compute(lead, lambda *r: te.sum(x[(*r, k1)], axis=k1), name=f"row_sum{tag}")
+        c = lambda idx: x[idx] - s1[idx[:-1]] * inv_n  # noqa: E731
+        s2 = te.compute(lead, lambda *r: te.sum(c((*r, k2)) * c((*r, k2)), axis=k2), name=f"row_sqsum{tag}")
+        return s1, s2
+
+    def stat_values(s1, s2, r):
+        var = s2[r] * inv_n
+        return {"mean": s1[r] * inv_n, "var": var, "var_eps": var + eps_c, "rstd": tirx.rsqrt(var + eps_c)}
+
+    def vector(t, idx):  # gamma / beta broadcast along the last axis: [n] or [1, ..., 1, n]
+        return t[(0,) * (len(t.shape) - 1) + (idx[-1],)]
+
+    stats = [o for o in outputs if o in STATS]
+    elems = [o for o in outputs if o in ELEMENTS]
+    n_elem = len(elems) + (1 if low else 0)
+    elem_tensors, stat_tensors = [], []
+    if n_elem:
+        s1, s2 = row_sums("")
+
+        def elem_values(*idx):
+            st = stat_values(s1, s2, idx[:-1])
+            v = {"centered": x[idx] - st["mean"]}
+            v["square"] = v["centered"] * v["centered"]
+            v["xhat"] = v["centered"] * st["rstd"]
+            result = v["y"] = v["xhat"] * vector(gamma, idx) if gamma is not None else v["xhat"]
+            if beta is not None:
+                result = v["z"] = result + vector(beta, idx)
+            return tuple([v[o] for o in elems] + ([result.astype(low)] if low else []))
+
+        elem_tensors = _as_list(te.compute(shape, elem_values, name="out"))
+    if stats:  # a second nest (a second kernel launch): its own sums, one more read of x
+        t1, t2 = row_sums("_stats")
+        stat_tensors = _as_list(te.compute((*lead, 1), lambda *r: tuple(
+            stat_values(t1, t2, r[:-1])[o] for o in stats), name="stats"))
+    params = [x] + [t for t in (gamma, beta) if t is not None]
+    func = te.create_prim_func(params + stat_tensors + elem_tensors)  # outputs: stats first
+    if not scheduled:
+        return func
+    sch = tvm.s_tir.Schedule(func)
+    if n_elem:
+        _schedule_row(sch, _block_name("out", n_elem), "", n)
+    if stats:
+        _schedule_row(sch, _block_name("stats", len(stats)), "_stats", n)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)
+
+
+def _block_name(name: str, outputs: int) -> str:
+    """The block of a te.compute: named after its first output when it has several."""
+    return f"{name}_v0" if outputs > 1 else name
+
+
+def _as_list(t):
+    return list(t) if isinstance(t, (list, tuple)) else [t]
+
+
+def _schedule_row(sch: tvm.s_tir.Schedule, anchor: str, tag: str, n: int) -> None:
+    """One thread block per row of the `anchor` block's nest: the row of x staged in shared
+    memory, the two sums as cross-thread reductions, then the anchor's loop over the row split
+    across the block's threads."""
+    threads = _threads(n)
+    out = sch.get_sblock(anchor)
+    row_sum, row_sqsum = sch.get_sblock(f"row_sum{tag}"), sch.get_sblock(f"row_sqsum{tag}")
+    *lead, col = sch.get_loops(out)
+    row = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+    sch.compute_at(row_sqsum, row)
+    sch.compute_at(row_sum, row)
+    for block in (row_sum, row_sqsum):
+        sch.set_scope(block, 0, "shared")
+    staged = sch.cache_read(row_sum, 0, "shared", consumer_blocks=[row_sum, row_sqsum, out])
+    sch.compute_at(staged, row)
+    sch.bind(row, "blockIdx.x")
+    for loop in (sch.get_loops(b)[-1] for b in (staged, row_sum, row_sqsum)):
+        sch.bind(sch.split(loop, [None, threads])[1], "threadIdx.x")
+    sch.bind(sch.split(col, [None, threads])[1], "threadIdx.x")
+
+
+def _is_last_axis_mean(call, rank: int) -> bool:
+    return (isinstance(call, relax.Call) and call.op == MEAN and call.attrs.keepdims
+            and call.attrs.axis is not None and [int(a) % rank for a in call.attrs.axis] == [rank - 1])
+
+
+def _is_row_vector(expr, n: int) -> bool:
+    shape = static_shape(expr)
+    return bool(shape) and shape[-1] == n and all(s == 1 for s in shape[:-1]) \
+        and str(expr.ty.dtype) == "float32"
+
+
+def find_chains(func: relax.Function) -> dict:
+    """``{last var of the chain: LayerNormChain}`` for each match of the module docstring."""
+    blocks = {}
+    bindings = []
+    for bi, block in enumerate(func.body.blocks):
+        for b in block.bindings:
+            if isinstance(b, relax.VarBinding):
+                blocks[b.var] = bi if isinstance(block, relax.DataflowBlock) else None
+                bindings.append(b)
+    bound = {b.var: b.value for b in bindings}
+    index = {b.var: i for i, b in enumerate(bindings)}
+    uses = _uses(func)
+
+    def users(var):
+        return [bindings[i] if i < len(bindings) else None for i in uses.get(var, [])]
+
+    def sole_user(var, op):
+        us = users(var)
+        if len(us) == 1 and us[0] is not None and isinstance(us[0].value, relax.Call) and us[0].value.op == op:
+            return us[0]
+        return None
+
+    def call_of(var, op, *args):
+        """The binding of a user of `var` calling `op` on exactly `args` (any order for mul/add)."""
+        for u in users(var):
+            if u is None or not isinstance(u.value, relax.Call) or u.value.op != op:
+                continue
+            got = list(u.value.args)
+            if all(a.same_as(b) for a, b in zip(got, args)) or (
+                    op in (MULTIPLY, ADD) and all(a.same_as(b) for a, b in zip(got, reversed(args)))):
+                return u
+        return None
+
+    def affine_user(var, op, n):
+        """(binding, vector) of the user of `var` computing ``op(var, vector)`` with a float32
+        vector broadcast along the last axis, else None."""
+        for u in users(var):
+            if u is not None and isinstance(u.value, relax.Call) and u.value.op == op:
+                other = [a for a in u.value.args if not a.same_as(var)]
+                if len(other) == 1 and _is_row_vector(other[0], n):
+                    return u, other[0]
+        return None
+
+    found = {}
+    for b in bindings:
+        shape = static_shape(b.value.args[0]) if isinstance(b.value, relax.Call) and b.value.args else None
+        if shape is None or not _is_last_axis_mean(b.value, len(shape)):
+            continue
+        x, n = b.value.args[0], shape[-1]
+        if str(x.ty.dtype) != "float32" or n * 4 > MAX_ROW_BYTES:
+            continue
+        v = {"mean": b.var}
+        step = call_of(b.var, SUBTRACT, x, b.var)
+        v["centered"] = step and step.var
+        step = step and call_of(step.var, MULTIPLY, step.var, step.var)
+        v["square"] = step and step.var
+        step = step and sole_user(step.var, MEAN)
+        if step is None or not _is_last_axis_mean(step.value, len(shape)):
+            continue
+        v["var"] = step.var
+        step = sole_user(step.var, ADD)
+        eps = step and scalar_value(bound, step.value.args[1])
+        if eps is None:
+            continue
+        v["var_eps"] = step.var
+        step = sole_user(step.var, RSQRT)
+        v["rstd"] = step and step.var
+        step = step and call_of(v["centered"], MULTIPLY, v["centered"], v["rstd"])
+        if step is None:
+            continue
+        v["xhat"] = step.var
+        gamma = beta = None
+        nxt = affine_user(step.var, MULTIPLY, n)
+        if nxt is not None:
+            gamma, v["y"], step = nxt[1], nxt[0].var, nxt[0]
+            nxt = affine_user(step.var, ADD, n)
+            if nxt is not None:
+                beta, v["z"], step = nxt[1], nxt[0].var, nxt[0]
+        last = step.var
+        chain = {var: role for role, var in v.items()}
+        # casts of the result: astype(result, low), or astype(reshape(result), low) with the
+        # reshape read by the cast alone
+        casts, low, cast_vars = [], None, set()
+        for u in users(last):
+            if u is None or not isinstance(u.value, relax.Call):
+                continue
+            cast, reshape = u, None
+            if u.value.op == RESHAPE:
+                cast, reshape = sole_user(u.var, ASTYPE), u
+            if cast is None or cast.value.op != ASTYPE or str(cast.value.attrs.dtype) not in LOW:
+                continue
+            if low not in (None, str(cast.value.attrs.dtype)):
+                continue
+            low = str(cast.value.attrs.dtype)
+            casts.append((cast.var, static_shape(reshape.var) if reshape else None))
+            cast_vars |= {cast.var} | ({reshape.var} if reshape else set())
+        # every chain value read elsewhere becomes an output; those readers must come after `last`
+        outputs, ok = [], True
+        for role in STATS + ELEMENTS:
+            var = v.get(role)
+            if var is None:
+                continue
+            outside = [i for i in uses.get(var, []) if i >= len(bindings)
+                       or (bindings[i].var not in chain and bindings[i].var not in cast_vars)]
+            if outside:
+                outputs.append(role)
+                ok &= all(i > index[last] for i in outside)
+        members = set(chain) | cast_vars
+        ok &= len({blocks.get(var) for var in members}) == 1 and blocks.get(last) is not None
+        ok &= all(isinstance(var, relax.DataflowVar) for var in members)
+        if not ok or not (outputs or casts):
+            continue
+        found[last] = LayerNormChain(x, float(eps), gamma, beta, v, tuple(outputs), low, tuple(casts),
+                                     frozenset(members) - {last})
+    return found
+
+
+def _name(shape, chain: LayerNormChain) -> str:
+    affine = ("_g" if chain.gamma is not None else "") + ("_b" if chain.beta is not None else "")
+    outs = "_".join(chain.outputs) + (f"_{chain.low}" if chain.low else "")
+    return f"layer_norm_{'x'.join(map(str, shape))}{affine}_eps{chain.eps:.3g}_{outs}".replace(".", "p") \
+        .replace("-", "m").replace("+", "")
+
+
+@mutator
+class _Fuser(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, scheduled: bool):
+        super().__init__(mod)
+        self.scheduled = scheduled
+
+    def prime(self, func: relax.Function) -> None:
+        self.chains = find_chains(func)
+        self.absorbed = set().union(*(c.absorbed for c in self.chains.values())) if self.chains else set()
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.absorbed:
+            return  # computed by the fused call below
+        chain = self.chains.get(binding.var)
+        if chain is None:
+            return super().visit_var_binding_(binding)
+        shape = static_shape(chain.x)
+        vectors = [t for t in (chain.gamma, chain.beta) if t is not None]
+        gvar = add_function_once(self.builder_, _name(shape, chain), lambda: layer_norm_primfunc(
+            shape, chain.eps, static_shape(chain.gamma) if chain.gamma is not None else None,
+            static_shape(chain.beta) if chain.beta is not None else None, chain.outputs, chain.low,
+            self.scheduled))
+        stat_shape = (*shape[:-1], 1)
+        types = [relax.TensorType(stat_shape if o in STATS else shape, "float32") for o in chain.outputs]
+        types += [relax.TensorType(shape, chain.low)] if chain.low else []
+        args = [self.visit_expr(a) for a in (chain.x, *vectors)]
+        call = self.builder_.emit(relax.call_tir(gvar, args, types if len(types) > 1 else types[0]))
+        outs = [self.builder_.emit(relax.TupleGetItem(call, i)) for i in range(len(types))] \
+            if len(types) > 1 else [call]
+        for role, out in zip(chain.outputs, outs):
+            self.set_var_remap(chain.values[role], out)
+        if chain.low:
+            for cast_var, reshape in chain.casts:
+                out = outs[-1] if reshape is None else self.builder_.emit(relax.op.reshape(outs[-1], reshape))
+                self.set_var_remap(cast_var, out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseLayerNorm")
+class FuseLayerNorm:
+    """Fuse each decomposed layer norm (statistics, normalization, affine, result casts) into one
+    scheduled CUDA kernel (see the module docstring).  ``scheduled=False`` leaves the kernels
+    unscheduled, for checking the rewrite's numbers on a CPU."""
+
+    def __init__(self, scheduled: bool = True):
+        self.scheduled = scheduled
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        fuser = _Fuser(mod, self.scheduled)
+        mod = mutate_relax_functions(fuser, mod, before_each=fuser.prime)
+        return relax.transform.DeadCodeElimination()(mod)

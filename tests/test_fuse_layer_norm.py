@@ -1,0 +1,176 @@
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.relax_passes.fuse_layer_norm import FuseLayerNorm, find_chains, layer_norm_primfunc
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+def _layer_norm(n=64, affine=True, stats_read=True, read_early=False, casts=True):
+    """DecomposeLayerNorm's spelling, then what the training graph does with it: rstd and xhat
+    read by the gradient, the result cast to bf16 (directly and through a reshape)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 5, n), "float32"))
+    g = relax.Var("g", relax.TensorType((n,), "float32"))
+    b = relax.Var("b", relax.TensorType((n,), "float32"))
+    with bb.function("main", [x, g, b]):
+        with bb.dataflow():
+            emit = bb.emit
+            mean = emit(relax.op.mean(x, [2], keepdims=True))
+            centered = emit(relax.op.subtract(x, mean))
+            var = emit(relax.op.mean(emit(relax.op.multiply(centered, centered)), [2], keepdims=True))
+            rstd = emit(relax.op.rsqrt(emit(relax.op.add(var, relax.const(1e-5, "float32")))))
+            y = xhat = emit(relax.op.multiply(centered, rstd))
+            early = emit(relax.op.multiply(xhat, relax.const(3.0, "float32"))) if read_early else None
+            if affine:
+                y = emit(relax.op.multiply(y, emit(relax.op.reshape(g, (1, 1, n)))))
+                y = emit(relax.op.add(y, emit(relax.op.reshape(b, (1, 1, n)))))
+            outs = [y]
+            if casts:
+                outs += [emit(relax.op.astype(emit(relax.op.reshape(y, (10, n))), "bfloat16")),
+                         emit(relax.op.astype(y, "bfloat16"))]
+            if stats_read:
+                outs += [emit(relax.op.multiply(xhat, rstd))]  # the gradient's reads
+            outs += [early] if early is not None else []
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _calls(mod, name="main"):
+    return [b.value for block in mod[name].body.blocks for b in block.bindings if isinstance(b.value, relax.Call)]
+
+
+def test_layer_norm_chain_and_its_casts_become_one_call():
+    after = FuseLayerNorm()(_layer_norm())
+    ops = {c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)}
+    assert not ops & {"relax.mean", "relax.rsqrt", "relax.subtract", "relax.astype", "relax.add"}
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint == "layer_norm_2x5x64_g_b_eps1em05_rstd_xhat_z_bfloat16"
+    # rstd [2,5,1], xhat, z (returned in float32), z in bf16 (both casts read it)
+    assert [(tuple(int(s) for s in t.shape), str(t.dtype)) for t in fused.ty.fields] == [
+        ((2, 5, 1), "float32"), ((2, 5, 64), "float32"), ((2, 5, 64), "float32"), ((2, 5, 64), "bfloat16")]
+    assert after[fused.args[0]].attrs["tirx.is_scheduled"]
+
+
+def test_without_affine_the_normalized_value_is_the_result():
+    after = FuseLayerNorm()(_layer_norm(affine=False, stats_read=False))
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint == "layer_norm_2x5x64_eps1em05_xhat_bfloat16"
+
+
+@pytest.mark.parametrize("variant", [dict(read_early=True), dict(n=16384)])
+def test_left_alone_when_a_value_is_read_before_the_chain_ends_or_the_row_is_too_long(variant):
+    before = _layer_norm(**variant)
+    assert not find_chains(before["main"])
+    tvm.ir.assert_structural_equal(FuseLayerNorm()(before), before)
+
+
+def _run(mod, args, target="llvm", dev=None):
+    ex = tvm.compile(mod, target=target)
+    vm = relax.VirtualMachine(ex, dev or tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a, dev or tvm.cpu()) for a in args])
+    return [x.numpy() for x in out]
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(affine=False), dict(casts=False), dict(n=1000)])
+def test_fused_kernel_computes_what_the_ops_computed(variant):
+    """The rewrite with unscheduled kernels, on the CPU: outputs equal the unfused graph's."""
+    n = variant.get("n", 64)
+    rng = np.random.default_rng()
+    args = [(rng.standard_normal((2, 5, n)) * 3 + 1).astype("float32"),
+            rng.standard_normal(n).astype("float32"), rng.standard_normal(n).astype("float32")]
+    before = _layer_norm(**variant)
+    want = _run(before, args)
+    got = _run(FuseLayerNorm(scheduled=False)(before), args)
+    assert len(got) == len(want)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g.astype("float32"), w.astype("float32"),
+                                   rtol=2**-7 if w.dtype != np.float32 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("n", [768, 1024])
+def test_scheduled_kernel_builds_for_cuda(n):
+    """No GPU needed: the schedule lowers and the CUDA source has the row reductions."""
+    func = layer_norm_primfunc((4, 16, n), 1e-5, (n,), (1, 1, n), ("rstd", "xhat"), "bfloat16")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    src = lib.mod.imports[0].inspect_source()
+    assert "__shfl_down_sync" in src and "__shared__" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [768, 1000, 1024])
+def test_scheduled_kernel_on_gpu_matches_torch(n):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    rows = 4096
+    func = layer_norm_primfunc((rows, n), 1e-5, (n,), (n,), ("rstd", "xhat", "z"), "bfloat16")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    x = torch.randn(rows, n, device="cuda") * 3 + 1
+    g, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    outs = [torch.full(shape, float("nan"), device="cuda", dtype=dt) for shape, dt in
+            [((rows, 1), torch.float32), ((rows, n), torch.float32), ((rows, n), torch.float32),
+             ((rows, n), torch.bfloat16)]]
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (x, g, b, *outs)])
+    torch.cuda.synchronize()
+    rstd, xhat, z, zl = outs
+    xd = x.double()
+    ref_xhat = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    ref = torch.nn.functional.layer_norm(xd, (n,), g.double(), b.double(), 1e-5)
+    assert torch.allclose(rstd.double().squeeze(-1), 1 / torch.sqrt(xd.var(-1, unbiased=False) + 1e-5), rtol=1e-5)
+    assert torch.allclose(xhat.double(), ref_xhat, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(z.double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(zl.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def _random_args(func, rng):
+    args = []
+    for p in func.params:
+        shape, dtype = [int(s) for s in p.ty.shape.values], str(p.ty.dtype)
+        if dtype.startswith("float"):
+            args.append(rng.standard_normal(shape).astype(dtype))
+        else:
+            args.append(rng.integers(0, 2, shape).astype(dtype))
+    return args
+
+
+def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrite():
+    """The CUDA route's rewrite on a whole training graph (bert_layer, both layer norms, forward
+    and backward), run on the CPU with unscheduled kernels: loss and gradients as before."""
+    from tvm_evt import models, pipeline, tuning
+    from tvm_evt.pipeline import InlineEVTPartitions
+
+    entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)
+    _imported, graph = tuning.training_graph(entry, "fp32")
+    with tvm.target.Target("llvm"):
+        inlined = tvm.transform.Sequential(pipeline.front_passes() + [InlineEVTPartitions()])(graph.mod)
+    fused = FuseLayerNorm(scheduled=False)(inlined)
+    names = [gv.name_hint for gv in fused.get_global_vars() if gv.name_hint.startswith("layer_norm_")]
+    assert len(names) >= 2  # both forward layer norms (shared by main_adjoint and train_step)
+    rng = np.random.default_rng()
+    args = _random_args(inlined["main_adjoint"], rng)
+
+    def run(mod):
+        ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(mod), target="llvm")
+        out = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
+        flat = []
+        stack = [out]
+        while stack:
+            x = stack.pop(0)
+            if hasattr(x, "numpy"):
+                flat.append(x.numpy())
+            else:
+                stack = list(x) + stack
+        return flat
+
+    want, got = run(inlined), run(fused)
+    assert len(want) == len(got) > 2
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
