@@ -287,10 +287,11 @@ def find_chains(func: relax.Function) -> dict:
 
 
 def _name(shape, chain: LayerNormChain) -> str:
-    affine = ("_g" if chain.gamma is not None else "") + ("_b" if chain.beta is not None else "")
-    outs = "_".join(chain.outputs) + (f"_{chain.low}" if chain.low else "")
-    return f"layer_norm_{'x'.join(map(str, shape))}{affine}_eps{chain.eps:.3g}_{outs}".replace(".", "p") \
-        .replace("-", "m").replace("+", "")
+    parts = ["layer_norm", "x".join(map(str, shape))]
+    parts += [t for t, v in (("g", chain.gamma), ("b", chain.beta)) if v is not None]
+    parts += [f"eps{chain.eps:.3g}".replace(".", "p").replace("-", "m").replace("+", "")]
+    parts += list(chain.outputs) + ([chain.low] if chain.low else [])
+    return "_".join(parts)
 
 
 @mutator

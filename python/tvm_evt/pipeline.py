@@ -11,6 +11,7 @@ One list of phases, in order (``phases(target)``):
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
     FuseLayerNorm      a decomposed layer norm left to TVM (statistics, normalize, affine, casts) as one kernel
+    FuseLayerNormBackward  its input gradient (two row means and the combine) as one kernel
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
@@ -34,6 +35,7 @@ from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEV
 from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.fuse_layer_norm import FuseLayerNorm
+from .relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower_take_backward import LowerTakeBackward
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
@@ -87,6 +89,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
                 FuseLayerNorm(),  # layer norm statistics + normalize/affine/casts: one row-per-block kernel
+                FuseLayerNormBackward(),  # its input gradient (two row means + combine): one kernel
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),

@@ -1,0 +1,124 @@
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt.relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward, find_chains, layer_norm_grad_primfunc
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+def _grad(n=64, given=False, dx_read=False):
+    """gradient_rules.layer_norm_grad's spelling: dx = rstd * ((g - mean(g)) - xhat * mean(g * xhat)),
+    g = dy * gamma (or g and h given, as a GEMM epilogue leaves them), dx cast to bf16."""
+    bb = relax.BlockBuilder()
+    t = lambda name, shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
+    dy, gamma, xhat, rstd = t("dy", (2, 5, n)), t("gamma", (n,)), t("xhat", (2, 5, n)), t("rstd", (2, 5, 1))
+    gin, hin = t("g", (2, 5, n)), t("h", (2, 5, n))
+    params = [gin, hin, xhat, rstd] if given else [dy, gamma, xhat, rstd]
+    with bb.function("main", params):
+        with bb.dataflow():
+            emit = bb.emit
+            if given:
+                g, h = gin, hin
+            else:
+                g = emit(relax.op.multiply(dy, emit(relax.op.reshape(gamma, (1, 1, n)))))
+                h = emit(relax.op.multiply(g, xhat))
+            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
+            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
+            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            outs = [emit(relax.op.astype(dx, "bfloat16"))] + ([emit(relax.op.multiply(dx, dx))] if dx_read else [])
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _calls(mod, name="main"):
+    return [b.value for block in mod[name].body.blocks for b in block.bindings if isinstance(b.value, relax.Call)]
+
+
+@pytest.mark.parametrize("given,dx_read,name", [
+    (False, False, "layer_norm_grad_2x5x64_dyg_bfloat16"),
+    (True, False, "layer_norm_grad_2x5x64_g_h_bfloat16"),
+    (False, True, "layer_norm_grad_2x5x64_dyg_dx_bfloat16")])
+def test_gradient_chain_becomes_one_call(given, dx_read, name):
+    after = FuseLayerNormBackward()(_grad(given=given, dx_read=dx_read))
+    ops = [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+    assert "relax.mean" not in ops and "relax.subtract" not in ops and "relax.astype" not in ops
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint == name
+    assert after[fused.args[0]].attrs["tirx.is_scheduled"]
+
+
+def test_left_alone_when_an_intermediate_is_read_elsewhere():
+    before = _grad()
+    func = before["main"]
+    assert find_chains(func)
+    # read mean(g) a second time: the chain no longer owns it
+    bb = relax.BlockBuilder()
+    n = 64
+    t = lambda name, shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
+    g, h, xhat, rstd = t("g", (2, 5, n)), t("h", (2, 5, n)), t("xhat", (2, 5, n)), t("rstd", (2, 5, 1))
+    with bb.function("main", [g, h, xhat, rstd]):
+        with bb.dataflow():
+            m1 = bb.emit(relax.op.mean(g, [2], keepdims=True))
+            a = bb.emit(relax.op.subtract(g, m1))
+            c = bb.emit(relax.op.multiply(xhat, bb.emit(relax.op.mean(h, [2], keepdims=True))))
+            dx = bb.emit(relax.op.multiply(rstd, bb.emit(relax.op.subtract(a, c))))
+            out = bb.emit_output(relax.Tuple([dx, m1]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(FuseLayerNormBackward()(mod), mod)
+
+
+def _run(mod, args):
+    ex = tvm.compile(mod, target="llvm")
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
+    return [x.numpy() for x in out]
+
+
+@pytest.mark.parametrize("given,dx_read,n", [(False, False, 64), (True, True, 64), (False, True, 1000)])
+def test_fused_kernel_computes_what_the_ops_computed(given, dx_read, n):
+    rng = np.random.default_rng()
+    shapes = [(2, 5, n), (2, 5, n) if given else (n,), (2, 5, n), (2, 5, 1)]
+    args = [rng.standard_normal(s).astype("float32") for s in shapes]
+    before = _grad(n, given, dx_read)
+    want, got = _run(before, args), _run(FuseLayerNormBackward(scheduled=False)(before), args)
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g.astype("float32"), w.astype("float32"), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_scheduled_kernel_builds_for_cuda():
+    func = layer_norm_grad_primfunc((4, 16, 1024), (1, 1, 1024), False, True, "bfloat16")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    src = lib.mod.imports[0].inspect_source()
+    assert "__shfl_down_sync" in src and "__shared__" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [768, 1024])
+def test_scheduled_kernel_on_gpu_matches_torch_autograd(n):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    rows = 4096
+    func = layer_norm_grad_primfunc((rows, n), (n,), False, True, "bfloat16")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    x = (torch.randn(rows, n, device="cuda", dtype=torch.float64) * 3 + 1).requires_grad_()
+    gamma, dy = torch.randn(n, device="cuda", dtype=torch.float64), torch.randn(rows, n, device="cuda", dtype=torch.float64)
+    torch.nn.functional.layer_norm(x, (n,), gamma, None, 1e-5).backward(dy)
+    rstd = 1 / torch.sqrt(x.detach().var(-1, unbiased=False, keepdim=True) + 1e-5)
+    xhat = (x.detach() - x.detach().mean(-1, keepdim=True)) * rstd
+    dx = torch.full((rows, n), float("nan"), device="cuda")
+    dxl = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ins = [t.float().contiguous() for t in (dy, gamma, xhat, rstd)]
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (*ins, dx, dxl)])
+    torch.cuda.synchronize()
+    ref = x.grad
+    assert (dx.double() - ref).norm() <= 1e-5 * ref.norm()
+    assert (dxl.double() - ref).norm() <= 1e-2 * ref.norm()
