@@ -1,8 +1,9 @@
 """ScheduleTIRForGPU: DLight's default GPU schedules, applied rule by rule per function.
 
 Functions that bring their own GPU form (``philox.gpu_variant``: the dropout masks, one thread
-per Philox draw) take it.  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
-Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
+per Philox draw) take it.  Injective kernels with a contiguous innermost axis go to our
+``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one element to a
+thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
 trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
 with each rule in that order, alone; a rule that raises or declines hands the function to the
 next one, and ``Fallback`` schedules anything left that has block iterators.  What even
@@ -24,8 +25,10 @@ from .philox import gpu_variant
 def _rules():
     from tvm.s_tir import dlight as dl
 
-    return (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-            dl.gpu.Fallback())
+    from .vectorized_elementwise import VectorizedElementwise
+
+    return (VectorizedElementwise(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+            dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
 def _scheduled(func) -> bool:

@@ -1,0 +1,81 @@
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx
+from tvm.s_tir import dlight as dl
+
+from tvm_evt.relax_passes.vectorized_elementwise import VectorizedElementwise
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _kernels():
+    """name -> (te tensors, expected lanes; 0: declined)."""
+    x = te.placeholder((32, 256), "bfloat16", name="x")
+    xf = te.placeholder((32, 256), "float32", name="xf")
+    m = te.placeholder((32, 256), "bool", name="m")
+    v = te.placeholder((256,), "float32", name="v")
+    odd = te.placeholder((32, 197), "bfloat16", name="odd")
+    return {
+        # attention head split: [B*S, H*d] -> [B, H, S, d], innermost d stays contiguous
+        "heads": ([x, te.compute((2, 4, 16, 64), lambda b, h, s, d: x[b * 16 + s, h * 64 + d], name="y")], 8),
+        # bf16 -> fp32 cast times a row vector: the widest type (fp32) sets 4 lanes
+        "cast_bcast": ([x, v, te.compute((32, 256), lambda i, j: x[i, j].astype("float32") * v[j], name="y")], 4),
+        "fp32_add": ([xf, te.compute((32, 256), lambda i, j: xf[i, j] + tirx.const(1.0, "float32"), name="y")], 4),
+        # a bool mask read along the vector: no boolxN type in TVM's CUDA codegen
+        "mask": ([x, m, te.compute((32, 256), lambda i, j: tirx.Select(m[i, j], x[i, j], tirx.const(0, "bfloat16")),
+                                   name="y")], 0),
+        # a transpose that moves the innermost axis
+        "transpose": ([x, te.compute((256, 32), lambda i, j: x[j, i], name="y")], 0),
+        # a shifted window: vectors would start misaligned
+        "shift": ([x, te.compute((32, 248), lambda i, j: x[i, j + 3], name="y")], 0),
+        # an odd row length: only 1 lane divides it
+        "odd": ([odd, te.compute((32, 197), lambda i, j: odd[i, j] * tirx.const(2, "bfloat16"), name="y")], 0),
+    }
+
+
+def _schedule(tensors):
+    mod = tvm.IRModule({"main": te.create_prim_func(tensors)})
+    with tvm.target.Target(CUDA):
+        return dl.ApplyDefaultSchedule(VectorizedElementwise())(mod)
+
+
+@pytest.mark.parametrize("name", list(_kernels()))
+def test_takes_contiguous_injective_kernels_and_declines_the_rest(name):
+    tensors, lanes = _kernels()[name]
+    out = _schedule(tensors)["main"]
+    scheduled = bool(out.attrs) and "tirx.is_scheduled" in out.attrs
+    assert scheduled == bool(lanes)
+    if lanes:
+        script = out.script()
+        assert "T.vectorized" in script and f"T.vectorized({lanes})" in script.replace("T.int64(", "(")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_vectorized_kernels_build_with_16_byte_accesses():
+    tensors, _ = _kernels()["heads"]
+    src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert "uint4" in src  # 8 bf16 lanes as one 16-byte access
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["heads", "cast_bcast", "fp32_add"])
+def test_vectorized_kernels_on_gpu_match_numpy(name):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    tensors, _ = _kernels()[name]
+    lib = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA))
+    ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    ins = [torch.randn([int(s) for s in t.shape], dtype=torch_dtype[t.dtype]) for t in tensors[:-1]]
+    out = tensors[-1]
+    shape, dtype = [int(s) for s in out.shape], torch_dtype[out.dtype]
+    got = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    lib["main"](*[tvm.runtime.from_dlpack(t.cuda()) for t in ins], tvm.runtime.from_dlpack(got))
+    want = torch.full(shape, float("nan"), dtype=dtype)
+    ref["main"](*[tvm.runtime.from_dlpack(t) for t in ins], tvm.runtime.from_dlpack(want))
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
