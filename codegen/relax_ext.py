@@ -42,7 +42,7 @@ CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits
 def _config(options, partition) -> KernelConfig:
     """Explicit options (``tile``, ``schedule``, ...) win; then, with option ``select`` or
     ``TVM_EVT_SELECT=1``, the choice ``codegen.select`` persisted for this partition on this GPU;
-    then the default.  A choice whose epilogue leaves the main loop fewer than 2 shared-memory
+    then ``select.heuristic_config`` (by problem shape).  A choice whose epilogue leaves the main loop fewer than 2 shared-memory
     stages is replaced by the first fallback that fits (``legality.fitting_config``)."""
     options = options or {}
     explicit = {k: options[k] for k in CONFIG_KEYS if k in options}
@@ -51,7 +51,7 @@ def _config(options, partition) -> KernelConfig:
     elif _truthy(options.get("select", os.environ.get("TVM_EVT_SELECT", ""))):
         wanted = select.select_config(partition)
     else:
-        wanted = default_config(partition.gemm.dtype_a)
+        wanted = select.heuristic_config(partition)
     lowered = partition if partition.visitor is not None else lower(partition)
     return fitting_config(lowered, wanted)
 

@@ -143,6 +143,50 @@ def candidates(partition: Partition, space: str = "default", num_sms: int = H100
     return found or [default_config(g.dtype_a)]
 
 
+def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelConfig:
+    """A configuration by problem shape, for partitions nobody profiled: the choices the H100
+    tuning runs of BERT-Large made most often (scripts/tune.py, 2026-11-23; ms best / default):
+
+    * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156);
+    * M <= 64 with N >= 256: ping-pong 64x256 (0.118);
+    * long K over at most one wave of 128x128 tiles (weight gradients 1024x1024x16384):
+      split-K 2 (0.055 / 0.079);
+    * short K (256..1024) over two or more waves: ping-pong 128x128 (0.049 / 0.056), with a 2x1
+      cluster when N >= 4096 (0.264 / 0.300); attention's K = 64 GEMMs kept the default;
+    * K >= 4096 over a full wave of 128x256 tiles with at most one stored output: 128x256
+      (0.200 / 0.233); with more stores the default won (their epilogue takes the stages).
+
+    16-bit operands only; anything else, or a choice ``prune`` or the emitter rejects, gets the
+    default."""
+    g = partition.gemm
+    default = default_config(g.dtype_a)
+    if g.dtype_a not in ("bfloat16", "float16"):
+        return default
+    m, n, k = g.m, g.n, g.k
+
+    def tiles(tm, tn):
+        return g.batch * math.ceil(m / tm) * math.ceil(n / tn)
+
+    stores = sum(isinstance(node, AuxStore) for node in partition.epilogue.nodes)
+    if n <= 64 and m >= 128:
+        cfg = _cfg((128, 64, 64))
+    elif m <= 64 and n >= 256:
+        cfg = _cfg((64, 256, 64), schedule=PP)
+    elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 128) <= num_sms:
+        cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=2)
+    elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms:
+        cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
+    elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1:
+        cfg = _cfg((128, 256, 64))
+    else:
+        return default
+    if not prune([cfg], m, n, k, g.dtype_a, num_sms):
+        return default
+    from .legality import check_partition  # the emitter's rules (split-K with reductions, ...)
+
+    return cfg if check_partition(partition, cfg) else default
+
+
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -254,8 +298,8 @@ def lookup(partition: Partition, gpu: str | None = None, cache: SelectionCache |
 
 
 def select_config(partition: Partition, gpu: str | None = None, cache: SelectionCache | None = None) -> KernelConfig:
-    """The persisted choice for this partition on this GPU, else the default configuration."""
-    return lookup(partition, gpu, cache) or default_config(partition.gemm.dtype_a)
+    """The persisted choice for this partition on this GPU, else ``heuristic_config``."""
+    return lookup(partition, gpu, cache) or heuristic_config(partition)
 
 
 # ------------------------------------------------------------------------------------ profiling

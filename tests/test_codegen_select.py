@@ -190,14 +190,35 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     cfg = KernelConfig(tile=(64, 128, 64), schedule=Schedule.PINGPONG)
     select.SelectionCache().put(select.signature(p), "fake-gpu", cfg)
     monkeypatch.setenv("TVM_EVT_SELECT_GPU", "fake-gpu")
-    assert _config({}, p) == default_config("bfloat16")  # selection is opt-in
+    assert _config({}, p) == select.heuristic_config(p)  # selection is opt-in
     assert _config({"select": True}, p) == cfg
     monkeypatch.setenv("TVM_EVT_SELECT", "1")
     assert _config({}, p) == cfg
     assert _config({"tile": [128, 256, 64]}, p).tile == (128, 256, 64)  # explicit options win
     monkeypatch.delenv("TVM_EVT_SELECT_GPU")
-    monkeypatch.setattr(select, "gpu_name", lambda: None)  # no GPU at build time: the default
-    assert _config({}, p) == default_config("bfloat16")
+    monkeypatch.setattr(select, "gpu_name", lambda: None)  # no GPU at build time: by shape
+    assert _config({}, p) == select.heuristic_config(p)
+
+
+@pytest.mark.parametrize("epilogue,kind,mnk,want", [
+    ("gemm", "wgrad", (1024, 1024, 16384), "coop_128x128x64_c1x1_splitk2"),  # long K, one wave
+    ("gemm", "fwd", (16384, 1024, 1024), "pp_128x128x64_c1x1"),  # short K, many tiles
+    ("gemm", "fwd", (16384, 4096, 1024), "pp_128x128x64_c2x1"),
+    ("gemm", "fwd", (16384, 1024, 4096), "coop_128x256x64_c1x1"),  # long K, one store
+    ("gemm", "fwd", (16384, 64, 512), "coop_128x64x64_c1x1"),  # head dim 64
+    ("gemm", "fwd", (512, 256, 128), "coop_128x128x64_c1x1"),  # small: the default
+])
+def test_heuristic_config_by_shape(epilogue, kind, mnk, want):
+    m, n, k = mnk
+    assert select.heuristic_config(case(epilogue, kind, m, n, k)).name == want
+
+
+def test_heuristic_config_keeps_the_default_where_the_emitter_says_no(monkeypatch):
+    p = case("gemm", "fwd", 16384, 1024, 1024)
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("tvm_evt.codegen.legality"), "check_partition", lambda *a: False)
+    assert select.heuristic_config(p) == default_config("bfloat16")
 
 
 # ------------------------------------------------------------------------------------ the CLI
