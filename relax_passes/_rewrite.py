@@ -21,6 +21,20 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
         return None
 
 
+def substitute(expr: relax.Expr, vmap: dict) -> relax.Expr:
+    """`expr` (a var, tuple, tuple item or call, as a binding's value) with the vars in `vmap`
+    replaced, one level of calls deep (what a binding of a flat dataflow block holds)."""
+    if isinstance(expr, relax.Var):
+        return vmap.get(expr, expr)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([substitute(f, vmap) for f in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(substitute(expr.tuple_value, vmap), expr.index)
+    if isinstance(expr, relax.Call):
+        return relax.Call(expr.op, [substitute(a, vmap) for a in expr.args], expr.attrs, expr.ty_args)
+    return expr
+
+
 def producer(mutator, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
     """The call to `op` bound to `expr` in the function `mutator` is visiting, else None."""
     if isinstance(expr, relax.Var):

@@ -48,9 +48,11 @@ def _threads(n: int) -> int:
 
 
 def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, scale: float | None,
-                             write_p: bool, scheduled: bool = True, in_dtype: str = "float32") -> tirx.PrimFunc:
-    """``p = softmax(s.astype(float32), axis=-1)`` and ``pd = where(mask, p.astype(low), 0) * scale``
-    for tensors of `shape`, scheduled for CUDA (module docstring) unless `scheduled` is False."""
+                             write_p: bool, scheduled: bool = True, in_dtype: str = "float32",
+                             write_pb: bool = False) -> tirx.PrimFunc:
+    """``p = softmax(s.astype(float32), axis=-1)``, ``pb = p.astype(low)`` and
+    ``pd = where(mask, pb, 0) * scale`` for tensors of `shape`; outputs ``[p] [pb] pd`` as
+    `write_p` / `write_pb` say; scheduled for CUDA (module docstring) unless `scheduled` is False."""
     *lead, n = shape
     x = te.placeholder(shape, in_dtype, name="s")
 
@@ -74,14 +76,16 @@ def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, sca
             v = v * tirx.const(_round_to(scale, low), low)
         return v
 
-    if write_p:  # one block, two outputs
-        outs = list(te.compute(shape, lambda *idx: (prob(*idx), dropped(*idx)), name="out"))
-    else:
-        outs = [te.compute(shape, dropped, name="out")]
+    def values(*idx):  # one block, up to three outputs
+        return tuple(([prob(*idx)] if write_p else []) + ([prob(*idx).astype(low)] if write_pb else [])
+                     + [dropped(*idx)])
+
+    n_out = 1 + int(write_p) + int(write_pb)
+    outs = list(te.compute(shape, values, name="out")) if n_out > 1 else [te.compute(shape, dropped, name="out")]
     func = te.create_prim_func([x, *([mask] if masked else []), *outs])
     if not scheduled:
         return func
-    func = _schedule(func, n, ["out_v0", "out_v1"] if write_p else ["out"])
+    func = _schedule(func, n, [f"out_v{i}" for i in range(n_out)] if n_out > 1 else ["out"])
     return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)  # FuseOps: leave whole
 
 
@@ -125,8 +129,9 @@ def _uses(func: relax.Function) -> dict:
 
 
 def find_fusions(func: relax.Function) -> dict:
-    """``{pd: (p, s, mask, scale, low, write_p)}`` for each match of the module docstring's
-    pattern (``write_p``: something besides the tail reads ``p``)."""
+    """``{pd: (p, s, mask, scale, low, write_p, pb)}`` for each match of the module docstring's
+    pattern (``write_p``: something besides the tail reads ``p``; ``pb``: the cast's var when
+    something besides the tail reads it, else None)."""
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
@@ -152,25 +157,33 @@ def find_fusions(func: relax.Function) -> dict:
         if cast is None:
             continue
         tail, mask, scale = cast, None, None
+        where = next((bindings[i] for i in uses.get(cast.var, []) if i < len(bindings)
+                      and isinstance(bindings[i].value, relax.Call) and bindings[i].value.op == WHERE
+                      and bindings[i].value.args[1].same_as(cast.var)
+                      and scalar_value(bound, bindings[i].value.args[2]) == 0.0
+                      and static_shape(bindings[i].value.args[0]) == shape), None)
+        if where is not None:
+            tail, mask = where, where.value.args[0]
         nxt = only_user(tail.var)
-        if nxt is not None and nxt.value.op == WHERE and nxt.value.args[1].same_as(tail.var) \
-                and scalar_value(bound, nxt.value.args[2]) == 0.0 and static_shape(nxt.value.args[0]) == shape:
-            tail, mask = nxt, nxt.value.args[0]
-            nxt = only_user(tail.var)
         if nxt is not None and nxt.value.op == MULTIPLY and nxt.value.args[0].same_as(tail.var):
             scale = scalar_value(bound, nxt.value.args[1])
             tail = nxt if scale is not None else tail
         if mask is None and scale is None:
             continue  # a bare cast: nothing to gain over TVM's two kernels
+        if tail.var.same_as(cast.var) or (mask is None and len(uses.get(cast.var, [])) != 1):
+            continue
         others = [i for i in uses.get(b.var, []) if i != index[cast.var]]
-        if any(i <= index[tail.var] for i in others):
+        # the cast read besides the tail (SaveSoftmaxLowPrecision: the softmax gradient): an output
+        cast_others = [i for i in uses.get(cast.var, []) if mask is None or i != index[where.var]]
+        if any(i <= index[tail.var] for i in others + cast_others):
             continue
         s = call.args[0]
         widen = bound.get(s)  # s = astype(x16, float32) read by the softmax alone: read x16
         if isinstance(widen, relax.Call) and widen.op == ASTYPE and str(widen.args[0].ty.dtype) in LOW \
                 and uses.get(s) == [index[b.var]]:
             s = widen.args[0]
-        found[tail.var] = (b.var, s, mask, scale, str(cast.value.attrs.dtype), bool(others))
+        found[tail.var] = (b.var, s, mask, scale, str(cast.value.attrs.dtype), bool(others),
+                           cast.var if cast_others else None)
     return found
 
 
@@ -189,21 +202,21 @@ class _Fuser(PyExprMutator):
             return  # computed by the fused call below
         if binding.var not in self.fusions:
             return super().visit_var_binding_(binding)
-        p, s, mask, scale, low, write_p = self.fusions[binding.var]
+        p, s, mask, scale, low, write_p, pb = self.fusions[binding.var]
         shape = static_shape(binding.var)
         in_dtype = str(s.ty.dtype)
         name = f"softmax_dropout_{in_dtype}_" + "x".join(map(str, shape)) + f"_{low}" \
             + ("_mask" if mask is not None else "") \
-            + (f"_s{scale:.6g}".replace(".", "p") if scale is not None else "") + ("" if write_p else "_nop")
+            + (f"_s{scale:.6g}".replace(".", "p") if scale is not None else "") + ("" if write_p else "_nop") \
+            + ("_pb" if pb is not None else "")
         gvar = add_function_once(self.builder_, name, lambda: softmax_dropout_primfunc(
-            shape, low, mask is not None, scale, write_p, self.scheduled, in_dtype))
+            shape, low, mask is not None, scale, write_p, self.scheduled, in_dtype, pb is not None))
         args = [self.visit_expr(s)] + ([self.visit_expr(mask)] if mask is not None else [])
-        outs = ([relax.TensorType(shape, "float32")] if write_p else []) + [relax.TensorType(shape, low)]
-        fused = self.builder_.emit(relax.call_tir(gvar, args, outs if write_p else outs[0]))
-        if write_p:
-            self.set_var_remap(p, self.builder_.emit(relax.TupleGetItem(fused, 0)))
-            fused = self.builder_.emit(relax.TupleGetItem(fused, 1))
-        self.set_var_remap(binding.var, fused)
+        outs = ([(p, "float32")] if write_p else []) + ([(pb, low)] if pb is not None else []) + [(binding.var, low)]
+        types = [relax.TensorType(shape, dtype) for _, dtype in outs]
+        fused = self.builder_.emit(relax.call_tir(gvar, args, types if len(types) > 1 else types[0]))
+        for i, (var, _) in enumerate(outs):
+            self.set_var_remap(var, self.builder_.emit(relax.TupleGetItem(fused, i)) if len(outs) > 1 else fused)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseSoftmaxDropout")

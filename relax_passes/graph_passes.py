@@ -17,6 +17,7 @@ from .eliminate_loss import EliminateLoss
 from .eliminate_reduction import EliminateReduction
 from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
 from .fold_layout import FoldLayoutIntoMatmul
+from .save_softmax_low_precision import SaveSoftmaxLowPrecision
 
 
 def evt_graph_passes() -> tvm.transform.Sequential:
@@ -34,6 +35,7 @@ def evt_graph_passes() -> tvm.transform.Sequential:
             # reductions that need not exist go, then layout chains collapse onto matmuls
             EliminateReduction(),
             EliminateSoftmaxBackwardReduction(),  # attention: rowsum(P*dP) -> rowsum(dO*O)
+            SaveSoftmaxLowPrecision(),  # dS reads P as rounded for P·V: no float32 P kept
             FoldLayoutIntoMatmul(),
             relax.transform.FoldConstant(),
             # forward statistics shared with their backward recomputation, dead loss code gone

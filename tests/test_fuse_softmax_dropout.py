@@ -54,10 +54,18 @@ def test_widening_cast_into_the_softmax_is_read_through():
     assert "relax.astype" not in [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
 
 
-@pytest.mark.parametrize("variant", [dict(dropout=False), dict(p_used_early=True)])
-def test_left_alone_without_a_dropout_tail_or_when_p_is_read_before_it(variant):
-    before = _attention_probs(**variant)
+def test_left_alone_when_p_is_read_before_the_tail():
+    before = _attention_probs(p_used_early=True)
     tvm.ir.assert_structural_equal(FuseSoftmaxDropout()(before), before)
+
+
+def test_cast_read_besides_the_tail_becomes_an_output():
+    """The P·V GEMM (or, after SaveSoftmaxLowPrecision, the softmax gradient) reads the bf16 copy."""
+    after = FuseSoftmaxDropout()(_attention_probs(dropout=False))
+    (fused,) = [c for c in _calls(after) if c.op == tvm.ir.Op.get("relax.call_tir")]
+    assert fused.args[0].name_hint.endswith("_mask_s1p11111_pb")
+    assert [str(t.dtype) for t in fused.ty.fields] == ["float32", "bfloat16", "bfloat16"]  # p, pb, pd
+    assert "relax.astype" not in [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
 
 
 def _run(mod, args, target="llvm", dev=None):
@@ -66,8 +74,9 @@ def _run(mod, args, target="llvm", dev=None):
     return [x.numpy() for x in vm["main"](*[tvm.runtime.tensor(a, dev or tvm.cpu()) for a in args])]
 
 
-@pytest.mark.parametrize("n,widen", [(40, False), (197, False), (40, True)])
-def test_fused_kernel_computes_what_the_ops_computed(n, widen):
+@pytest.mark.parametrize("n,widen,dropout", [(40, False, True), (197, False, True), (40, True, True),
+                                             (40, False, False)])
+def test_fused_kernel_computes_what_the_ops_computed(n, widen, dropout):
     """The rewrite with unscheduled kernels, on the CPU: outputs equal the unfused graph's."""
     import ml_dtypes
 
@@ -75,7 +84,7 @@ def test_fused_kernel_computes_what_the_ops_computed(n, widen):
     args = [(rng.standard_normal((2, 3, 5, n)) * 4).astype(ml_dtypes.bfloat16 if widen else "float32"),
             rng.random((2, 3, 5, n)) > 0.1,
             rng.standard_normal((2, 3, n, 8)).astype(ml_dtypes.bfloat16)]
-    before = _attention_probs(n, widen=widen)
+    before = _attention_probs(n, widen=widen, dropout=dropout)
     want = _run(before, args)
     got = _run(FuseSoftmaxDropout(scheduled=False)(before), args)
     (o_want, late_want, pd_want), (o_got, late_got, pd_got) = want, got

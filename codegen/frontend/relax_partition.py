@@ -203,7 +203,7 @@ class _Builder:
         elif name == "relax.where":
             self.env[var] = self.compute(OpKind.WHERE, value.args, dtype)
         elif name == "relax.astype":
-            src = self.operand(value.args[0])
+            src = self.tiled(self.operand(value.args[0]), value.args[0])  # a cast input in [B, S, N] form
             self.env[var] = self.add(Compute(op=OpKind.CAST, inputs=(src,), dtype=str(value.attrs.dtype)))
         elif name in REDUCE_OPS:
             self.reductions[var] = self.reduction(var, value, REDUCE_OPS[name])

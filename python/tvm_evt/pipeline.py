@@ -5,6 +5,7 @@ One list of phases, in order (``phases(target)``):
     evt_graph_passes   loss elimination, decomposition, reduction elimination, layout folding
                        (relax_passes/graph_passes.py; skipped with a warning while it is absent)
     PartitionEVT       the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
+    AbsorbPartitionInputCasts  a cast that only feeds a partition's epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
     -- CUDA --
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
@@ -32,6 +33,8 @@ import tvm
 from tvm import relax
 
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
+from .relax_passes._rewrite import substitute
+from .relax_passes.absorb_partition_input_casts import AbsorbPartitionInputCasts
 from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.fuse_layer_norm import FuseLayerNorm
@@ -68,6 +71,7 @@ def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
     """The target-independent phases: graph passes, then the partitioner."""
     return pre_partition_passes() + [
         PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions),
+        AbsorbPartitionInputCasts(),  # casts that only feed an epilogue: done in it
         DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
     ]
 
@@ -151,18 +155,6 @@ if PIPELINE_NAME not in relax.pipeline.PIPELINE_MAP:  # registering twice raises
 
 
 # ------------------------------------------------------------------------------ CPU reference
-def _substitute(expr, vmap):
-    if isinstance(expr, relax.Var):
-        return vmap.get(expr, expr)
-    if isinstance(expr, relax.Tuple):
-        return relax.Tuple([_substitute(f, vmap) for f in expr.fields])
-    if isinstance(expr, relax.TupleGetItem):
-        return relax.TupleGetItem(_substitute(expr.tuple_value, vmap), expr.index)
-    if isinstance(expr, relax.Call):
-        return relax.Call(expr.op, [_substitute(a, vmap) for a in expr.args], expr.attrs, expr.ty_args)
-    return expr
-
-
 def _composite(func: relax.Function) -> relax.Function:
     """The Composite function an evt partition wraps."""
     local = {}
@@ -212,9 +204,9 @@ class InlineEVTPartitions:
                 vmap = dict(zip(inner.params, value.args))
                 for ib in inner.body.blocks[0].bindings:
                     new_var = relax.DataflowVar(ib.var.name, ib.var.ty)
-                    bindings.append(relax.VarBinding(new_var, bb.normalize(_substitute(ib.value, vmap))))
+                    bindings.append(relax.VarBinding(new_var, bb.normalize(substitute(ib.value, vmap))))
                     vmap[ib.var] = new_var
-                bindings.append(relax.VarBinding(b.var, bb.normalize(_substitute(inner.body.body, vmap))))
+                bindings.append(relax.VarBinding(b.var, bb.normalize(substitute(inner.body.body, vmap))))
             cls = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
             blocks.append(cls(bindings))
         body = relax.SeqExpr(blocks, func.body.body)

@@ -1,0 +1,102 @@
+"""AbsorbPartitionInputCasts and SaveSoftmaxLowPrecision on a bert_layer training graph."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvm_evt import models, pipeline, tuning
+from tvm_evt.codegen.legality import legality
+from tvm_evt.relax_passes.absorb_partition_input_casts import AbsorbPartitionInputCasts
+from tvm_evt.relax_passes.save_softmax_low_precision import SaveSoftmaxLowPrecision, low_precision_copies
+
+ASTYPE = tvm.ir.Op.get("relax.astype")
+
+
+def _graph(precision="bf16"):
+    entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)
+    return tuning.training_graph(entry, precision)[1].mod
+
+
+def _front(mod, absorb=True):
+    passes = pipeline.front_passes()
+    if not absorb:
+        passes = [p for p in passes if p.info.name != "AbsorbPartitionInputCasts"]
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def _partition_args(mod, fn="train_step"):
+    parts = tuning.evt_functions(mod)
+    bindings = [b for block in mod[fn].body.blocks for b in block.bindings]
+    bound = {b.var: b.value for b in bindings}
+    return parts, [(b.value, [bound.get(a) for a in b.value.args]) for b in bindings
+                   if isinstance(b.value, relax.Call) and b.value.op in parts]
+
+
+def test_softmax_gradient_reads_the_rounded_copy():
+    mod = _graph()
+    with tvm.target.Target("llvm"):
+        mod = tvm.transform.Sequential(pipeline.pre_partition_passes())(mod)
+    func = mod["train_step"]
+    (p, pb), = low_precision_copies(func).items()
+    readers = [b.value for block in func.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and any(a.same_as(p) for a in b.value.args)]
+    assert [r.op for r in readers] == [ASTYPE]  # only the cast to bf16 reads the float32 softmax
+    widened = [b.var for block in func.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and b.value.op == ASTYPE and b.value.args[0].same_as(pb)
+               and str(b.value.attrs.dtype) == "float32"]
+    assert widened  # the gradient's float32 P
+
+
+def test_save_softmax_leaves_a_softmax_without_low_copy_alone():
+    mod = _graph("fp32")
+    with tvm.target.Target("llvm"):
+        before = tvm.transform.Sequential(pipeline.pre_partition_passes())(mod)
+    assert not low_precision_copies(before["train_step"])
+    tvm.ir.assert_structural_equal(SaveSoftmaxLowPrecision()(before), before)
+
+
+def test_casts_feeding_only_an_epilogue_move_into_the_partition():
+    without, with_ = _front(_graph(), absorb=False), _front(_graph())
+    _, calls_before = _partition_args(without)
+    parts, calls_after = _partition_args(with_)
+    cast_args = lambda calls: sum(isinstance(v, relax.Call) and v.op == ASTYPE for _, vals in calls for v in vals)  # noqa: E731
+    assert cast_args(calls_after) < cast_args(calls_before)
+    absorbed = [gv for gv in parts if "_c" in gv.name_hint.rsplit("evt", 1)[-1]]
+    assert absorbed
+    for gv in absorbed:
+        assert legality(parts[gv]).ok
+    # the float32 P of the softmax gradient is now loaded in bf16 by the dS epilogue
+    assert any(str(p.ty.dtype) == "bfloat16" and len(p.ty.shape.values) == 4 and int(p.ty.shape.values[-1]) == 16
+               and int(p.ty.shape.values[-2]) == 16 for gv in absorbed for p in parts[gv].params)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision):
+    from tvm_evt.pipeline import InlineEVTPartitions
+
+    mod = _graph(precision)
+    ref = InlineEVTPartitions()(_front(mod, absorb=False))
+    got = InlineEVTPartitions()(_front(mod))
+    rng = np.random.default_rng()
+    func = ref["main_adjoint"]
+    args = []
+    for p in func.params:
+        shape, dtype = [int(s) for s in p.ty.shape.values], str(p.ty.dtype)
+        args.append(rng.standard_normal(shape).astype(dtype) if dtype.startswith("float")
+                    else rng.integers(0, 2, shape).astype(dtype))
+
+    def run(m):
+        ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(m), target="llvm")
+        out = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
+        flat, stack = [], [out]
+        while stack:
+            x = stack.pop(0)
+            if hasattr(x, "numpy"):
+                flat.append(x.numpy().astype("float32"))
+            else:
+                stack = list(x) + stack
+        return flat
+
+    for w, g in zip(run(ref), run(got)):
+        np.testing.assert_array_equal(g, w)  # the same ops in the same order
