@@ -20,8 +20,9 @@ from .fold_layout import FoldLayoutIntoMatmul
 from .save_softmax_low_precision import SaveSoftmaxLowPrecision
 
 
-def evt_graph_passes() -> tvm.transform.Sequential:
-    """The ordered graph passes run before partitioning for EVT."""
+def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.Sequential:
+    """The ordered graph passes run before partitioning for EVT (`save_softmax_low_precision`:
+    add SaveSoftmaxLowPrecision, which changes the softmax gradient's inputs by a bf16 rounding)."""
     return tvm.transform.Sequential(
         [
             # backward of the loss head free of the loss value; seed constants folded
@@ -35,7 +36,7 @@ def evt_graph_passes() -> tvm.transform.Sequential:
             # reductions that need not exist go, then layout chains collapse onto matmuls
             EliminateReduction(),
             EliminateSoftmaxBackwardReduction(),  # attention: rowsum(P*dP) -> rowsum(dO*O)
-            SaveSoftmaxLowPrecision(),  # dS reads P as rounded for P·V: no float32 P kept
+            *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
             FoldLayoutIntoMatmul(),
             relax.transform.FoldConstant(),
             # forward statistics shared with their backward recomputation, dead loss code gone

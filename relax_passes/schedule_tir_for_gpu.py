@@ -1,9 +1,9 @@
 """ScheduleTIRForGPU: DLight's default GPU schedules, applied rule by rule per function.
 
 Functions that bring their own GPU form (``philox.gpu_variant``: the dropout masks, one thread
-per Philox draw) take it.  Injective kernels with a contiguous innermost axis go to our
-``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one element to a
-thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
+per Philox draw) take it.  With ``vectorize``, injective kernels with a contiguous innermost
+axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
+element to a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
 trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
 with each rule in that order, alone; a rule that raises or declines hands the function to the
 next one, and ``Fallback`` schedules anything left that has block iterators.  What even
@@ -22,13 +22,13 @@ from tvm import tirx
 from .philox import gpu_variant
 
 
-def _rules():
+def _rules(vectorize: bool = False):
     from tvm.s_tir import dlight as dl
 
     from .vectorized_elementwise import VectorizedElementwise
 
-    return (VectorizedElementwise(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-            dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+    return ((VectorizedElementwise(),) if vectorize else ()) + (
+        dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
 def _scheduled(func) -> bool:
@@ -46,12 +46,16 @@ def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
 class ScheduleTIRForGPU:
-    """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it."""
+    """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it
+    (`vectorize`: try ``VectorizedElementwise`` first)."""
+
+    def __init__(self, vectorize: bool = False):
+        self.vectorize = vectorize
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from tvm.s_tir import dlight as dl
 
-        rules = _rules()
+        rules = _rules(self.vectorize)
         updates, serial = {}, []
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or _scheduled(func):

@@ -13,6 +13,8 @@ One list of phases, in order (``phases(target)``):
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
     FuseLayerNorm      a decomposed layer norm left to TVM (statistics, normalize, affine, casts) as one kernel
     FuseLayerNormBackward  its input gradient (two row means and the combine) as one kernel
+                       (both opt-in, like AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision and the
+                       vectorizing schedule rule: ``OPT_IN``)
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
@@ -27,6 +29,7 @@ targets (``{"kind": "cuda", "arch": "sm_90a"}``, ``"nvidia/nvidia-h100"``) both 
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import tvm
@@ -46,6 +49,31 @@ from .relax_passes.split_reduction import SplitReduction
 
 PIPELINE_NAME = "evt"
 
+# Rewrites added on 2026-11-23 whose own tests pass (CPU numerics on whole training steps, and the
+# GPU kernel tests where they have kernels), but whose combination failed the whole-step GPU
+# check (tests/test_gpu_training.py) with no GPU time left to find which one: off until that is
+# bisected.  ``TVM_EVT_ENABLE=layer_norm,vectorize`` (comma-separated names, or ``all``) turns
+# them on for a process.
+OPT_IN_ENV = "TVM_EVT_ENABLE"
+OPT_IN = {
+    "layer_norm": "FuseLayerNorm / FuseLayerNormBackward: a layer norm and its input gradient as one kernel each",
+    "vectorize": "VectorizedElementwise: 16-byte vector loads/stores for contiguous injective kernels",
+    "input_casts": "AbsorbPartitionInputCasts: casts that only feed an epilogue done inside it",
+    "softmax_bf16": "SaveSoftmaxLowPrecision: the softmax gradient reads P as rounded to bf16",
+}
+
+
+def enabled(name: str) -> bool:
+    """Is the opt-in rewrite `name` (a key of ``OPT_IN``) on in this process?"""
+    if name not in OPT_IN:
+        raise KeyError(f"unknown opt-in rewrite {name!r}; known: {', '.join(OPT_IN)}")
+    wanted = {w.strip() for w in os.environ.get(OPT_IN_ENV, "").split(",") if w.strip()}
+    unknown = wanted - set(OPT_IN) - {"all"}
+    if unknown:
+        raise ValueError(f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]!r}: unknown name(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(OPT_IN)}, all")
+    return name in wanted or "all" in wanted
+
 
 def graph_passes() -> list:
     """``evt_graph_passes()`` when relax_passes/graph_passes.py exists, else [] (with a warning)."""
@@ -58,7 +86,7 @@ def graph_passes() -> list:
             stacklevel=2,
         )
         return []
-    return [evt_graph_passes()]
+    return [evt_graph_passes(save_softmax_low_precision=enabled("softmax_bf16"))]
 
 
 def pre_partition_passes() -> list:
@@ -71,7 +99,7 @@ def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
     """The target-independent phases: graph passes, then the partitioner."""
     return pre_partition_passes() + [
         PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions),
-        AbsorbPartitionInputCasts(),  # casts that only feed an epilogue: done in it
+        *([AbsorbPartitionInputCasts()] if enabled("input_casts") else []),  # casts done in epilogues
         DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
     ]
 
@@ -92,15 +120,15 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule
                 LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
-                FuseLayerNorm(),  # layer norm statistics + normalize/affine/casts: one row-per-block kernel
-                FuseLayerNormBackward(),  # its input gradient (two row means + combine): one kernel
+                # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
+                *([FuseLayerNorm(), FuseLayerNormBackward()] if enabled("layer_norm") else []),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
                 BoundedFuseOps(),  # <= 32 ops per kernel: DLight's rules stall on hundreds
                 relax.transform.FuseTIR(),
-                ScheduleTIRForGPU(),
+                ScheduleTIRForGPU(vectorize=enabled("vectorize")),
             ]
             + cuda.dataflow_lower_passes(target)
             + cuda.finalize_passes(target)
