@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tvm_evt
-from tvm_evt import models
+from tvm_evt import models, pipeline
 
 from _torch_ref import grad_err, no_dropout, rel_err
 
@@ -24,8 +24,10 @@ def _torch_bf16(entry, inputs):
     return loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("opt_in", ["", *pipeline.OPT_IN])  # each opt-in rewrite alone (pipeline.OPT_IN)
 @pytest.mark.parametrize("name", ["bert_layer"])
-def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name):
+def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, opt_in, monkeypatch):
+    monkeypatch.setenv(pipeline.OPT_IN_ENV, opt_in)
     entry = models.ZOO[name](batch=4, seq=64, hidden=128, heads=4)
     no_dropout(entry.model)
     step = tvm_evt.compile_training(
@@ -39,13 +41,14 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name):
     inputs = entry.example_inputs()
     loss, grads = step.loss_and_grads(*[t.cuda() for t in inputs])
     ref_loss, ref_grads = _torch_bf16(entry, inputs)
-    assert rel_err(loss.cpu(), ref_loss) <= 2e-2
+    assert rel_err(loss.cpu(), ref_loss) <= 2e-2, (float(loss), float(ref_loss))
     names = sorted(ref_grads)
     flat = lambda gs: torch.cat([gs[n].cpu().flatten().double() for n in names])
-    assert rel_err(flat(grads), flat(ref_grads)) <= 2e-2
     largest = max(float(g.norm()) for g in ref_grads.values())
-    for n in names:
-        assert grad_err(grads[n].cpu(), ref_grads[n], 100 * largest) <= 5e-2, n
+    errs = {n: grad_err(grads[n].cpu(), ref_grads[n], 100 * largest) for n in names}
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    assert rel_err(flat(grads), flat(ref_grads)) <= 2e-2, worst
+    assert worst[0][1] <= 5e-2, worst
     # and a full update step runs
     before = step.parameters()[names[0]].clone()
     step(*[t.cuda() for t in entry.example_inputs()])
