@@ -35,6 +35,37 @@ def substitute(expr: relax.Expr, vmap: dict) -> relax.Expr:
     return expr
 
 
+def flat_bindings(func: relax.Function) -> tuple[list, dict]:
+    """(the var bindings of `func` in order, var -> index of its dataflow block or None)."""
+    bindings, block_of = [], {}
+    for bi, block in enumerate(func.body.blocks):
+        for b in block.bindings:
+            if isinstance(b, relax.VarBinding):
+                block_of[b.var] = bi if isinstance(block, relax.DataflowBlock) else None
+                bindings.append(b)
+    return bindings, block_of
+
+
+def binding_uses(func: relax.Function) -> dict:
+    """var -> indices of the bindings (and len(bindings) for the function's result) that read it,
+    the bindings counted as in `flat_bindings`."""
+    uses: dict = {}
+    bindings = flat_bindings(func)[0]
+    for i, b in enumerate([*bindings, None]):
+        expr = func.body.body if b is None else b.value
+        relax.analysis.post_order_visit(
+            expr, lambda e, i=i: uses.setdefault(e, []).append(i) if isinstance(e, relax.Var) else None)
+    return uses
+
+
+def emit_call_tir(builder: relax.BlockBuilder, gvar: relax.GlobalVar, args: list, types: list) -> list:
+    """Emit ``call_tir(gvar, args)`` with outputs of `types`; the output vars, one per type."""
+    call = builder.emit(relax.call_tir(gvar, args, types if len(types) > 1 else types[0]))
+    if len(types) == 1:
+        return [call]
+    return [builder.emit(relax.TupleGetItem(call, i)) for i in range(len(types))]
+
+
 def producer(mutator, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
     """The call to `op` bound to `expr` in the function `mutator` is visiting, else None."""
     if isinstance(expr, relax.Var):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ._rewrite import substitute
+from ._rewrite import binding_uses, flat_bindings, substitute
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 CODEGEN = "evt"
@@ -29,14 +29,10 @@ CODEGEN = "evt"
 NOT_EPILOGUE = frozenset({"relax.matmul", "relax.permute_dims", "relax.reshape"})
 
 
-def _bindings(func: relax.Function) -> list:
-    return [b for block in func.body.blocks for b in block.bindings]
-
-
 def _local_composite(outer: relax.Function):
     """(binding of the local composite function, binding of its call) in an evt partition."""
     local, call = None, None
-    for b in _bindings(outer):
+    for b in flat_bindings(outer)[0]:
         if isinstance(b.value, relax.Function):
             local = b
         elif isinstance(b.value, relax.Call) and local is not None and b.value.op.same_as(local.var):
@@ -46,7 +42,7 @@ def _local_composite(outer: relax.Function):
 
 def _epilogue_only(inner: relax.Function, param: relax.Var) -> bool:
     """Is `param` read inside the composite only by elementwise/epilogue ops?"""
-    readers = [b.value for b in _bindings(inner)
+    readers = [b.value for b in flat_bindings(inner)[0]
                if isinstance(b.value, relax.Call) and any(a.same_as(param) for a in b.value.args)]
     return bool(readers) and all(isinstance(r.op, tvm.ir.Op) and r.op.name not in NOT_EPILOGUE for r in readers)
 
@@ -68,7 +64,7 @@ def _with_cast_params(outer: relax.Function, casts: dict) -> relax.Function:
         pending[old] = relax.VarBinding(cast, bb.normalize(relax.op.astype(new, dtype)))
         vmap[old] = cast
     bindings = []
-    for b in _bindings(inner):
+    for b in flat_bindings(inner)[0]:
         reads = []
         relax.analysis.post_order_visit(b.value, lambda e: reads.append(e) if isinstance(e, relax.Var) else None)
         for old in [p for p in pending if any(p.same_as(r) for r in reads)]:
@@ -83,7 +79,7 @@ def _with_cast_params(outer: relax.Function, casts: dict) -> relax.Function:
         omap[outer.params[i]] = new_outer_params[i]
     fvar = relax.Var(local.var.name, new_inner.ty)
     out = []
-    for b in _bindings(outer):
+    for b in flat_bindings(outer)[0]:
         if b.var.same_as(local.var):
             out.append(relax.VarBinding(fvar, new_inner))
         elif b.var.same_as(call.var):
@@ -127,14 +123,9 @@ class AbsorbPartitionInputCasts:
 
     @staticmethod
     def _rewrite(bb, func, parts, new_parts):
-        bindings = _bindings(func)
+        bindings = flat_bindings(func)[0]
         bound = {b.var: b.value for b in bindings}
-        uses: dict = {}
-        for i, b in enumerate(bindings):
-            relax.analysis.post_order_visit(
-                b.value, lambda e, i=i: uses.setdefault(e, []).append(i) if isinstance(e, relax.Var) else None)
-        relax.analysis.post_order_visit(
-            func.body.body, lambda e: uses.setdefault(e, []).append(-1) if isinstance(e, relax.Var) else None)
+        uses = binding_uses(func)
         changed = {}
         for idx, b in enumerate(bindings):
             call = b.value
@@ -166,11 +157,8 @@ class AbsorbPartitionInputCasts:
             changed[b.var] = relax.Call(new_parts[key], args, call.attrs, call.ty_args)
         if not changed:
             return None
-        new_bindings = [relax.VarBinding(b.var, changed[b.var]) if b.var in changed else b for b in bindings]
-        blocks, k = [], 0
-        for block in func.body.blocks:
-            n = len(block.bindings)
-            blocks.append(type(block)(new_bindings[k:k + n]))
-            k += n
+        blocks = [type(block)([relax.VarBinding(b.var, changed[b.var])
+                               if isinstance(b, relax.VarBinding) and b.var in changed else b for b in block.bindings])
+                  for block in func.body.blocks]
         return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,
                               func.attrs)

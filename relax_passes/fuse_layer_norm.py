@@ -31,8 +31,9 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import add_function_once, mutate_relax_functions, scalar_value, static_shape
-from .fuse_softmax_dropout import OPAQUE, _threads, _uses
+from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, mutate_relax_functions,
+                       scalar_value, static_shape)
+from .fuse_softmax_dropout import OPAQUE, _threads
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -171,16 +172,10 @@ def _is_row_vector(expr, n: int) -> bool:
 
 def find_chains(func: relax.Function) -> dict:
     """``{last var of the chain: LayerNormChain}`` for each match of the module docstring."""
-    blocks = {}
-    bindings = []
-    for bi, block in enumerate(func.body.blocks):
-        for b in block.bindings:
-            if isinstance(b, relax.VarBinding):
-                blocks[b.var] = bi if isinstance(block, relax.DataflowBlock) else None
-                bindings.append(b)
+    bindings, blocks = flat_bindings(func)
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
-    uses = _uses(func)
+    uses = binding_uses(func)
 
     def users(var):
         return [bindings[i] if i < len(bindings) else None for i in uses.get(var, [])]
@@ -320,9 +315,7 @@ class _Fuser(PyExprMutator):
         types = [relax.TensorType(stat_shape if o in STATS else shape, "float32") for o in chain.outputs]
         types += [relax.TensorType(shape, chain.low)] if chain.low else []
         args = [self.visit_expr(a) for a in (chain.x, *vectors)]
-        call = self.builder_.emit(relax.call_tir(gvar, args, types if len(types) > 1 else types[0]))
-        outs = [self.builder_.emit(relax.TupleGetItem(call, i)) for i in range(len(types))] \
-            if len(types) > 1 else [call]
+        outs = emit_call_tir(self.builder_, gvar, args, types)
         for role, out in zip(chain.outputs, outs):
             self.set_var_remap(chain.values[role], out)
         if chain.low:

@@ -25,9 +25,10 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import add_function_once, mutate_relax_functions, static_shape
+from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, mutate_relax_functions,
+                       static_shape)
 from .fuse_layer_norm import LOW, MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
-from .fuse_softmax_dropout import OPAQUE, _threads, _uses
+from .fuse_softmax_dropout import OPAQUE, _threads
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -104,14 +105,9 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
 
 def find_chains(func: relax.Function) -> dict:
     """``{dx var: LayerNormGradChain}`` for each match of the module docstring's pattern."""
-    blocks, bindings = {}, []
-    for bi, block in enumerate(func.body.blocks):
-        for b in block.bindings:
-            if isinstance(b, relax.VarBinding):
-                blocks[b.var] = bi if isinstance(block, relax.DataflowBlock) else None
-                bindings.append(b)
+    bindings, blocks = flat_bindings(func)
     bound = {b.var: b.value for b in bindings}
-    uses = _uses(func)
+    uses = binding_uses(func)
 
     def call(var, op):
         value = bound.get(var)
@@ -214,10 +210,7 @@ class _Fuser(PyExprMutator):
         inputs += ([chain.h] if chain.h is not None else []) + [chain.xhat, chain.rstd]
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
             + ([relax.TensorType(shape, chain.low)] if chain.low else [])
-        fused = self.builder_.emit(relax.call_tir(gvar, [self.visit_expr(x) for x in inputs],
-                                                  types if len(types) > 1 else types[0]))
-        outs = [self.builder_.emit(relax.TupleGetItem(fused, i)) for i in range(len(types))] \
-            if len(types) > 1 else [fused]
+        outs = emit_call_tir(self.builder_, gvar, [self.visit_expr(x) for x in inputs], types)
         if chain.write_dx:
             self.set_var_remap(binding.var, outs[0])
         for cast in chain.casts:

@@ -32,7 +32,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import add_function_once, mutate_relax_functions, scalar_value, static_shape
+from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, mutate_relax_functions,
+                       scalar_value, static_shape)
 
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 ASTYPE = tvm.ir.Op.get("relax.astype")
@@ -117,25 +118,14 @@ def _schedule(func: tirx.PrimFunc, n: int, outputs: list[str]) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
-def _uses(func: relax.Function) -> dict:
-    """var -> indices of the bindings (and len(bindings) for the function's result) that read it."""
-    uses: dict = {}
-    bindings = [b for block in func.body.blocks for b in block.bindings]
-    for i, b in enumerate([*bindings, None]):
-        expr = func.body.body if b is None else b.value
-        relax.analysis.post_order_visit(
-            expr, lambda e, i=i: uses.setdefault(e, []).append(i) if isinstance(e, relax.Var) else None)
-    return uses
-
-
 def find_fusions(func: relax.Function) -> dict:
     """``{pd: (p, s, mask, scale, low, write_p, pb)}`` for each match of the module docstring's
     pattern (``write_p``: something besides the tail reads ``p``; ``pb``: the cast's var when
     something besides the tail reads it, else None)."""
-    bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
+    bindings = flat_bindings(func)[0]
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
-    uses = _uses(func)
+    uses = binding_uses(func)
 
     def only_user(var):
         users = uses.get(var, [])
@@ -214,9 +204,8 @@ class _Fuser(PyExprMutator):
         args = [self.visit_expr(s)] + ([self.visit_expr(mask)] if mask is not None else [])
         outs = ([(p, "float32")] if write_p else []) + ([(pb, low)] if pb is not None else []) + [(binding.var, low)]
         types = [relax.TensorType(shape, dtype) for _, dtype in outs]
-        fused = self.builder_.emit(relax.call_tir(gvar, args, types if len(types) > 1 else types[0]))
-        for i, (var, _) in enumerate(outs):
-            self.set_var_remap(var, self.builder_.emit(relax.TupleGetItem(fused, i)) if len(outs) > 1 else fused)
+        for (var, _), out in zip(outs, emit_call_tir(self.builder_, gvar, args, types)):
+            self.set_var_remap(var, out)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseSoftmaxDropout")
