@@ -134,3 +134,28 @@ def test_nvcc_builds_emitted_kernels(cache_home, request):
     x = tvm_ffi.from_dlpack(np.zeros((128, 32), np.float32))
     with pytest.raises(ValueError, match="parameter 0 must be on cuda"):
         fn(x, x, x)
+
+
+@pytest.mark.slow
+def test_nvcc_builds_every_shape_heuristic_configuration(cache_home, request):
+    """Each configuration ``select.heuristic_config`` hands untuned builds compiles (no fallback)."""
+    if "slow" not in (request.config.option.markexpr or ""):
+        pytest.skip("minutes of nvcc: run with -m slow")
+    if toolchain.find_nvcc() is None:
+        pytest.skip("nvcc absent")
+    import dataclasses
+
+    from tvm_evt.codegen import bench, select
+
+    shapes = [("wgrad", 1024, 1024, 16384), ("fwd", 16384, 1024, 1024), ("fwd", 16384, 4096, 1024),
+              ("fwd", 16384, 1024, 4096), ("fwd", 16384, 64, 512), ("fwd", 64, 512, 512)]
+    sources = {}
+    for i, (kind, m, n, k) in enumerate(shapes):
+        p = bench.Case("x", "gemm", bench.Problem("p", kind, m, n, k)).build().partition
+        p = dataclasses.replace(p, symbol=f"evt_heuristic_{i}")
+        sources[p.symbol] = (select.heuristic_config(p).name, emit(p, select.heuristic_config(p)))
+    assert {name for name, _ in sources.values()} == {
+        "coop_128x128x64_c1x1_splitk2", "pp_128x128x64_c1x1", "pp_128x128x64_c2x1", "coop_128x256x64_c1x1",
+        "coop_128x64x64_c1x1", "pp_64x256x64_c1x1"}
+    objects = cache.build_many({s: src for s, (_, src) in sources.items()})
+    assert all(os.path.getsize(o) > 0 for o in objects.values())
