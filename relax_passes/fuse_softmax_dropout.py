@@ -164,7 +164,8 @@ def find_fusions(func: relax.Function) -> dict:
             continue
         others = [i for i in uses.get(b.var, []) if i != index[cast.var]]
         # the cast read besides the tail (SaveSoftmaxLowPrecision: the softmax gradient): an output
-        cast_others = [i for i in uses.get(cast.var, []) if mask is None or i != index[where.var]]
+        first = where if mask is not None else tail  # the tail's op that reads the cast
+        cast_others = [i for i in uses.get(cast.var, []) if i != index[first.var]]
         if any(i <= index[tail.var] for i in others + cast_others):
             continue
         s = call.args[0]

@@ -124,3 +124,18 @@ def test_scheduled_kernel_on_gpu_matches_torch(n):
     ref_pd = torch.where(keep, ref.to(torch.bfloat16), 0) * torch.tensor(scale).to(torch.bfloat16)
     assert torch.allclose(p.double(), ref, rtol=1e-5, atol=1e-7)
     assert torch.allclose(pd.float(), ref_pd.float(), rtol=1e-2, atol=1e-6)
+
+
+def test_scale_only_tail_fuses_without_extra_outputs():
+    """softmax -> cast -> scale (no mask): one kernel writing just the scaled copy."""
+    bb = relax.BlockBuilder()
+    s = relax.Var("s", relax.TensorType((2, 3, 5, 40), "float32"))
+    with bb.function("main", [s]):
+        with bb.dataflow():
+            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            pb = bb.emit(relax.op.astype(p, "bfloat16"))
+            out = bb.emit_output(bb.emit(relax.op.multiply(pb, relax.const(1.5, "bfloat16"))))
+        bb.emit_func_output(out)
+    (fused,) = [c for c in _calls(FuseSoftmaxDropout()(bb.get())) if c.op == tvm.ir.Op.get("relax.call_tir")]
+    assert fused.args[0].name_hint == "softmax_dropout_float32_2x3x5x40_bfloat16_s1p5_nop"
+    assert str(fused.ty.dtype) == "bfloat16"  # one output
