@@ -29,11 +29,9 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax, te, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, mutate_relax_functions,
-                       scalar_value, static_shape)
-from .fuse_softmax_dropout import OPAQUE, _threads
+from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, scalar_value, static_shape
+from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -42,7 +40,6 @@ ADD = tvm.ir.Op.get("relax.add")
 RSQRT = tvm.ir.Op.get("relax.rsqrt")
 ASTYPE = tvm.ir.Op.get("relax.astype")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
-LOW = ("bfloat16", "float16")
 MAX_ROW_BYTES = 48 * 1024  # the staged row lives in (static) shared memory
 
 # The chain's values: row statistics have shape [..., 1], the others [..., n].
@@ -63,10 +60,6 @@ class LayerNormChain:
     low: str | None  # dtype of the absorbed casts of the result
     casts: tuple  # (cast var, reshape shape or None) for each absorbed cast
     absorbed: frozenset  # vars whose bindings the fused call replaces
-
-    @property
-    def result(self) -> str:
-        return "z" if "z" in self.values else "y" if "y" in self.values else "xhat"
 
 
 def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_shape, outputs: tuple[str, ...],
@@ -121,42 +114,19 @@ def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_sh
     func = te.create_prim_func(params + stat_tensors + elem_tensors)  # outputs: stats first
     if not scheduled:
         return func
+    # each nest: the row of x staged in shared memory, then both sums; only the first output block
+    # reads the staged row (the others read x again: the form the GPU kernel tests passed with)
     sch = tvm.s_tir.Schedule(func)
     if n_elem:
-        _schedule_row(sch, _block_name("out", n_elem), "", n)
+        schedule_rows(sch, block_names("out", n_elem)[:1], ["row_sum", "row_sqsum"], n, stage=True)
     if stats:
-        _schedule_row(sch, _block_name("stats", len(stats)), "_stats", n)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)
-
-
-def _block_name(name: str, outputs: int) -> str:
-    """The block of a te.compute: named after its first output when it has several."""
-    return f"{name}_v0" if outputs > 1 else name
+        schedule_rows(sch, block_names("stats", len(stats))[:1], ["row_sum_stats", "row_sqsum_stats"], n,
+                      stage=True)
+    return mark_scheduled(sch)
 
 
 def _as_list(t):
     return list(t) if isinstance(t, (list, tuple)) else [t]
-
-
-def _schedule_row(sch: tvm.s_tir.Schedule, anchor: str, tag: str, n: int) -> None:
-    """One thread block per row of the `anchor` block's nest: the row of x staged in shared
-    memory, the two sums as cross-thread reductions, then the anchor's loop over the row split
-    across the block's threads."""
-    threads = _threads(n)
-    out = sch.get_sblock(anchor)
-    row_sum, row_sqsum = sch.get_sblock(f"row_sum{tag}"), sch.get_sblock(f"row_sqsum{tag}")
-    *lead, col = sch.get_loops(out)
-    row = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-    sch.compute_at(row_sqsum, row)
-    sch.compute_at(row_sum, row)
-    for block in (row_sum, row_sqsum):
-        sch.set_scope(block, 0, "shared")
-    staged = sch.cache_read(row_sum, 0, "shared", consumer_blocks=[row_sum, row_sqsum, out])
-    sch.compute_at(staged, row)
-    sch.bind(row, "blockIdx.x")
-    for loop in (sch.get_loops(b)[-1] for b in (staged, row_sum, row_sqsum)):
-        sch.bind(sch.split(loop, [None, threads])[1], "threadIdx.x")
-    sch.bind(sch.split(col, [None, threads])[1], "threadIdx.x")
 
 
 def _is_last_axis_mean(call, rank: int) -> bool:
@@ -289,39 +259,25 @@ def _name(shape, chain: LayerNormChain) -> str:
     return "_".join(parts)
 
 
-@mutator
-class _Fuser(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, scheduled: bool):
-        super().__init__(mod)
-        self.scheduled = scheduled
-
-    def prime(self, func: relax.Function) -> None:
-        self.chains = find_chains(func)
-        self.absorbed = set().union(*(c.absorbed for c in self.chains.values())) if self.chains else set()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.absorbed:
-            return  # computed by the fused call below
-        chain = self.chains.get(binding.var)
-        if chain is None:
-            return super().visit_var_binding_(binding)
+def _fuse(scheduled: bool):
+    def fuse(mutator, binding: relax.VarBinding, chain: LayerNormChain):
+        builder = mutator.builder_
         shape = static_shape(chain.x)
         vectors = [t for t in (chain.gamma, chain.beta) if t is not None]
-        gvar = add_function_once(self.builder_, _name(shape, chain), lambda: layer_norm_primfunc(
+        gvar = add_function_once(builder, _name(shape, chain), lambda: layer_norm_primfunc(
             shape, chain.eps, static_shape(chain.gamma) if chain.gamma is not None else None,
-            static_shape(chain.beta) if chain.beta is not None else None, chain.outputs, chain.low,
-            self.scheduled))
+            static_shape(chain.beta) if chain.beta is not None else None, chain.outputs, chain.low, scheduled))
         stat_shape = (*shape[:-1], 1)
         types = [relax.TensorType(stat_shape if o in STATS else shape, "float32") for o in chain.outputs]
         types += [relax.TensorType(shape, chain.low)] if chain.low else []
-        args = [self.visit_expr(a) for a in (chain.x, *vectors)]
-        outs = emit_call_tir(self.builder_, gvar, args, types)
-        for role, out in zip(chain.outputs, outs):
-            self.set_var_remap(chain.values[role], out)
-        if chain.low:
-            for cast_var, reshape in chain.casts:
-                out = outs[-1] if reshape is None else self.builder_.emit(relax.op.reshape(outs[-1], reshape))
-                self.set_var_remap(cast_var, out)
+        outs = emit_call_tir(builder, gvar, [mutator.visit_expr(a) for a in (chain.x, *vectors)], types)
+        remaps = [(chain.values[role], out) for role, out in zip(chain.outputs, outs)]
+        for cast_var, reshape in chain.casts if chain.low else ():
+            out = outs[-1] if reshape is None else builder.emit(relax.op.reshape(outs[-1], reshape))
+            remaps.append((cast_var, out))
+        return remaps
+
+    return fuse
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseLayerNorm")
@@ -334,6 +290,4 @@ class FuseLayerNorm:
         self.scheduled = scheduled
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        fuser = _Fuser(mod, self.scheduled)
-        mod = mutate_relax_functions(fuser, mod, before_each=fuser.prime)
-        return relax.transform.DeadCodeElimination()(mod)
+        return fuse_chains(mod, find_chains, _fuse(self.scheduled))

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax, te, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, mutate_relax_functions,
-                       static_shape)
-from .fuse_layer_norm import LOW, MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
-from .fuse_softmax_dropout import OPAQUE, _threads
+from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, static_shape
+from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
+from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -87,20 +85,9 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
     func = te.create_prim_func([*g_in, *([ht] if given_h else []), xhat, rstd, *outs])
     if not scheduled:
         return func
-    sch = tvm.s_tir.Schedule(func)
-    out = sch.get_sblock("dx_v0" if n_out > 1 else "dx")
-    threads = _threads(n)
-    *lead_loops, col = sch.get_loops(out)
-    row = sch.fuse(*lead_loops) if len(lead_loops) > 1 else lead_loops[0]
-    blocks = [sch.get_sblock("sum_h"), sch.get_sblock("sum_g")]
-    for block in blocks:
-        sch.compute_at(block, row)
-        sch.set_scope(block, 0, "shared")
-    sch.bind(row, "blockIdx.x")
-    for block in blocks:
-        sch.bind(sch.split(sch.get_loops(block)[-1], [None, threads])[1], "threadIdx.x")
-    sch.bind(sch.split(col, [None, threads])[1], "threadIdx.x")
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)
+    sch = tvm.s_tir.Schedule(func)  # both sums read straight from global memory (no staging)
+    schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"], n, stage=False)
+    return mark_scheduled(sch)
 
 
 def find_chains(func: relax.Function) -> dict:
@@ -183,38 +170,23 @@ def find_chains(func: relax.Function) -> dict:
     return found
 
 
-@mutator
-class _Fuser(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, scheduled: bool):
-        super().__init__(mod)
-        self.scheduled = scheduled
-
-    def prime(self, func: relax.Function) -> None:
-        self.chains = find_chains(func)
-        self.absorbed = set().union(*(c.absorbed for c in self.chains.values())) if self.chains else set()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.absorbed:
-            return  # computed by the fused call below
-        chain = self.chains.get(binding.var)
-        if chain is None:
-            return super().visit_var_binding_(binding)
+def _fuse(scheduled: bool):
+    def fuse(mutator, binding: relax.VarBinding, chain: LayerNormGradChain):
         shape = static_shape(binding.var)
         gamma_shape = static_shape(chain.gamma) if chain.gamma is not None else None
         name = ("layer_norm_grad_" + "x".join(map(str, shape)) + ("_dyg" if gamma_shape else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
                 + (f"_{chain.low}" if chain.low else ""))
-        gvar = add_function_once(self.builder_, name, lambda: layer_norm_grad_primfunc(
-            shape, gamma_shape, chain.h is not None, chain.write_dx, chain.low, self.scheduled))
+        gvar = add_function_once(mutator.builder_, name, lambda: layer_norm_grad_primfunc(
+            shape, gamma_shape, chain.h is not None, chain.write_dx, chain.low, scheduled))
         inputs = [chain.dy, chain.gamma] if gamma_shape else [chain.g]
         inputs += ([chain.h] if chain.h is not None else []) + [chain.xhat, chain.rstd]
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
             + ([relax.TensorType(shape, chain.low)] if chain.low else [])
-        outs = emit_call_tir(self.builder_, gvar, [self.visit_expr(x) for x in inputs], types)
-        if chain.write_dx:
-            self.set_var_remap(binding.var, outs[0])
-        for cast in chain.casts:
-            self.set_var_remap(cast, outs[-1])
+        outs = emit_call_tir(mutator.builder_, gvar, [mutator.visit_expr(x) for x in inputs], types)
+        return ([(binding.var, outs[0])] if chain.write_dx else []) + [(cast, outs[-1]) for cast in chain.casts]
+
+    return fuse
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseLayerNormBackward")
@@ -227,6 +199,4 @@ class FuseLayerNormBackward:
         self.scheduled = scheduled
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        fuser = _Fuser(mod, self.scheduled)
-        mod = mutate_relax_functions(fuser, mod, before_each=fuser.prime)
-        return relax.transform.DeadCodeElimination()(mod)
+        return fuse_chains(mod, find_chains, _fuse(self.scheduled))

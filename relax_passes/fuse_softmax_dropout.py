@@ -25,27 +25,37 @@ CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, mutate_relax_functions,
-                       scalar_value, static_shape)
+from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, scalar_value, static_shape
+from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
 
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 ASTYPE = tvm.ir.Op.get("relax.astype")
 WHERE = tvm.ir.Op.get("relax.where")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
-LOW = ("bfloat16", "float16")
-OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque
 
 
-def _threads(n: int) -> int:
-    """Threads per row: a warp multiple covering the row in at most 8 elements a thread."""
-    return min(1024, max(32, 32 * math.ceil(math.ceil(n / 8) / 32)))
+@dataclass(frozen=True)
+class SoftmaxDropoutMatch:
+    """One match, keyed by the tail's last var ``pd``: ``write_p`` when something besides the
+    tail reads ``p``; ``pb`` the cast's var when something besides the tail reads it, else None."""
+
+    p: relax.Var
+    s: relax.Expr
+    mask: relax.Expr | None
+    scale: float | None
+    low: str
+    write_p: bool
+    pb: relax.Var | None
+
+    @property
+    def absorbed(self) -> frozenset:
+        return frozenset({self.p})  # the tail's own bindings go unused: dead-code elimination
 
 
 def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, scale: float | None,
@@ -86,8 +96,9 @@ def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, sca
     func = te.create_prim_func([x, *([mask] if masked else []), *outs])
     if not scheduled:
         return func
-    func = _schedule(func, n, [f"out_v{i}" for i in range(n_out)] if n_out > 1 else ["out"])
-    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OPAQUE)  # FuseOps: leave whole
+    sch = tvm.s_tir.Schedule(func)  # the row staged in shared memory, then max, sum and the outputs
+    schedule_rows(sch, block_names("out", n_out), ["row_max", "row_sum"], n, stage=True)
+    return mark_scheduled(sch)
 
 
 def _round_to(value: float, dtype: str) -> float:
@@ -96,32 +107,8 @@ def _round_to(value: float, dtype: str) -> float:
     return float(np.array(value, "float32").astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype))
 
 
-def _schedule(func: tirx.PrimFunc, n: int, outputs: list[str]) -> tirx.PrimFunc:
-    """One thread block per row: the row staged in shared memory, then max, sum and the outputs,
-    each a loop over the row split across the block's threads."""
-    threads = _threads(n)
-    sch = tvm.s_tir.Schedule(func)
-    outs = [sch.get_sblock(name) for name in outputs]  # under one loop nest
-    row_max, row_sum = sch.get_sblock("row_max"), sch.get_sblock("row_sum")
-    *lead, col = sch.get_loops(outs[0])
-    row = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-    sch.compute_at(row_sum, row)
-    sch.compute_at(row_max, row)
-    for block in (row_max, row_sum):
-        sch.set_scope(block, 0, "shared")
-    staged = sch.cache_read(row_max, 0, "shared", consumer_blocks=[row_max, row_sum, *outs])
-    sch.compute_at(staged, row)
-    sch.bind(row, "blockIdx.x")
-    for loop in (sch.get_loops(b)[-1] for b in (staged, row_max, row_sum)):
-        sch.bind(sch.split(loop, [None, threads])[1], "threadIdx.x")
-    sch.bind(sch.split(col, [None, threads])[1], "threadIdx.x")
-    return sch.mod["main"]
-
-
 def find_fusions(func: relax.Function) -> dict:
-    """``{pd: (p, s, mask, scale, low, write_p, pb)}`` for each match of the module docstring's
-    pattern (``write_p``: something besides the tail reads ``p``; ``pb``: the cast's var when
-    something besides the tail reads it, else None)."""
+    """``{pd: SoftmaxDropoutMatch}`` for each match of the module docstring's pattern."""
     bindings = flat_bindings(func)[0]
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
@@ -173,40 +160,28 @@ def find_fusions(func: relax.Function) -> dict:
         if isinstance(widen, relax.Call) and widen.op == ASTYPE and str(widen.args[0].ty.dtype) in LOW \
                 and uses.get(s) == [index[b.var]]:
             s = widen.args[0]
-        found[tail.var] = (b.var, s, mask, scale, str(cast.value.attrs.dtype), bool(others),
-                           cast.var if cast_others else None)
+        found[tail.var] = SoftmaxDropoutMatch(b.var, s, mask, scale, str(cast.value.attrs.dtype), bool(others),
+                                              cast.var if cast_others else None)
     return found
 
 
-@mutator
-class _Fuser(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, scheduled: bool):
-        super().__init__(mod)
-        self.scheduled = scheduled
-
-    def prime(self, func: relax.Function) -> None:
-        self.fusions = find_fusions(func)
-        self.dropped = {p for p, *_ in self.fusions.values()}
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.dropped:
-            return  # computed by the fused call below
-        if binding.var not in self.fusions:
-            return super().visit_var_binding_(binding)
-        p, s, mask, scale, low, write_p, pb = self.fusions[binding.var]
+def _fuse(scheduled: bool):
+    def fuse(mutator, binding: relax.VarBinding, m: SoftmaxDropoutMatch):
         shape = static_shape(binding.var)
-        in_dtype = str(s.ty.dtype)
-        name = f"softmax_dropout_{in_dtype}_" + "x".join(map(str, shape)) + f"_{low}" \
-            + ("_mask" if mask is not None else "") \
-            + (f"_s{scale:.6g}".replace(".", "p") if scale is not None else "") + ("" if write_p else "_nop") \
-            + ("_pb" if pb is not None else "")
-        gvar = add_function_once(self.builder_, name, lambda: softmax_dropout_primfunc(
-            shape, low, mask is not None, scale, write_p, self.scheduled, in_dtype, pb is not None))
-        args = [self.visit_expr(s)] + ([self.visit_expr(mask)] if mask is not None else [])
-        outs = ([(p, "float32")] if write_p else []) + ([(pb, low)] if pb is not None else []) + [(binding.var, low)]
+        in_dtype = str(m.s.ty.dtype)
+        name = f"softmax_dropout_{in_dtype}_" + "x".join(map(str, shape)) + f"_{m.low}" \
+            + ("_mask" if m.mask is not None else "") \
+            + (f"_s{m.scale:.6g}".replace(".", "p") if m.scale is not None else "") \
+            + ("" if m.write_p else "_nop") + ("_pb" if m.pb is not None else "")
+        gvar = add_function_once(mutator.builder_, name, lambda: softmax_dropout_primfunc(
+            shape, m.low, m.mask is not None, m.scale, m.write_p, scheduled, in_dtype, m.pb is not None))
+        args = [mutator.visit_expr(m.s)] + ([mutator.visit_expr(m.mask)] if m.mask is not None else [])
+        outs = ([(m.p, "float32")] if m.write_p else []) + ([(m.pb, m.low)] if m.pb is not None else []) \
+            + [(binding.var, m.low)]
         types = [relax.TensorType(shape, dtype) for _, dtype in outs]
-        for (var, _), out in zip(outs, emit_call_tir(self.builder_, gvar, args, types)):
-            self.set_var_remap(var, out)
+        return zip([var for var, _ in outs], emit_call_tir(mutator.builder_, gvar, args, types))
+
+    return fuse
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseSoftmaxDropout")
@@ -219,6 +194,4 @@ class FuseSoftmaxDropout:
         self.scheduled = scheduled
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        fuser = _Fuser(mod, self.scheduled)
-        mod = mutate_relax_functions(fuser, mod, before_each=fuser.prime)
-        return relax.transform.DeadCodeElimination()(mod)
+        return fuse_chains(mod, find_fusions, _fuse(self.scheduled))

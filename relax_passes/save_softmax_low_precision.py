@@ -21,10 +21,10 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._rewrite import mutate_relax_functions
+from ._row_kernel import LOW
 
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 ASTYPE = tvm.ir.Op.get("relax.astype")
-LOW = ("bfloat16", "float16")
 
 
 def low_precision_copies(func: relax.Function) -> dict:
