@@ -24,6 +24,7 @@ from .backend import (CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Sche
                       default_config, emit, smem)
 from .build.cache import atomic_write, file_lock
 from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, Reduction, ReduceAxis, TensorDesc
+from .legality import check_partition
 from .passes import lower
 
 H100_SMS = 132
@@ -182,9 +183,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         return default
     if not prune([cfg], m, n, k, g.dtype_a, num_sms):
         return default
-    from .legality import check_partition  # the emitter's rules (split-K with reductions, ...)
-
-    return cfg if check_partition(partition, cfg) else default
+    return cfg if check_partition(partition, cfg) else default  # the emitter's rules for this epilogue
 
 
 def _round_up(x: int, m: int) -> int:
