@@ -46,6 +46,18 @@ def flat_bindings(func: relax.Function) -> tuple[list, dict]:
     return bindings, block_of
 
 
+def local_composite(outer: relax.Function):
+    """(binding of the local Composite function, binding of its call) in a partition function
+    (what ``FuseOpsByPattern(annotate_codegen=True)`` and PartitionEVT make), else None."""
+    local, call = None, None
+    for b in flat_bindings(outer)[0]:
+        if isinstance(b.value, relax.Function):
+            local = b
+        elif isinstance(b.value, relax.Call) and local is not None and b.value.op.same_as(local.var):
+            call = b
+    return (local, call) if local is not None and call is not None else None
+
+
 def binding_uses(func: relax.Function) -> dict:
     """var -> indices of the bindings (and len(bindings) for the function's result) that read it,
     the bindings counted as in `flat_bindings`."""

@@ -21,23 +21,12 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ._rewrite import binding_uses, flat_bindings, substitute
+from ._rewrite import binding_uses, flat_bindings, local_composite, substitute
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 CODEGEN = "evt"
 # inner ops that read the GEMM's operands or move data: a cast feeding them stays outside
 NOT_EPILOGUE = frozenset({"relax.matmul", "relax.permute_dims", "relax.reshape"})
-
-
-def _local_composite(outer: relax.Function):
-    """(binding of the local composite function, binding of its call) in an evt partition."""
-    local, call = None, None
-    for b in flat_bindings(outer)[0]:
-        if isinstance(b.value, relax.Function):
-            local = b
-        elif isinstance(b.value, relax.Call) and local is not None and b.value.op.same_as(local.var):
-            call = b
-    return (local, call) if local is not None and call is not None else None
 
 
 def _epilogue_only(inner: relax.Function, param: relax.Var) -> bool:
@@ -51,7 +40,7 @@ def _with_cast_params(outer: relax.Function, casts: dict) -> relax.Function:
     """`outer` taking, at each parameter index in `casts` (index -> (uncast type, cast dtype)),
     the uncast tensor and casting it in the composite right before its first reader (after the
     GEMM, where the code generator knows the tile the operand is laid over)."""
-    local, call = _local_composite(outer)
+    local, call = local_composite(outer)
     inner = local.value
     bb = relax.BlockBuilder()
     new_inner_params = list(inner.params)
@@ -132,7 +121,7 @@ class AbsorbPartitionInputCasts:
             if not (isinstance(call, relax.Call) and call.op in parts):
                 continue
             outer = parts[call.op]
-            shape = _local_composite(outer)
+            shape = local_composite(outer)
             if shape is None:
                 continue
             inner = shape[0].value

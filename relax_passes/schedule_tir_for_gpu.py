@@ -3,13 +3,14 @@
 Functions that bring their own GPU form (``philox.gpu_variant``: the dropout masks, one thread
 per Philox draw) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
-element to a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
-trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled PrimFunc is tried
-with each rule in that order, alone; a rule that raises or declines hands the function to the
-next one, and ``Fallback`` schedules anything left that has block iterators.  What even
-``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward`` (which the
-evt pipeline replaces beforehand: ``LowerTakeBackward``) — runs as written on a single GPU
-thread: correct, slow, and reported with a warning.
+element to a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
+Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
+trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled
+PrimFunc is tried with each rule in that order, alone; a rule that raises or declines hands the
+function to the next one, and ``Fallback`` schedules anything left that has block iterators.
+What even ``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward``
+(which the evt pipeline replaces beforehand: ``LowerTakeBackward``) — runs as written on a
+single GPU thread: correct, slow, and reported with a warning.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import tvm
 from tvm import relax
 
 from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
-from .relax_passes._rewrite import substitute
+from .relax_passes._rewrite import local_composite, substitute
 from .relax_passes.absorb_partition_input_casts import AbsorbPartitionInputCasts
 from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
@@ -185,16 +185,8 @@ if PIPELINE_NAME not in relax.pipeline.PIPELINE_MAP:  # registering twice raises
 # ------------------------------------------------------------------------------ CPU reference
 def _composite(func: relax.Function) -> relax.Function:
     """The Composite function an evt partition wraps."""
-    local = {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if isinstance(b.value, relax.Function):
-                local[b.var] = b.value
-            elif isinstance(b.value, relax.Call):
-                op = local.get(b.value.op, b.value.op)
-                if isinstance(op, relax.Function):
-                    return op
-    return func
+    found = local_composite(func)
+    return found[0].value if found else func
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlineEVTPartitions")
