@@ -114,6 +114,30 @@ def add_function_once(builder: relax.BlockBuilder, name: str,
     return builder.add_func(make().with_attr("global_symbol", name), name)
 
 
+def drop_uncalled(mod: tvm.IRModule, codegen: str) -> tvm.IRModule:
+    """`mod` without its ``Codegen=codegen`` functions that no other function calls.
+
+    ``DeadCodeElimination`` keeps them (they carry a global symbol), and ``RunCodegen`` only
+    replaces the ones that are called: a leftover would reach the VM lowering with its local
+    Composite function and stop the build there."""
+    def is_partition(func) -> bool:
+        return isinstance(func, relax.Function) and bool(func.attrs) and func.attrs.get("Codegen") == codegen
+
+    called = set()
+
+    def note_callee(expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
+            called.add(expr.op)
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function) and not is_partition(func):
+            relax.analysis.post_order_visit(func.body, note_callee)
+    dead = [gv for gv, func in mod.functions_items() if is_partition(func) and gv not in called]
+    if not dead:
+        return mod
+    return tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv not in dead}, attrs=mod.attrs)
+
+
 def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.IRModule:
     """Run `mutator` (a PyExprMutator built on `mod`) over every Relax function of `mod`;
     `before_each(func)` may prime the mutator with per-function facts first."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ._rewrite import binding_uses, flat_bindings, local_composite, substitute
+from ._rewrite import binding_uses, drop_uncalled, flat_bindings, local_composite, substitute
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 CODEGEN = "evt"
@@ -108,7 +108,8 @@ class AbsorbPartitionInputCasts:
                 changed = True
         if not changed:
             return mod
-        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(bb.get()))
+        # the partitions whose every call now goes to a cast-absorbing copy are dropped
+        return drop_uncalled(relax.transform.DeadCodeElimination()(relax.transform.Normalize()(bb.get())), CODEGEN)
 
     @staticmethod
     def _rewrite(bb, func, parts, new_parts):

@@ -123,3 +123,42 @@ def test_opt_in_rewrites_are_off_by_default_and_named(monkeypatch):
         pipeline.enabled("layer_norm")
     with pytest.raises(KeyError):
         pipeline.enabled("nonexistent")
+
+
+def test_partitions_whose_calls_all_moved_are_dropped():
+    mod = _front(_graph())
+    called = set()
+
+    def note_callee(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
+            called.add(expr.op.name_hint)
+
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and gv not in tuning.evt_functions(mod):
+            relax.analysis.post_order_visit(func.body, note_callee)
+    names = {gv.name_hint for gv in tuning.evt_functions(mod)}
+    assert any("_c" in n.rsplit("evt", 1)[-1] for n in names)
+    assert names <= called, sorted(names - called)  # RunCodegen leaves an uncalled one to the VM lowering
+
+
+@pytest.mark.parametrize("opt_ins", ["", "all"])
+def test_cuda_relax_phases_reach_the_vm_executable_form(opt_ins, monkeypatch):
+    """The whole CUDA Relax pipeline (RunCodegen with a codegen that builds nothing, up to VMShapeLower
+    and the finalize passes): every partition must be consumed by RunCodegen, every opt-in pass must
+    leave a module TVM's lowering accepts.  (The uncalled partitions once got this far only on a GPU.)"""
+    import tvm_ffi
+    from tvm_evt.codegen import relax_ext
+
+    monkeypatch.setenv(pipeline.OPT_IN_ENV, opt_ins)
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    phases = pipeline.phases(cuda)  # registers the real relax.ext.evt ...
+    built = []
+    stub = lambda funcs, *_: built.extend(funcs) or []  # noqa: E731
+    tvm_ffi.register_global_func(relax_ext.GLOBAL_FUNC, stub, override=True)
+    try:  # ... which this stub replaces for the run: no nvcc
+        with cuda:
+            out = tvm.transform.Sequential(phases)(_graph())
+    finally:
+        relax_ext.register()
+    assert built and not tuning.evt_functions(out)
+    assert all(not isinstance(f, relax.Function) or "global_symbol" in f.attrs for f in out.functions.values())
