@@ -24,7 +24,7 @@ def _torch_bf16(entry, inputs):
     return loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("opt_in", ["", *pipeline.OPT_IN])  # each opt-in rewrite alone (pipeline.OPT_IN)
+@pytest.mark.parametrize("opt_in", ["", *pipeline.OPT_IN, "all"])  # each opt-in rewrite alone, then all
 @pytest.mark.parametrize("name", ["bert_layer"])
 def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, opt_in, monkeypatch):
     monkeypatch.setenv(pipeline.OPT_IN_ENV, opt_in)

@@ -70,3 +70,31 @@ def test_load_model_specs():
 def test_script_help():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--trials" in out.stdout and "--work-dir" in out.stdout
+
+
+def test_compare_configs_times_each_partition_under_default_and_heuristic():
+    from tvm_evt.codegen import select
+    from tvm_evt.codegen.legality import fitting_config
+
+    entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=4, ffn=1024)
+    _imported, graph = tuning.training_graph(entry, "bf16")
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    parts, _ = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+    asked = []
+
+    def measure(jobs):  # a fake GPU: a job's time is its config's tile width plus its M, all distinct
+        asked.append(jobs)
+        return {name: float(cfg.tile[1]) + job.gemm.m / 1e6 for name, (job, cfg) in jobs.items()}
+
+    rows = tuning.compare_configs(parts, measure)
+    assert len(asked) == 1 and {r["symbol"] for r in rows} == {p.symbol for p in parts}
+    for r in rows:
+        p = next(p for p in parts if p.symbol == r["symbol"])
+        names = [n for n in asked[0] if n.rsplit("__", 1)[0] == p.symbol]
+        assert len(names) == (1 if r["default"] == r["heuristic"] else 2)  # equal configs timed once
+        assert all(asked[0][n][0].symbol == n for n in names)  # each job builds under its own name
+        assert r["heuristic"] == fitting_config(p, select.heuristic_config(p)).name
+        assert r["heuristic_ms"] == measure({"x": (p, next(c for n, (_, c) in asked[0].items()
+                                                            if n == f"{p.symbol}__{r['heuristic']}"))})["x"]
+    assert any(r["default"] != r["heuristic"] for r in rows)
+    assert [r["heuristic_ms"] for r in rows] == sorted((r["heuristic_ms"] for r in rows), reverse=True)

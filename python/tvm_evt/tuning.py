@@ -314,6 +314,38 @@ class GpuMeasure:
         return {n: times.get(n, math.inf) for n in jobs}
 
 
+def compare_configs(partitions: list, measure: Callable | None = None) -> list[dict]:
+    """Each partition timed on the GPU under the default configuration and under the one an
+    untuned build gives it (``select.heuristic_config``, fitted to shared memory as
+    ``relax.ext.evt`` does): one row per partition, slowest heuristic first.  A partition whose
+    two configurations coincide is timed once."""
+    from .codegen import select
+    from .codegen.backend import default_config
+    from .codegen.legality import fitting_config
+
+    measure = measure or GpuMeasure()
+    jobs, rows = {}, []
+    for p in partitions:
+        default = fitting_config(p, default_config(p.gemm.dtype_a))
+        chosen = fitting_config(p, select.heuristic_config(p))
+        row = {"symbol": p.symbol, "batch": p.gemm.batch, "mnk": [p.gemm.m, p.gemm.n, p.gemm.k],
+               "default": default.name, "heuristic": chosen.name}
+        for cfg in dict.fromkeys([default, chosen]):
+            name = f"{p.symbol}__{cfg.name}"
+            jobs[name] = (dataclasses.replace(p, symbol=name), cfg)
+        rows.append(row)
+    times = measure(jobs)
+    for row in rows:
+        row["default_ms"] = times[f"{row['symbol']}__{row['default']}"]
+        row["heuristic_ms"] = times[f"{row['symbol']}__{row['heuristic']}"]
+        row["speedup"] = row["default_ms"] / row["heuristic_ms"] if row["heuristic_ms"] else math.nan
+    errors = getattr(measure, "records", {})
+    for row in rows:
+        row["errors"] = {k.rsplit("__", 1)[1]: r["error"] for k, r in errors.items()
+                         if k.rsplit("__", 1)[0] == row["symbol"] and r.get("error")}
+    return sorted(rows, key=lambda r: -r["heuristic_ms"] if math.isfinite(r["heuristic_ms"]) else -math.inf)
+
+
 def tune_cutlass(partitions: list, work_dir, *, space: str = "quick", top_k: int = 1, chunk: int = 4,
                  deadline: float = math.inf, measure: Callable | None = None, gpu: str | None = None,
                  progress=None) -> dict:

@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""Time every CUTLASS partition of a model's training step on the GPU, under the default
+configuration and under the shape heuristic an untuned build uses (``select.heuristic_config``).
+
+    python scripts/bench_partitions.py bert_large --out /tmp/parts.json
+
+Prints one row per distinct partition (slowest first) with both times; set ``TVM_EVT_ENABLE`` as
+for a compile, since the opt-in rewrites change the partitions.
+"""
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_partitions.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a scripts/bench.py model (tvm_evt.bench_e2e.MODELS)")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--quick", action="store_true", help="the model's small shapes")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+
+    import tvm
+
+    from tvm_evt import bench_e2e, models, tuning
+
+    preset, full, small, _ = bench_e2e.MODELS[args.model]
+    entry = models.PRESETS[preset](**(small if args.quick else full))
+    _, graph = tuning.training_graph(entry, args.precision)
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+    rows = tuning.compare_configs(parts)
+    print(f"{'partition':30s} {'batch':>5s} {'M x N x K':>18s} {'default ms':>10s} {'heuristic':>32s} {'ms':>7s} {'speedup':>7s}")
+    for r in rows:
+        print(f"{r['symbol']:30s} {r['batch']:5d} {'x'.join(map(str, r['mnk'])):>18s} {r['default_ms']:10.3f} "
+              f"{r['heuristic']:>32s} {r['heuristic_ms']:7.3f} {r['speedup']:7.2f}"
+              + (f"  errors: {r['errors']}" if r["errors"] else ""))
+    total_d = sum(r["default_ms"] for r in rows)
+    total_h = sum(r["heuristic_ms"] for r in rows)
+    print(f"sum over distinct partitions: default {total_d:.3f} ms, heuristic {total_h:.3f} ms; skipped {skipped}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "rows": rows, "skipped": skipped}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
