@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping
 from .backend import (CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, atomic_reduction,
                       default_config, emit, smem)
 from .build.cache import atomic_write, file_lock
-from .ir import AccFetch, AuxStore, EpilogueGraph, Partition, Reduction, ReduceAxis, TensorDesc
+from .ir import AccFetch, AuxLoad, AuxStore, EpilogueGraph, Partition, Reduction, ReduceAxis, TensorDesc
 from .legality import check_partition
 from .passes import lower
 
@@ -152,10 +152,15 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     * M <= 64 with N >= 256: ping-pong 64x256 (0.118);
     * long K over at most one wave of 128x128 tiles (weight gradients 1024x1024x16384):
       split-K 2 (0.055 / 0.079);
-    * short K (256..1024) over two or more waves: ping-pong 128x128 (0.049 / 0.056), with a 2x1
-      cluster when N >= 4096 (0.264 / 0.300); attention's K = 64 GEMMs kept the default;
-    * K >= 4096 over a full wave of 128x256 tiles with at most one stored output: 128x256
-      (0.200 / 0.233); with more stores the default won (their epilogue takes the stages).
+    * short K (256..1024) over two or more waves with at most one stored output: ping-pong
+      128x128 (0.049 / 0.056), with a 2x1 cluster when N >= 4096 (0.264 / 0.300); attention's
+      K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
+      dropout, stores of h and of the result) took 1.362 ms ping-pong against 0.416 ms
+      cooperative (``scripts/bench_partitions.py bert_large``, H100): one warp group runs the
+      whole 128x128 tile's heavy epilogue while the other waits;
+    * K >= 4096 over a full wave of 128x256 tiles with at most one stored output and no loaded
+      one: 128x256 (0.200 / 0.233); with more stores the default won (their epilogue takes the
+      stages), and with two M x N loads (dropout + residual backward) it lost too (0.319 / 0.306).
 
     16-bit operands only; anything else, or a choice ``prune`` or the emitter rejects, gets the
     default."""
@@ -169,15 +174,16 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         return g.batch * math.ceil(m / tm) * math.ceil(n / tn)
 
     stores = sum(isinstance(node, AuxStore) for node in partition.epilogue.nodes)
+    loads = sum(isinstance(node, AuxLoad) for node in partition.epilogue.nodes)
     if n <= 64 and m >= 128:
         cfg = _cfg((128, 64, 64))
     elif m <= 64 and n >= 256:
         cfg = _cfg((64, 256, 64), schedule=PP)
     elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 128) <= num_sms:
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=2)
-    elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms:
+    elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
-    elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1:
+    elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1 and loads == 0:
         cfg = _cfg((128, 256, 64))
     else:
         return default
