@@ -70,9 +70,9 @@ def test_vectorized_kernels_on_gpu_match_numpy(name):
     lib = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA))
     ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    ins = [torch.randn([int(s) for s in t.shape], dtype=torch_dtype[t.dtype]) for t in tensors[:-1]]
+    ins = [torch.randn([int(s) for s in t.shape], dtype=torch_dtype[str(t.dtype)]) for t in tensors[:-1]]
     out = tensors[-1]
-    shape, dtype = [int(s) for s in out.shape], torch_dtype[out.dtype]
+    shape, dtype = [int(s) for s in out.shape], torch_dtype[str(out.dtype)]
     got = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
     lib["main"](*[tvm.runtime.from_dlpack(t.cuda()) for t in ins], tvm.runtime.from_dlpack(got))
     want = torch.full(shape, float("nan"), dtype=dtype)
