@@ -4,8 +4,8 @@ configuration and under the shape heuristic an untuned build uses (``select.heur
 
     python scripts/bench_partitions.py bert_large --out /tmp/parts.json
 
-Prints one row per distinct partition (slowest first) with both times; set ``TVM_EVT_ENABLE`` as
-for a compile, since the opt-in rewrites change the partitions.
+Prints one row per distinct partition (slowest first) with both times; set ``TVM_EVT_DISABLE`` as
+for a compile, since the optional rewrites change the partitions.
 """
 import argparse
 import json

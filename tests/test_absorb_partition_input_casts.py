@@ -13,9 +13,9 @@ ASTYPE = tvm.ir.Op.get("relax.astype")
 
 
 @pytest.fixture(autouse=True)
-def opt_in(monkeypatch):
-    """Both rewrites are opt-in (pipeline.OPT_IN) until the GPU whole-step check is bisected."""
-    monkeypatch.setenv(pipeline.OPT_IN_ENV, "input_casts,softmax_bf16")
+def switched_on(monkeypatch):
+    """Both rewrites are on unless a user switched them off (pipeline.OPTIONAL)."""
+    monkeypatch.delenv(pipeline.DISABLE_ENV, raising=False)
 
 
 def _graph(precision="bf16"):
@@ -109,16 +109,18 @@ def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision):
         np.testing.assert_array_equal(g, w)  # the same ops in the same order
 
 
-def test_opt_in_rewrites_are_off_by_default_and_named(monkeypatch):
-    monkeypatch.delenv(pipeline.OPT_IN_ENV)
+def test_optional_rewrites_are_on_by_default_and_can_be_switched_off(monkeypatch):
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    mine = {"AbsorbPartitionInputCasts", "FuseLayerNorm", "FuseLayerNormBackward"}
+    assert mine <= {p.info.name for p in pipeline.phases(cuda)}
+    assert all(pipeline.enabled(n) for n in pipeline.OPTIONAL)
+    monkeypatch.setenv(pipeline.DISABLE_ENV, "all")
+    assert not mine & {p.info.name for p in pipeline.phases(cuda)}
+    assert not any(pipeline.enabled(n) for n in pipeline.OPTIONAL)
+    monkeypatch.setenv(pipeline.DISABLE_ENV, "layer_norm")
     names = [p.info.name for p in pipeline.phases(cuda)]
-    assert not {"AbsorbPartitionInputCasts", "FuseLayerNorm", "FuseLayerNormBackward"} & set(names)
-    assert not any(pipeline.enabled(n) for n in pipeline.OPT_IN)
-    monkeypatch.setenv(pipeline.OPT_IN_ENV, "all")
-    names = [p.info.name for p in pipeline.phases(cuda)]
-    assert {"AbsorbPartitionInputCasts", "FuseLayerNorm", "FuseLayerNormBackward"} <= set(names)
-    monkeypatch.setenv(pipeline.OPT_IN_ENV, "layer_norm,typo")
+    assert "AbsorbPartitionInputCasts" in names and "FuseLayerNorm" not in names
+    monkeypatch.setenv(pipeline.DISABLE_ENV, "layer_norm,typo")
     with pytest.raises(ValueError, match="typo"):
         pipeline.enabled("layer_norm")
     with pytest.raises(KeyError):
@@ -141,15 +143,15 @@ def test_partitions_whose_calls_all_moved_are_dropped():
     assert names <= called, sorted(names - called)  # RunCodegen leaves an uncalled one to the VM lowering
 
 
-@pytest.mark.parametrize("opt_ins", ["", "all"])
-def test_cuda_relax_phases_reach_the_vm_executable_form(opt_ins, monkeypatch):
+@pytest.mark.parametrize("disabled", ["", "all"])
+def test_cuda_relax_phases_reach_the_vm_executable_form(disabled, monkeypatch):
     """The whole CUDA Relax pipeline (RunCodegen with a codegen that builds nothing, up to VMShapeLower
-    and the finalize passes): every partition must be consumed by RunCodegen, every opt-in pass must
+    and the finalize passes): every partition must be consumed by RunCodegen, every optional pass must
     leave a module TVM's lowering accepts.  (The uncalled partitions once got this far only on a GPU.)"""
     import tvm_ffi
     from tvm_evt.codegen import relax_ext
 
-    monkeypatch.setenv(pipeline.OPT_IN_ENV, opt_ins)
+    monkeypatch.setenv(pipeline.DISABLE_ENV, disabled)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     phases = pipeline.phases(cuda)  # registers the real relax.ext.evt ...
     built = []

@@ -24,10 +24,10 @@ def _torch_bf16(entry, inputs):
     return loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("opt_in", ["", *pipeline.OPT_IN, "all"])  # each opt-in rewrite alone, then all
+@pytest.mark.parametrize("disabled", ["", "all"])  # the optional rewrites (pipeline.OPTIONAL) on, then off
 @pytest.mark.parametrize("name", ["bert_layer"])
-def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, opt_in, monkeypatch):
-    monkeypatch.setenv(pipeline.OPT_IN_ENV, opt_in)
+def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, disabled, monkeypatch):
+    monkeypatch.setenv(pipeline.DISABLE_ENV, disabled)
     entry = models.ZOO[name](batch=4, seq=64, hidden=128, heads=4)
     no_dropout(entry.model)
     step = tvm_evt.compile_training(

@@ -13,8 +13,8 @@ One list of phases, in order (``phases(target)``):
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
     FuseLayerNorm      a decomposed layer norm left to TVM (statistics, normalize, affine, casts) as one kernel
     FuseLayerNormBackward  its input gradient (two row means and the combine) as one kernel
-                       (both opt-in, like AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision and the
-                       vectorizing schedule rule: ``OPT_IN``)
+                       (these two, AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision and the
+                       vectorizing schedule rule can be switched off: ``OPTIONAL``)
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
@@ -49,13 +49,11 @@ from .relax_passes.split_reduction import SplitReduction
 
 PIPELINE_NAME = "evt"
 
-# Rewrites added on 2026-11-23 whose own tests pass (CPU numerics on whole training steps, and the
-# GPU kernel tests where they have kernels), but whose combination failed the whole-step GPU
-# check (tests/test_gpu_training.py) with no GPU time left to find which one: off until that is
-# bisected.  ``TVM_EVT_ENABLE=layer_norm,vectorize`` (comma-separated names, or ``all``) turns
-# them on for a process.
-OPT_IN_ENV = "TVM_EVT_ENABLE"
-OPT_IN = {
+# Rewrites that a process can switch off, to bisect a problem or to measure what each gives:
+# ``TVM_EVT_DISABLE=layer_norm,vectorize`` (comma-separated names, or ``all``).  All are on by
+# default; each passed the whole-step GPU check (tests/test_gpu_training.py) alone and together.
+DISABLE_ENV = "TVM_EVT_DISABLE"
+OPTIONAL = {
     "layer_norm": "FuseLayerNorm / FuseLayerNormBackward: a layer norm and its input gradient as one kernel each",
     "vectorize": "VectorizedElementwise: 16-byte vector loads/stores for contiguous injective kernels",
     "input_casts": "AbsorbPartitionInputCasts: casts that only feed an epilogue done inside it",
@@ -64,15 +62,15 @@ OPT_IN = {
 
 
 def enabled(name: str) -> bool:
-    """Is the opt-in rewrite `name` (a key of ``OPT_IN``) on in this process?"""
-    if name not in OPT_IN:
-        raise KeyError(f"unknown opt-in rewrite {name!r}; known: {', '.join(OPT_IN)}")
-    wanted = {w.strip() for w in os.environ.get(OPT_IN_ENV, "").split(",") if w.strip()}
-    unknown = wanted - set(OPT_IN) - {"all"}
+    """Is the optional rewrite `name` (a key of ``OPTIONAL``) on in this process?"""
+    if name not in OPTIONAL:
+        raise KeyError(f"unknown optional rewrite {name!r}; known: {', '.join(OPTIONAL)}")
+    off = {w.strip() for w in os.environ.get(DISABLE_ENV, "").split(",") if w.strip()}
+    unknown = off - set(OPTIONAL) - {"all"}
     if unknown:
-        raise ValueError(f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]!r}: unknown name(s) {', '.join(sorted(unknown))}; "
-                         f"known: {', '.join(OPT_IN)}, all")
-    return name in wanted or "all" in wanted
+        raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: unknown name(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(OPTIONAL)}, all")
+    return name not in off and "all" not in off
 
 
 def graph_passes() -> list:
