@@ -114,28 +114,33 @@ def add_function_once(builder: relax.BlockBuilder, name: str,
     return builder.add_func(make().with_attr("global_symbol", name), name)
 
 
-def drop_uncalled(mod: tvm.IRModule, codegen: str) -> tvm.IRModule:
-    """`mod` without its ``Codegen=codegen`` functions that no other function calls.
+def drop_unreferenced(mod: tvm.IRModule, droppable: Callable[[tvm.ir.BaseFunc], bool]) -> tvm.IRModule:
+    """`mod` without the functions `droppable` accepts that no other Relax function refers to
+    (calls them, or passes them to ``call_tir``).
 
-    ``DeadCodeElimination`` keeps them (they carry a global symbol), and ``RunCodegen`` only
-    replaces the ones that are called: a leftover would reach the VM lowering with its local
-    Composite function and stop the build there."""
-    def is_partition(func) -> bool:
-        return isinstance(func, relax.Function) and bool(func.attrs) and func.attrs.get("Codegen") == codegen
+    ``DeadCodeElimination`` keeps functions that carry a global symbol, as evt partitions and
+    generated kernels do: ``RunCodegen`` would leave an uncalled partition to the VM lowering
+    (with its local Composite function it stops the build there), and an unused kernel would be
+    compiled for nothing."""
+    referenced = set()
 
-    called = set()
-
-    def note_callee(expr) -> None:
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
-            called.add(expr.op)
+    def note(expr) -> None:
+        if isinstance(expr, tvm.ir.GlobalVar):
+            referenced.add(expr)
 
     for _, func in mod.functions_items():
-        if isinstance(func, relax.Function) and not is_partition(func):
-            relax.analysis.post_order_visit(func.body, note_callee)
-    dead = [gv for gv, func in mod.functions_items() if is_partition(func) and gv not in called]
+        if isinstance(func, relax.Function) and not droppable(func):
+            relax.analysis.post_order_visit(func.body, note)
+    dead = [gv for gv, func in mod.functions_items() if droppable(func) and gv not in referenced]
     if not dead:
         return mod
     return tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv not in dead}, attrs=mod.attrs)
+
+
+def drop_uncalled(mod: tvm.IRModule, codegen: str) -> tvm.IRModule:
+    """`mod` without its ``Codegen=codegen`` functions that no other function calls."""
+    return drop_unreferenced(mod, lambda f: isinstance(f, relax.Function) and bool(f.attrs)
+                             and f.attrs.get("Codegen") == codegen)
 
 
 def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.IRModule:

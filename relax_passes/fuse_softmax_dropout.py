@@ -7,6 +7,7 @@ it the elementwise tail, and DLight ran the tail as a separate kernel that read 
 probabilities back (BERT-Large, 32x16x512x512: softmax 0.44 ms + tail 0.74 ms on H100).  Here::
 
     p  = softmax(s, axis=-1)          # s: float32 [..., n] (or astype(s16, float32)), p used elsewhere
+                                      # s (or s16) may be add(x, bias) with a constant bias [n]
     pb = astype(p, low)               # then, each optional, in this order:
     pw = where(mask, pb, 0)           #   the dropout keep mask
     pd = multiply(pw, scale)          #   the 1/(1-rate) scale (a scalar)
@@ -17,9 +18,11 @@ with the same operations in the same order as before.  ``p`` is bit-identical; i
 the code generator may keep the cast-then-scale in float32 and round once where the separate
 kernels rounded twice (a difference of at most 1 ulp).  ``p`` is only written when something
 else reads it; a widening ``astype`` that only feeds the softmax is read through (the
-partitioner leaves it out of the GEMM epilogue: ``evt_cost.WIDENING_CONSUMERS``).  The tail's
-intermediate values must have no other user, and ``p``'s other users must come after ``pd`` (the
-fused call sits where ``pd`` was).
+partitioner leaves it out of the GEMM epilogue: ``evt_cost.WIDENING_CONSUMERS``), and so is the
+add of a constant row bias read by nothing else (``PadAttentionKeys``' -inf on the padded keys,
+which a GEMM epilogue cannot take: it has no vector constants).  The tail's intermediate values
+must have no other user, and ``p``'s other users must come after ``pd`` (the fused call sits
+where ``pd`` was).
 CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 """
 
@@ -38,6 +41,7 @@ SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 ASTYPE = tvm.ir.Op.get("relax.astype")
 WHERE = tvm.ir.Op.get("relax.where")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
+ADD = tvm.ir.Op.get("relax.add")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class SoftmaxDropoutMatch:
     low: str
     write_p: bool
     pb: relax.Var | None
+    bias: relax.Expr | None = None  # a constant [n] added to s first
 
     @property
     def absorbed(self) -> frozenset:
@@ -60,15 +65,18 @@ class SoftmaxDropoutMatch:
 
 def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, scale: float | None,
                              write_p: bool, scheduled: bool = True, in_dtype: str = "float32",
-                             write_pb: bool = False) -> tirx.PrimFunc:
+                             write_pb: bool = False, biased: bool = False) -> tirx.PrimFunc:
     """``p = softmax(s.astype(float32), axis=-1)``, ``pb = p.astype(low)`` and
     ``pd = where(mask, pb, 0) * scale`` for tensors of `shape`; outputs ``[p] [pb] pd`` as
-    `write_p` / `write_pb` say; scheduled for CUDA (module docstring) unless `scheduled` is False."""
+    `write_p` / `write_pb` say; scheduled for CUDA (module docstring) unless `scheduled` is False.
+    With `biased`, ``s`` is ``x + bias`` for a second input ``bias`` [n] (in `in_dtype`)."""
     *lead, n = shape
     x = te.placeholder(shape, in_dtype, name="s")
+    bias = te.placeholder((n,), in_dtype, name="bias") if biased else None
 
     def s(idx):
-        return x[idx] if in_dtype == "float32" else x[idx].astype("float32")
+        v = x[idx] if bias is None else x[idx] + bias[idx[-1]]
+        return v if in_dtype == "float32" else v.astype("float32")
 
     mask = te.placeholder(shape, "bool", name="mask") if masked else None
     k1 = te.reduce_axis((0, n), name="k1")
@@ -93,7 +101,7 @@ def softmax_dropout_primfunc(shape: tuple[int, ...], low: str, masked: bool, sca
 
     n_out = 1 + int(write_p) + int(write_pb)
     outs = list(te.compute(shape, values, name="out")) if n_out > 1 else [te.compute(shape, dropped, name="out")]
-    func = te.create_prim_func([x, *([mask] if masked else []), *outs])
+    func = te.create_prim_func([x, *([bias] if biased else []), *([mask] if masked else []), *outs])
     if not scheduled:
         return func
     sch = tvm.s_tir.Schedule(func)  # the row staged in shared memory, then max, sum and the outputs
@@ -105,6 +113,10 @@ def _round_to(value: float, dtype: str) -> float:
     import ml_dtypes
 
     return float(np.array(value, "float32").astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype))
+
+
+def _row_constant(expr: relax.Expr, n: int, dtype: str) -> bool:
+    return isinstance(expr, tvm.ir.GenericConst) and static_shape(expr) == (n,) and str(expr.ty.dtype) == dtype
 
 
 def find_fusions(func: relax.Function) -> dict:
@@ -160,8 +172,12 @@ def find_fusions(func: relax.Function) -> dict:
         if isinstance(widen, relax.Call) and widen.op == ASTYPE and str(widen.args[0].ty.dtype) in LOW \
                 and uses.get(s) == [index[b.var]]:
             s = widen.args[0]
+        biased, bias = bound.get(s), None  # s = add(x, constant row bias) read by nothing else
+        if isinstance(biased, relax.Call) and biased.op == ADD and len(uses.get(s, [])) == 1 \
+                and _row_constant(biased.args[1], shape[-1], str(s.ty.dtype)):
+            s, bias = biased.args[0], biased.args[1]
         found[tail.var] = SoftmaxDropoutMatch(b.var, s, mask, scale, str(cast.value.attrs.dtype), bool(others),
-                                              cast.var if cast_others else None)
+                                              cast.var if cast_others else None, bias)
     return found
 
 
@@ -172,10 +188,13 @@ def _fuse(scheduled: bool):
         name = f"softmax_dropout_{in_dtype}_" + "x".join(map(str, shape)) + f"_{m.low}" \
             + ("_mask" if m.mask is not None else "") \
             + (f"_s{m.scale:.6g}".replace(".", "p") if m.scale is not None else "") \
-            + ("" if m.write_p else "_nop") + ("_pb" if m.pb is not None else "")
+            + ("" if m.write_p else "_nop") + ("_pb" if m.pb is not None else "") \
+            + ("_bias" if m.bias is not None else "")
         gvar = add_function_once(mutator.builder_, name, lambda: softmax_dropout_primfunc(
-            shape, m.low, m.mask is not None, m.scale, m.write_p, scheduled, in_dtype, m.pb is not None))
-        args = [mutator.visit_expr(m.s)] + ([mutator.visit_expr(m.mask)] if m.mask is not None else [])
+            shape, m.low, m.mask is not None, m.scale, m.write_p, scheduled, in_dtype, m.pb is not None,
+            m.bias is not None))
+        args = [mutator.visit_expr(m.s)] + ([m.bias] if m.bias is not None else []) \
+            + ([mutator.visit_expr(m.mask)] if m.mask is not None else [])
         outs = ([(m.p, "float32")] if m.write_p else []) + ([(m.pb, m.low)] if m.pb is not None else []) \
             + [(binding.var, m.low)]
         types = [relax.TensorType(shape, dtype) for _, dtype in outs]

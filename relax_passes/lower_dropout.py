@@ -17,12 +17,21 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._rewrite import add_function_once
 from .philox import dropout_keep_primfunc
 
 SEED_PARAM = "rng_seed"
 
 
 DROPOUT = tvm.ir.Op.get("relax.nn.dropout")
+
+
+def keep_mask_function(builder: relax.BlockBuilder, shape, rate: float) -> relax.GlobalVar:
+    """The Philox keep-mask kernel for `shape` and `rate` in `builder`'s module (added once)."""
+    shape = [int(s) for s in shape]
+    tag = f"{rate:.6g}".replace(".", "p")
+    return add_function_once(builder, f"dropout_keep_{'x'.join(map(str, shape))}_{tag}",
+                             lambda: dropout_keep_primfunc(shape, rate))
 
 
 def _has_dropout(func: relax.Function) -> bool:
@@ -52,8 +61,7 @@ class _DropoutLowerer(PyExprMutator):
         self.sites += 1
         if rate == 0.0:
             return relax.Tuple([x, relax.op.ones_like(x, "bool")])
-        tag = f"{rate:.6g}".replace(".", "p")
-        gvar = self._keep_func(f"dropout_keep_{'x'.join(map(str, shape))}_{tag}", shape, rate)
+        gvar = keep_mask_function(self.builder_, shape, rate)
         keep = self.builder_.emit(
             relax.call_tir(
                 gvar, [self.seed, relax.const(site, "uint32")], relax.TensorType(shape, "bool")
@@ -63,14 +71,6 @@ class _DropoutLowerer(PyExprMutator):
         kept = self.builder_.emit(relax.op.where(keep, x, relax.const(0, dtype)))
         out = self.builder_.emit(relax.op.multiply(kept, relax.const(1.0 / (1.0 - rate), dtype)))
         return relax.Tuple([out, keep])
-
-    def _keep_func(self, name: str, shape: list[int], rate: float) -> relax.GlobalVar:
-        mod = self.builder_.get()
-        for gv in mod.get_global_vars():
-            if gv.name_hint == name:
-                return gv
-        func = dropout_keep_primfunc(shape, rate).with_attr("global_symbol", name)
-        return self.builder_.add_func(func, name)
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerDropout")

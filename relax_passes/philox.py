@@ -29,6 +29,9 @@ from ..codegen import philox as codegen_philox
 from ..codegen.philox import PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, ROUNDS, keep_threshold
 
 
+KEEP_RATE_ATTR = "tvm_evt.dropout_keep"  # a keep-mask PrimFunc's dropout rate
+KEEP_SHAPE_ATTR = "tvm_evt.dropout_shape"  # and its mask shape
+
 def _u32(value: int):
     return tirx.const(value, "uint32")
 
@@ -100,8 +103,8 @@ def dropout_keep_primfunc(shape, rate: float):
     # buffers of one Relax var to agree (int32 extents failed for ViT's embedding dropout)
     keep = te.compute([tirx.IntImm("int64", e) for e in shape], element, name="dropout_keep")
     func = te.create_prim_func([seed, site, keep])
-    func = func.with_attr("tvm_evt.dropout_keep", tvm.runtime.convert(float(rate)))
-    return func.with_attr("tvm_evt.dropout_shape", tvm.runtime.convert(shape))
+    func = func.with_attr(KEEP_RATE_ATTR, tvm.runtime.convert(float(rate)))
+    return func.with_attr(KEEP_SHAPE_ATTR, tvm.runtime.convert(shape))
 
 
 THREADS = 256
@@ -158,10 +161,10 @@ def dropout_keep_gpu_primfunc(shape, rate: float):
 def gpu_variant(func):
     """The thread-bound form of a ``dropout_keep_primfunc`` (same symbol), else None."""
     attrs = func.attrs
-    if not attrs or "tvm_evt.dropout_keep" not in attrs:
+    if not attrs or KEEP_RATE_ATTR not in attrs:
         return None
-    shape = [int(x) for x in attrs["tvm_evt.dropout_shape"]]
-    out = dropout_keep_gpu_primfunc(shape, float(attrs["tvm_evt.dropout_keep"]))
+    shape = [int(x) for x in attrs[KEEP_SHAPE_ATTR]]
+    out = dropout_keep_gpu_primfunc(shape, float(attrs[KEEP_RATE_ATTR]))
     return out.with_attr("global_symbol", attrs["global_symbol"]) if "global_symbol" in attrs else out
 
 

@@ -9,7 +9,8 @@ from tvm_evt.codegen import KernelConfig, Schedule, Unsupported, emit, from_func
 M, N, K = 128, 64, 32
 
 
-def build(epilogue, a_t=False, b_t=True, dtype="float16", batch=()):
+def build(epilogue, a_t=False, b_t=True, dtype="float16", batch=(), m=M):
+    M = m  # noqa: N806 - the rows of this build
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(batch + ((K, M) if a_t else (M, K)), dtype))
     w = relax.Var("w", relax.TensorType((N, K) if b_t else (K, N), dtype))
@@ -53,6 +54,21 @@ def test_topological_visitor_for_shared_value_and_aux_store():
     assert "Sm90ColBroadcast<0, TileShape, cutlass::half_t" in src
     assert "Sm90AuxStore<" in src and "AuxStoreDescriptor<EpilogueDescriptor" in src
     assert "Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape" in src
+
+
+def test_broadcast_vector_of_odd_extent_is_loaded_an_element_at_a_time():
+    """ViT's 197 query rows: a column vector's loads cannot be 16-byte vectors (nor can its batch
+    stride be 16-byte aligned), so CUTLASS gets alignment 1 and predicates each element; an
+    extent that allows 16 bytes keeps the default (and the source the cache knows)."""
+    def epi(bb, y, b, c):
+        return bb.emit(relax.op.add(y, c))
+
+    def col_line(src):
+        return next(line for line in src.splitlines() if "Sm90ColBroadcast<" in line).rstrip()
+
+    assert col_line(emit(build(epi, m=197, batch=(2,)))).endswith("int64_t>, 1>;")
+    assert col_line(emit(build(epi, m=196, batch=(2,)))).endswith("int64_t>, 4>;")
+    assert col_line(emit(build(epi, batch=(2,)))).endswith("int64_t>>;")
 
 
 def test_square_of_a_leaf_pads_the_topological_visitor():

@@ -10,15 +10,26 @@ from tvm_evt.relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout, softma
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 
 
-def _attention_probs(n=40, dropout=True, p_used_early=False, widen=False):
-    """softmax -> bf16 cast -> dropout (mask, scale) -> P·V; p also read later (the softmax gradient)."""
+def _attention_probs(n=40, dropout=True, p_used_early=False, widen=False, bias=False):
+    """softmax -> bf16 cast -> dropout (mask, scale) -> P·V; p also read later (the softmax gradient).
+    With `bias`, the scores first get PadAttentionKeys' row bias (-inf on the last 3 keys)."""
     bb = relax.BlockBuilder()
     s = relax.Var("s", relax.TensorType((2, 3, 5, n), "bfloat16" if widen else "float32"))
     keep = relax.Var("keep", relax.TensorType((2, 3, 5, n), "bool"))
     v = relax.Var("v", relax.TensorType((2, 3, n, 8), "bfloat16"))
     with bb.function("main", [s, keep, v]):
         with bb.dataflow():
-            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(s, "float32")) if widen else s, axis=-1))
+            x = s
+            if bias:
+                row = np.zeros([n], "float32")
+                row[n - 3:] = -np.inf
+                if widen:
+                    import ml_dtypes
+
+                    x = bb.emit(relax.op.add(x, relax.const(row.astype(ml_dtypes.bfloat16), "bfloat16")))
+                else:
+                    x = bb.emit(relax.op.add(x, relax.const(row, "float32")))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(x, "float32")) if widen else x, axis=-1))
             early = bb.emit(relax.op.multiply(p, relax.const(2.0, "float32")))
             pb = bb.emit(relax.op.astype(p, "bfloat16"))
             pw = bb.emit(relax.op.where(keep, pb, relax.const(0.0, "bfloat16")))
@@ -54,6 +65,16 @@ def test_widening_cast_into_the_softmax_is_read_through():
     assert "relax.astype" not in [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
 
 
+@pytest.mark.parametrize("widen", [False, True])
+def test_row_bias_before_the_softmax_is_an_input_of_the_kernel(widen):
+    after = FuseSoftmaxDropout()(_attention_probs(widen=widen, bias=True))
+    (fused,) = [c for c in _calls(after) if c.op == tvm.ir.Op.get("relax.call_tir")]
+    assert fused.args[0].name_hint.endswith("_bias")
+    s, bias, _mask = fused.args[1].fields
+    assert isinstance(bias, tvm.ir.GenericConst) and bias.ty.shape.values[0] == 40
+    assert "relax.add" not in [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+
+
 def test_left_alone_when_p_is_read_before_the_tail():
     before = _attention_probs(p_used_early=True)
     tvm.ir.assert_structural_equal(FuseSoftmaxDropout()(before), before)
@@ -74,9 +95,10 @@ def _run(mod, args, target="llvm", dev=None):
     return [x.numpy() for x in vm["main"](*[tvm.runtime.tensor(a, dev or tvm.cpu()) for a in args])]
 
 
-@pytest.mark.parametrize("n,widen,dropout", [(40, False, True), (197, False, True), (40, True, True),
-                                             (40, False, False)])
-def test_fused_kernel_computes_what_the_ops_computed(n, widen, dropout):
+@pytest.mark.parametrize("n,widen,dropout,bias", [(40, False, True, False), (197, False, True, False),
+                                                  (40, True, True, False), (40, False, False, False),
+                                                  (208, True, True, True), (40, False, True, True)])
+def test_fused_kernel_computes_what_the_ops_computed(n, widen, dropout, bias):
     """The rewrite with unscheduled kernels, on the CPU: outputs equal the unfused graph's."""
     import ml_dtypes
 
@@ -84,7 +106,7 @@ def test_fused_kernel_computes_what_the_ops_computed(n, widen, dropout):
     args = [(rng.standard_normal((2, 3, 5, n)) * 4).astype(ml_dtypes.bfloat16 if widen else "float32"),
             rng.random((2, 3, 5, n)) > 0.1,
             rng.standard_normal((2, 3, n, 8)).astype(ml_dtypes.bfloat16)]
-    before = _attention_probs(n, widen=widen, dropout=dropout)
+    before = _attention_probs(n, widen=widen, dropout=dropout, bias=bias)
     want = _run(before, args)
     got = _run(FuseSoftmaxDropout(scheduled=False)(before), args)
     (o_want, late_want, pd_want), (o_got, late_got, pd_got) = want, got
@@ -96,31 +118,35 @@ def test_fused_kernel_computes_what_the_ops_computed(n, widen, dropout):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("n", [197, 512, 1024])
-def test_scheduled_kernel_builds_for_cuda(n):
+@pytest.mark.parametrize("n,biased", [(197, False), (512, False), (1024, False), (208, True)])
+def test_scheduled_kernel_builds_for_cuda(n, biased):
     """No GPU needed: the schedule lowers and the CUDA source has the row reductions."""
-    func = softmax_dropout_primfunc((4, 16, n), "bfloat16", True, 1.25, True)
+    func = softmax_dropout_primfunc((4, 16, n), "bfloat16", True, 1.25, True, biased=biased)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
     src = lib.mod.imports[0].inspect_source()
     assert "__shfl_down_sync" in src and "__shared__" in src
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [197, 512, 1024])
-def test_scheduled_kernel_on_gpu_matches_torch(n):
+@pytest.mark.parametrize("n,biased", [(197, False), (512, False), (1024, False), (208, True)])
+def test_scheduled_kernel_on_gpu_matches_torch(n, biased):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     rows, scale = 4096, 1 / 0.9
-    func = softmax_dropout_primfunc((rows, n), "bfloat16", True, scale, True)
+    func = softmax_dropout_primfunc((rows, n), "bfloat16", True, scale, True, biased=biased)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
     s = torch.randn(rows, n, device="cuda") * 4
+    bias = torch.zeros(n, device="cuda")
+    bias[197:] = float("-inf")  # PadAttentionKeys' mask: 197 keys padded to 208
     keep = torch.rand(rows, n, device="cuda") > 0.1
     p = torch.full((rows, n), float("nan"), device="cuda")
     pd = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (s, keep, p, pd)])
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (s, *([bias] if biased else []), keep, p, pd)])
     torch.cuda.synchronize()
-    ref = torch.softmax(s.double(), dim=-1)
+    ref = torch.softmax((s + bias).double() if biased else s.double(), dim=-1)
+    if biased:
+        assert torch.equal(p[:, 197:], torch.zeros_like(p[:, 197:]))  # the padded keys: exactly 0
     assert torch.allclose(p.double(), ref, rtol=1e-5, atol=1e-7)
     # the low-precision copy rounds the kernel's own float32 P: rounding the float64 reference
     # instead lands one bf16 ulp away where P sits at a rounding boundary (0.4-0.8% each, twice

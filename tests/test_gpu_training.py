@@ -24,11 +24,17 @@ def _torch_bf16(entry, inputs):
     return loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
+SMALL = {  # vit: 17 tokens, so attention runs padded to 32 keys (PadAttentionKeys)
+    "bert_layer": dict(batch=4, seq=64, hidden=128, heads=4),
+    "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
+}
+
+
 @pytest.mark.parametrize("disabled", ["", "all"])  # the optional rewrites (pipeline.OPTIONAL) on, then off
-@pytest.mark.parametrize("name", ["bert_layer"])
+@pytest.mark.parametrize("name", list(SMALL))
 def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, disabled, monkeypatch):
     monkeypatch.setenv(pipeline.DISABLE_ENV, disabled)
-    entry = models.ZOO[name](batch=4, seq=64, hidden=128, heads=4)
+    entry = models.ZOO[name](**SMALL[name])
     no_dropout(entry.model)
     step = tvm_evt.compile_training(
         copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,

@@ -41,6 +41,16 @@ def _cpp(dtype: str) -> str:
     return CPP_TYPE[dtype]
 
 
+def _vector_alignment(extent: int, dtype: str) -> int:
+    """Elements per (predicated) vector load of a row/column broadcast vector: 16 bytes where its
+    extent, which is also its batch stride, is a multiple of that, else the largest power of two
+    dividing it (1 for ViT's 197 query rows: scalar loads of a vector that is one value a row)."""
+    align = 128 // BITS.get(dtype, 8)
+    while extent % align:
+        align //= 2
+    return align
+
+
 def _stride_type(stride) -> str:
     """cute::Stride with static 0/1 for M and N, dynamic int64 batch stride."""
     parts = []
@@ -127,10 +137,13 @@ class Sm90Emitter:
             )
         if isinstance(node, (RowBroadcast, ColBroadcast)):
             kind = "Sm90RowBroadcast" if isinstance(node, RowBroadcast) else "Sm90ColBroadcast"
+            extent = self.p.gemm.n if isinstance(node, RowBroadcast) else self.p.gemm.m
+            align = _vector_alignment(extent, node.dtype)
             return self._declare(
                 name,
                 f"{FUSION}::{kind}<0, TileShape, {_cpp(node.dtype)}, ElementCompute, "
-                f"{_stride_type(node.stride)}>",
+                f"{_stride_type(node.stride)}"
+                + ("" if align == 128 // BITS.get(node.dtype, 8) else f", {align}") + ">",
             )
         if isinstance(node, ScalarBroadcast):
             return self._declare(
@@ -254,11 +267,6 @@ class Sm90Emitter:
         for i, node in enumerate(self.p.epilogue.nodes):
             if isinstance(node, Reduction) and node.axis is ReduceAxis.SCALAR and node.dtype != "float32":
                 raise Unsupported(f"%{i}: scalar reductions are atomic and need a float32 result, not {node.dtype}")
-            if isinstance(node, (RowBroadcast, ColBroadcast)):
-                align = 128 // BITS.get(node.dtype, 8)
-                extent = g.n if isinstance(node, RowBroadcast) else g.m
-                if extent % align:
-                    raise Unsupported(f"%{i} {node.kind}: extent {extent} is not a multiple of {align} elements")
             if isinstance(node, (AuxLoad, AuxStore)) or (
                 isinstance(node, Reduction) and node.axis is not ReduceAxis.SCALAR
             ):
