@@ -16,6 +16,7 @@ ASTYPE = tvm.ir.Op.get("relax.astype")
 def switched_on(monkeypatch):
     """Both rewrites are on unless a user switched them off (pipeline.OPTIONAL)."""
     monkeypatch.delenv(pipeline.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(pipeline.ENABLE_ENV, raising=False)
 
 
 def _graph(precision="bf16"):
@@ -113,16 +114,20 @@ def test_optional_rewrites_are_on_by_default_and_can_be_switched_off(monkeypatch
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     mine = {"AbsorbPartitionInputCasts", "FuseLayerNorm", "FuseLayerNormBackward"}
     assert mine <= {p.info.name for p in pipeline.phases(cuda)}
-    assert all(pipeline.enabled(n) for n in pipeline.OPTIONAL)
+    assert {n for n in pipeline.OPTIONAL if pipeline.enabled(n)} == {n for n, r in pipeline.OPTIONAL.items() if r.default}
+    assert not pipeline.enabled("pad_keys")
     monkeypatch.setenv(pipeline.DISABLE_ENV, "all")
     assert not mine & {p.info.name for p in pipeline.phases(cuda)}
     assert not any(pipeline.enabled(n) for n in pipeline.OPTIONAL)
     monkeypatch.setenv(pipeline.DISABLE_ENV, "layer_norm")
     names = [p.info.name for p in pipeline.phases(cuda)]
     assert "AbsorbPartitionInputCasts" in names and "FuseLayerNorm" not in names
-    monkeypatch.setenv(pipeline.DISABLE_ENV, "layer_norm,typo")
+    monkeypatch.setenv(pipeline.ENABLE_ENV, "pad_keys,layer_norm")  # disabling wins
+    assert pipeline.enabled("pad_keys") and not pipeline.enabled("layer_norm")
+    monkeypatch.setenv(pipeline.ENABLE_ENV, "typo")
     with pytest.raises(ValueError, match="typo"):
         pipeline.enabled("layer_norm")
+    monkeypatch.delenv(pipeline.ENABLE_ENV)
     with pytest.raises(KeyError):
         pipeline.enabled("nonexistent")
 

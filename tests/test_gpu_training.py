@@ -24,16 +24,20 @@ def _torch_bf16(entry, inputs):
     return loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
-SMALL = {  # vit: 17 tokens, so attention runs padded to 32 keys (PadAttentionKeys)
+SMALL = {  # vit: 17 tokens, so with pad_keys on attention runs over 32 keys (PadAttentionKeys)
     "bert_layer": dict(batch=4, seq=64, hidden=128, heads=4),
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
 }
 
 
-@pytest.mark.parametrize("disabled", ["", "all"])  # the optional rewrites (pipeline.OPTIONAL) on, then off
+@pytest.mark.parametrize("switch", ["default", "disable=all", "enable=pad_keys"])  # pipeline.OPTIONAL
 @pytest.mark.parametrize("name", list(SMALL))
-def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, disabled, monkeypatch):
-    monkeypatch.setenv(pipeline.DISABLE_ENV, disabled)
+def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
+    monkeypatch.delenv(pipeline.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(pipeline.ENABLE_ENV, raising=False)
+    if switch != "default":
+        how, names = switch.split("=")
+        monkeypatch.setenv(pipeline.DISABLE_ENV if how == "disable" else pipeline.ENABLE_ENV, names)
     entry = models.ZOO[name](**SMALL[name])
     no_dropout(entry.model)
     step = tvm_evt.compile_training(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tvm_evt
-from tvm_evt import models
+from tvm_evt import models, pipeline
 from tvm_evt.errors import InputMismatchError, UnsupportedOpError
 
 from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
@@ -23,8 +23,11 @@ def _compile(entry, inputs, **kw):
     )
 
 
-@pytest.mark.parametrize("name", ZOO_NAMES)
-def test_zoo_loss_and_grads_match_torch(name):
+@pytest.mark.parametrize("name", ZOO_NAMES + ["vit+pad_keys", "gpt2_block+pad_keys"])
+def test_zoo_loss_and_grads_match_torch(name, monkeypatch):
+    name, _, switch = name.partition("+")  # an opt-in rewrite (pipeline.OPTIONAL) for this model
+    if switch:
+        monkeypatch.setenv(pipeline.ENABLE_ENV, switch)
     entry = models.ZOO[name]()
     no_dropout(entry.model)
     step = _compile(entry, entry.example_inputs())

@@ -13,8 +13,9 @@ One list of phases, in order (``phases(target)``):
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
     FuseLayerNorm      a decomposed layer norm left to TVM (statistics, normalize, affine, casts) as one kernel
     FuseLayerNormBackward  its input gradient (two row means and the combine) as one kernel
-                       (these two, AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision and the
-                       vectorizing schedule rule can be switched off: ``OPTIONAL``)
+                       (these two, AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision, the
+                       vectorizing schedule rule and training.py's PadAttentionKeys can be
+                       switched on or off: ``OPTIONAL``)
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
@@ -29,6 +30,7 @@ targets (``{"kind": "cuda", "arch": "sm_90a"}``, ``"nvidia/nvidia-h100"``) both 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -49,28 +51,47 @@ from .relax_passes.split_reduction import SplitReduction
 
 PIPELINE_NAME = "evt"
 
-# Rewrites that a process can switch off, to bisect a problem or to measure what each gives:
-# ``TVM_EVT_DISABLE=layer_norm,vectorize`` (comma-separated names, or ``all``).  All are on by
-# default; each passed the whole-step GPU check (tests/test_gpu_training.py) alone and together.
+# Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
+# ``TVM_EVT_DISABLE=layer_norm,vectorize`` and ``TVM_EVT_ENABLE=pad_keys`` (comma-separated
+# names, or ``all``; a name in both is off).  Those on by default passed the whole-step GPU check
+# (tests/test_gpu_training.py) alone and together; one off by default has not been run on a GPU.
 DISABLE_ENV = "TVM_EVT_DISABLE"
+ENABLE_ENV = "TVM_EVT_ENABLE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    description: str
+    default: bool = True
+
+
 OPTIONAL = {
-    "layer_norm": "FuseLayerNorm / FuseLayerNormBackward: a layer norm and its input gradient as one kernel each",
-    "vectorize": "VectorizedElementwise: 16-byte vector loads/stores for contiguous injective kernels",
-    "input_casts": "AbsorbPartitionInputCasts: casts that only feed an epilogue done inside it",
-    "softmax_bf16": "SaveSoftmaxLowPrecision: the softmax gradient reads P as rounded to bf16",
+    "layer_norm": Rewrite("FuseLayerNorm / FuseLayerNormBackward: a layer norm and its input gradient as one kernel each"),
+    "vectorize": Rewrite("VectorizedElementwise: 16-byte vector loads/stores for contiguous injective kernels"),
+    "input_casts": Rewrite("AbsorbPartitionInputCasts: casts that only feed an epilogue done inside it"),
+    "softmax_bf16": Rewrite("SaveSoftmaxLowPrecision: the softmax gradient reads P as rounded to bf16"),
+    "pad_keys": Rewrite("PadAttentionKeys: attention key lengths (ViT's 197) padded to a multiple of 16, so its "
+                        "GEMMs run on CUTLASS (off until run on a GPU)", default=False),
 }
+
+
+def _switched(env: str) -> set[str]:
+    names = {w.strip() for w in os.environ.get(env, "").split(",") if w.strip()}
+    unknown = names - set(OPTIONAL) - {"all"}
+    if unknown:
+        raise ValueError(f"{env}={os.environ[env]!r}: unknown name(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(OPTIONAL)}, all")
+    return names
 
 
 def enabled(name: str) -> bool:
     """Is the optional rewrite `name` (a key of ``OPTIONAL``) on in this process?"""
     if name not in OPTIONAL:
         raise KeyError(f"unknown optional rewrite {name!r}; known: {', '.join(OPTIONAL)}")
-    off = {w.strip() for w in os.environ.get(DISABLE_ENV, "").split(",") if w.strip()}
-    unknown = off - set(OPTIONAL) - {"all"}
-    if unknown:
-        raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: unknown name(s) {', '.join(sorted(unknown))}; "
-                         f"known: {', '.join(OPTIONAL)}, all")
-    return name not in off and "all" not in off
+    off, on = _switched(DISABLE_ENV), _switched(ENABLE_ENV)
+    if name in off or "all" in off:
+        return False
+    return name in on or "all" in on or OPTIONAL[name].default
 
 
 def graph_passes() -> list:

@@ -7,7 +7,7 @@ The training graph is built by `relax_passes` in this order:
 3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
    `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
    `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule);
-   `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment);
+   `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment; opt-in);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
 6. `AppendOptimizer`: ``train_step`` = forward + backward + update, one dataflow graph;
@@ -26,7 +26,7 @@ from tvm import relax
 
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import ImportedModel, from_torch
-from .pipeline import PIPELINE_NAME  # registers relax_pipeline="evt"
+from .pipeline import PIPELINE_NAME, enabled  # registers relax_pipeline="evt"
 from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
@@ -124,7 +124,8 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         Conv2dToMatmul(),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
-        PadAttentionKeys(),  # key lengths like ViT's 197 to a multiple of 16: CUTLASS-aligned GEMMs
+        # key lengths like ViT's 197 to a multiple of 16: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
+        *([PadAttentionKeys()] if enabled("pad_keys") else []),
     ]
     low = PRECISIONS[precision]
     loss_scale = None
