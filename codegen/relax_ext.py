@@ -25,7 +25,7 @@ import tvm_ffi
 
 from . import select
 from .backend import KernelConfig, default_config, emit, smem
-from .build import BuildError, build_each, link_module
+from .build import BuildError, build_each, kernel_entries, link_module
 from .errors import Unsupported
 from .frontend import from_function
 from .ir import Partition
@@ -122,8 +122,22 @@ def evt_codegen(funcs, options, constant_names):
         objects = build_kernels(kernels, jobs=int(jobs) if jobs is not None else None)
     except BuildError as err:
         raise tvm.error.TVMError(str(err)) from err
+    for symbol, path in objects.items():
+        for entry in kernel_entries(path):
+            _KERNEL_PARTITIONS.setdefault(entry, set()).add(symbol)
     obj = link_module([objects[s] for s in kernels], list(kernels))
     return [tvm.runtime.load_static_library(str(obj), list(kernels))]
+
+
+# mangled CUTLASS kernel name -> the partitions built into it in this process (profiles name
+# every CUTLASS kernel ``cutlass::device_kernel<GemmUniversal<...>>``; this says which it is)
+_KERNEL_PARTITIONS: dict[str, set[str]] = {}
+
+
+def kernel_partitions(kernel_name: str) -> list[str]:
+    """The evt partitions this process built whose CUTLASS kernel is `kernel_name` (as a profiler
+    reports it), else []."""
+    return sorted(_KERNEL_PARTITIONS.get(kernel_name, ()))
 
 
 def register() -> None:

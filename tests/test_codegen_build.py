@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 from tvm_evt.codegen import emit, from_function, lower
-from tvm_evt.codegen.build import cache, link_module, toolchain
+from tvm_evt.codegen.build import cache, kernel_entries, link_module, toolchain
 from tvm_evt.codegen.frontend import DROPOUT_EXTERN
 
 
@@ -91,6 +91,34 @@ def square_kernel():
     return lower(from_function(bb.get()["evt_build_square"]))
 
 
+KERNEL = "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalIN4cute5tupleIJiiiiEEEvEEEEvNT_6ParamsE"
+
+
+def test_kernel_entries_are_read_from_the_host_registration_strings(tmp_path):
+    """What an nvcc object holds (checked on real builds by the slow test): the entry's mangled
+    name, and nvcc's helper symbols with the same prefix, which are not kernels."""
+    obj = tmp_path / "k.o"
+    helper = KERNEL[: -len("EvNT_6ParamsE")] + "E6ParamsEE5__tmp"
+    obj.write_bytes(b"\x7fELF\0" + KERNEL.encode() + b"\0" + helper.encode() + b"\0" + KERNEL.encode() + b"\0")
+    assert kernel_entries(obj) == [KERNEL]
+
+
+def test_evt_codegen_remembers_which_partition_each_kernel_runs(monkeypatch, tmp_path):
+    from tvm_evt.codegen import relax_ext
+
+    obj = tmp_path / "k.o"
+    obj.write_bytes(b"\0" + KERNEL.encode() + b"\0")
+    monkeypatch.setattr(relax_ext, "generate_kernels", lambda funcs, options: {"evt_part_7": None})
+    monkeypatch.setattr(relax_ext, "build_kernels", lambda kernels, jobs=None: {"evt_part_7": obj})
+    monkeypatch.setattr(relax_ext, "link_module", lambda objects, symbols: obj)
+    monkeypatch.setattr(tvm.runtime, "load_static_library", lambda path, symbols: ("lib", symbols))
+    monkeypatch.setattr(relax_ext, "_KERNEL_PARTITIONS", {})
+    assert relax_ext.kernel_partitions(KERNEL) == []
+    assert relax_ext.evt_codegen(["f"], None, None) == [("lib", ["evt_part_7"])]
+    assert relax_ext.kernel_partitions(KERNEL) == ["evt_part_7"]
+    assert relax_ext.kernel_partitions("fused_add_kernel") == []
+
+
 @pytest.mark.slow
 def test_nvcc_builds_emitted_kernels(cache_home, request):
     if "slow" not in (request.config.option.markexpr or ""):
@@ -102,6 +130,7 @@ def test_nvcc_builds_emitted_kernels(cache_home, request):
     objects = cache.build_many(sources)
     first = time.monotonic() - start
     assert all(os.path.getsize(o) > 0 for o in objects.values())
+    assert all(len(kernel_entries(o)) == 1 for o in objects.values())  # one GEMM kernel each
     start = time.monotonic()
     again = cache.build_many(sources)  # content-addressed: served from the cache
     assert again == objects and time.monotonic() - start < min(first, 10)

@@ -16,6 +16,7 @@ libstdc++ is the iostream CUTLASS's TMA descriptor error path prints with.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
@@ -75,3 +76,15 @@ def weak_definitions(obj: Path) -> list[str]:
         if len(parts) == 3 and parts[1] in ("W", "V", "u"):
             names.append(parts[2])
     return sorted(set(names))
+
+
+# a CUTLASS kernel's entry as the host object registers it with the CUDA runtime (and as a
+# profiler names it): ``void cutlass::device_kernel<Operator>(Operator::Params)``; other symbols
+# with that prefix are nvcc's helpers (``..::Params __tmp``, ``__handle``)
+_KERNEL_ENTRY = re.compile(rb"_ZN7cutlass13device_kernel[A-Za-z0-9_]+EvNT_6ParamsE(?![A-Za-z0-9_])")
+
+
+def kernel_entries(obj: Path) -> list[str]:
+    """The mangled names of the CUTLASS device kernels an object launches (what CUPTI and
+    torch.profiler report), read from the host side's registration strings."""
+    return sorted({m.group().decode() for m in _KERNEL_ENTRY.finditer(Path(obj).read_bytes())})

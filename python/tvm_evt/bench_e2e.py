@@ -299,7 +299,7 @@ def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
 
 def profile_kernels(step, system: str, top: int) -> list[dict]:
     """Top GPU kernels of a few steps by total time (torch.profiler sees TVM's kernels as well,
-    through CUPTI)."""
+    through CUPTI); CUTLASS kernels are named by the evt partitions they run."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -307,13 +307,17 @@ def profile_kernels(step, system: str, top: int) -> list[dict]:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+    from .codegen.relax_ext import kernel_partitions
+
     rows = []
     for ev in prof.key_averages():
         dev_us = getattr(ev, "device_time_total", None)
         if dev_us is None:
             dev_us = getattr(ev, "cuda_time_total", 0)
         if dev_us > 0:
-            rows.append({"kernel": ev.key[:120], "calls_per_step": ev.count / 3, "ms_per_step": dev_us / 3e3})
+            parts = kernel_partitions(ev.key)  # a CUTLASS kernel: name the partitions it runs
+            name = f"cutlass {' = '.join(parts)}" if parts else ev.key[:120]
+            rows.append({"kernel": name, "calls_per_step": ev.count / 3, "ms_per_step": dev_us / 3e3})
     rows.sort(key=lambda r: -r["ms_per_step"])
     return rows[:top]
 
