@@ -19,6 +19,12 @@ gradient) are GEMMs the EVT partitioner offloads.  ``windows`` is chosen by the 
 Only ``groups == 1`` NCHW/OIHW convolutions with static shapes are rewritten (and NCW/OIW
 ``conv1d``, as a conv2d of height 1: XML-CNN); the rest stay as they are.  The gathered columns
 are KH*KW times the input (3x3: 9x) in memory.
+
+NHWC/OHWI convolutions (``relax.transform.ConvertLayout`` makes them, with the layout carried
+through batch norm, ReLU and residual adds between them) are rewritten too, and more cheaply:
+each tap is a channel-contiguous slice, the taps concatenate along the channels into rows of
+``[KH, KW, C]`` (an OHWI weight's order), and the GEMM's ``[N*OH*OW, O]`` is already NHWC; no
+transpose on either side.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from ._rewrite import mutate_relax_functions, static_shape
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 CONV1D = tvm.ir.Op.get("relax.nn.conv1d")
 MAX_WINDOW = 9  # taps gathered by strided slices (3x3); larger overlapping windows stay conv2d
+NHWC = ("NHWC", "OHWI", "NHWC")  # what relax.transform.ConvertLayout makes (pipeline.OPTIONAL "nhwc")
 
 
 def _ints(values) -> list[int]:
@@ -50,10 +57,21 @@ class _Rewriter(PyExprMutator):
         xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
         a = call.attrs
         layouts = ("NCHW", "OIHW", "NCHW") if call.op == CONV2D else ("NCW", "OIW", "NCW")
-        if (xs is None or ws is None or ys is None or int(a.groups) != 1
-                or (a.data_layout, a.kernel_layout, a.out_layout or layouts[2]) != layouts):
+        given = (a.data_layout, a.kernel_layout, a.out_layout or a.data_layout)
+        nhwc = call.op == CONV2D and given == NHWC
+        if xs is None or ws is None or ys is None or int(a.groups) != 1 or (given != layouts and not nhwc):
             return call
         stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
+        emit = self.builder_.emit
+        out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
+        if nhwc:  # channels innermost: the windows are channel-contiguous and the output needs no transpose
+            (n, _, _, c), (o, kh, kw, _), (_, oh, ow, _) = xs, ws, ys
+            cols = self._windows_nhwc(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)
+            if cols is None:
+                return call
+            w2 = emit(relax.op.permute_dims(emit(relax.op.reshape(w, [o, kh * kw * c])), [1, 0]))
+            y = emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
+            return relax.op.reshape(y, [n, oh, ow, o])
         if call.op == CONV1D:  # a conv2d of height 1
             xs, ws, ys = (*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2]), (*ys[:2], 1, ys[2])
             stride, dilation, pad = [1, *stride], [1, *dilation], [0, pad[0], 0, pad[1]]
@@ -62,9 +80,7 @@ class _Rewriter(PyExprMutator):
         cols = self._windows(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)  # pad: top, left, bottom, right
         if cols is None:
             return call
-        emit = self.builder_.emit
         w2 = emit(relax.op.permute_dims(emit(relax.op.reshape(w, [o, c * kh * kw])), [1, 0]))
-        out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
         y = emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
         if call.op == CONV1D:
             return relax.op.permute_dims(emit(relax.op.reshape(y, [n, ow, o])), [0, 2, 1])
@@ -99,6 +115,34 @@ class _Rewriter(PyExprMutator):
         stacked = emit(relax.op.concat(taps, axis=2))  # [N, C, KH*KW, OH, OW]
         cols = emit(relax.op.permute_dims(stacked, [0, 3, 4, 1, 2]))
         return emit(relax.op.reshape(cols, [rows, c * math.prod(kernel)]))
+
+    def _windows_nhwc(self, x, xs, kernel, out, stride, dilation, pad):
+        """``[N*OH*OW, KH*KW*C]`` columns of an NHWC input (kernel row, column, then channel: the
+        order of an OHWI weight's rows), or None."""
+        emit = self.builder_.emit
+        (n, h, wd, c), (kh, kw), (oh, ow) = xs, kernel, out
+        rows = n * oh * ow
+        if (kh, kw) == (1, 1) and not any(pad):
+            if stride != [1, 1]:
+                x = emit(relax.op.strided_slice(x, [1, 2], [0, 0], [(oh - 1) * stride[0] + 1, (ow - 1) * stride[1] + 1],
+                                                stride))
+            return emit(relax.op.reshape(x, [rows, c]))
+        if stride == [kh, kw] and dilation == [1, 1] and not any(pad) and (oh * kh, ow * kw) == (h, wd):
+            patches = emit(relax.op.reshape(x, [n, oh, kh, ow, kw, c]))
+            patches = emit(relax.op.permute_dims(patches, [0, 1, 3, 2, 4, 5]))
+            return emit(relax.op.reshape(patches, [rows, kh * kw * c]))
+        if kh * kw > MAX_WINDOW:
+            return None
+        if any(pad):
+            x = emit(relax.op.nn.pad(x, [0, 0, pad[0], pad[2], pad[1], pad[3], 0, 0]))
+        taps = []
+        for i in range(kh):
+            for j in range(kw):
+                begin = [i * dilation[0], j * dilation[1]]
+                end = [b + (e - 1) * s + 1 for b, e, s in zip(begin, (oh, ow), stride)]
+                taps.append(emit(relax.op.strided_slice(x, [1, 2], begin, end, stride)))  # [N, OH, OW, C]
+        cols = emit(relax.op.concat(taps, axis=3)) if len(taps) > 1 else taps[0]  # [N, OH, OW, KH*KW*C]
+        return emit(relax.op.reshape(cols, [rows, kh * kw * c]))
 
 
 @tvm.transform.module_pass(opt_level=0, name="Conv2dToMatmul")

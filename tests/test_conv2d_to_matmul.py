@@ -15,13 +15,18 @@ CASES = [  # (x shape, w shape, stride, padding, dilation)
 ]
 
 
-def _conv_module(xs, ws, stride, padding, dilation):
+def _conv_module(xs, ws, stride, padding, dilation, nhwc=False):
+    """conv2d of NCHW x and OIHW w; with `nhwc`, of the same tensors held NHWC and OHWI."""
     bb = relax.BlockBuilder()
+    if nhwc:
+        xs, ws = (xs[0], xs[2], xs[3], xs[1]), (ws[0], ws[2], ws[3], ws[1])
     x = relax.Var("x", relax.TensorType(xs, "float32"))
     w = relax.Var("w", relax.TensorType(ws, "float32"))
+    layouts = dict(data_layout="NHWC", kernel_layout="OHWI") if nhwc else {}
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            y = bb.emit_output(relax.op.nn.conv2d(x, w, strides=stride, padding=padding, dilation=dilation))
+            y = bb.emit_output(relax.op.nn.conv2d(x, w, strides=stride, padding=padding, dilation=dilation,
+                                                  **layouts))
         bb.emit_func_output(y)
     return bb.get()
 
@@ -36,14 +41,18 @@ def _ops(mod):
             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
 
 
+@pytest.mark.parametrize("nhwc", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_conv2d_becomes_one_matmul_with_the_same_result(case):
-    before = _conv_module(*case)
+def test_conv2d_becomes_one_matmul_with_the_same_result(case, nhwc):
+    before = _conv_module(*case, nhwc=nhwc)
     after = Conv2dToMatmul()(before)
     ops = _ops(after)
     assert "relax.nn.conv2d" not in ops and ops.count("relax.matmul") == 1, ops
+    if nhwc:  # channel-contiguous windows, an NHWC result: the weight's transpose is the only one
+        patches = case == CASES[-1]  # (and the reorder of non-overlapping patches)
+        assert ops.count("relax.permute_dims") == 1 + patches, ops
     rng = np.random.default_rng()
-    args = [rng.standard_normal(case[0]).astype("float32"), rng.standard_normal(case[1]).astype("float32")]
+    args = [rng.standard_normal([int(d) for d in p.ty.shape.values]).astype("float32") for p in before["main"].params]
     np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-4)
 
 

@@ -23,7 +23,7 @@ def _compile(entry, inputs, **kw):
     )
 
 
-@pytest.mark.parametrize("name", ZOO_NAMES + ["vit+pad_keys", "gpt2_block+pad_keys"])
+@pytest.mark.parametrize("name", ZOO_NAMES + ["vit+pad_keys", "gpt2_block+pad_keys", "resnet_basic+nhwc", "vit+nhwc"])
 def test_zoo_loss_and_grads_match_torch(name, monkeypatch):
     name, _, switch = name.partition("+")  # an opt-in rewrite (pipeline.OPTIONAL) for this model
     if switch:

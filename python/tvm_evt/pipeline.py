@@ -72,6 +72,8 @@ OPTIONAL = {
     "softmax_bf16": Rewrite("SaveSoftmaxLowPrecision: the softmax gradient reads P as rounded to bf16"),
     "pad_keys": Rewrite("PadAttentionKeys: attention key lengths (ViT's 197) padded to a multiple of 16, so its "
                         "GEMMs run on CUTLASS (off until run on a GPU)", default=False),
+    "nhwc": Rewrite("ConvertConvLayout (NHWC/OHWI) before Conv2dToMatmul: channel-contiguous im2col, no transposes "
+                    "between convolutions (off until run on a GPU)", default=False),
 }
 
 

@@ -6,7 +6,7 @@ The training graph is built by `relax_passes` in this order:
 2. `check_differentiable`: every op between a parameter and the loss has a gradient rule;
 3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
    `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
-   `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule);
+   `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule; opt-in NHWC);
    `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment; opt-in);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
@@ -31,6 +31,7 @@ from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient 
 from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
 from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
+from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.pad_attention_keys import PadAttentionKeys
@@ -121,6 +122,8 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     passes = [
         LowerDropout(),
         ExpandSmallPower(),
+        # convolutions (and the batch norms and ReLUs between them) in NHWC: opt-in, pipeline.OPTIONAL
+        *([ConvertConvLayout()] if enabled("nhwc") else []),
         Conv2dToMatmul(),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),

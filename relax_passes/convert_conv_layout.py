@@ -1,0 +1,59 @@
+"""ConvertConvLayout: convolutions to NHWC/OHWI, with the layout carried between them.
+
+TVM's ``ConvertLayout`` rewrites each ``conv2d`` to NHWC input and output and OHWI weights and
+carries the layout through the ops that allow it (batch-norm statistics and affine, ReLU,
+residual adds), transposing only where a layout-bound op or the function's result needs NCHW.
+Run before ``Conv2dToMatmul``, that makes every im2col gather channel-contiguous and removes the
+NHWC<->NCHW transposes around each convolution GEMM.
+
+Two things are fixed after it: TVM 0.27's ``ConvertLayout`` also wraps 0-d tensors (a loss
+computed from NCHW values) in ``permute_dims``, whose gradient then fails ("Index -2 out of
+bounds"), and such identity permutes are dropped; and the pass runs only where there is a
+convolution to convert, so other models keep their graph untouched.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._rewrite import mutate_relax_functions
+
+CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
+PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
+
+
+@mutator
+class _DropIdentityPermutes(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op != PERMUTE:
+            return call
+        x = call.args[0]
+        ndim = x.ty.ndim
+        axes = None if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
+        if ndim == 0 or (axes is not None and axes == list(range(ndim))):
+            return x
+        return call
+
+
+def _has_conv2d(mod: tvm.IRModule) -> bool:
+    found = []
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func.body, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op == CONV2D else None)
+    return bool(found)
+
+
+@tvm.transform.module_pass(opt_level=0, name="ConvertConvLayout")
+class ConvertConvLayout:
+    """NHWC/OHWI convolutions, layouts carried between them (module docstring)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        if not _has_conv2d(mod):
+            return mod
+        mod = relax.transform.ConvertLayout(LAYOUTS)(mod)
+        return mutate_relax_functions(_DropIdentityPermutes(mod), mod)
