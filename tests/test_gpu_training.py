@@ -27,11 +27,16 @@ def _torch_bf16(entry, inputs):
 SMALL = {  # vit: 17 tokens, so with pad_keys on attention runs over 32 keys (PadAttentionKeys)
     "bert_layer": dict(batch=4, seq=64, hidden=128, heads=4),
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
+    "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
 }
+CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and each opt-in where it acts
+    ("bert_layer", "default"), ("bert_layer", "disable=all"), ("resnet_basic", "default"),
+    ("resnet_basic", "enable=nhwc"),
+    ("vit", "enable=pad_keys"),  # without it, the 17-key attention GEMMs are left to TVM (misaligned)
+]
 
 
-@pytest.mark.parametrize("switch", ["default", "disable=all", "enable=pad_keys"])  # pipeline.OPTIONAL
-@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("name,switch", CASES)
 def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     monkeypatch.delenv(pipeline.DISABLE_ENV, raising=False)
     monkeypatch.delenv(pipeline.ENABLE_ENV, raising=False)
