@@ -12,7 +12,8 @@ is vector-friendly:
 * the innermost iterator ``i`` appears only in the last index, as ``i + rest`` with ``rest`` a
   provable multiple of ``v`` (so vectors start aligned), or not at all (a broadcast);
 * every buffer's last extent and ``i``'s extent are multiples of ``v``;
-* no bool buffer is read along ``i`` (TVM 0.27's CUDA codegen has no ``boolxN`` type).
+* no bool buffer is read along ``i``, and no bool value (a comparison: ReLU's backward
+  ``where(x > 0, dy, 0)``) is computed along it: TVM 0.27's CUDA codegen has no ``boolxN`` type.
 
 Anything else (true transposes that move the innermost axis, strided slices, reductions) is
 declined and goes to the next rule.
@@ -31,6 +32,8 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
 THREADS = 256
 VECTOR_BYTES = 16
+# the expression kinds that make bool values: comparisons, logic, casts
+BOOL_VALUED = (tirx.GT, tirx.GE, tirx.LT, tirx.LE, tirx.EQ, tirx.NE, tirx.And, tirx.Or, tirx.Not, tirx.Cast)
 
 
 def _accesses(block: tirx.SBlock) -> list[tuple[tirx.Buffer, list]]:
@@ -48,12 +51,26 @@ def _uses_var(expr, var) -> bool:
     return bool(hit)
 
 
+def _bool_values_along(block: tirx.SBlock, var) -> bool:
+    """Does the block compute a bool value that varies along `var` (it would be a boolxN vector)?"""
+    hit = []
+
+    def visit(node) -> None:
+        if str(node.ty) == "bool" and _uses_var(node, var):
+            hit.append(node)
+
+    tvm_ffi.structural_walk(block.body, [(kind, visit) for kind in BOOL_VALUED], order="post")
+    return bool(hit)
+
+
 def vector_lanes(block: tirx.SBlock) -> int:
     """The lanes `v` every access of `block` allows along its innermost iterator (1: none)."""
     if not block.iter_vars or any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars):
         return 1
     inner = block.iter_vars[-1]
     extent = int(inner.dom.extent) if isinstance(inner.dom.extent, tirx.IntImm) else 0
+    if _bool_values_along(block, inner.var):
+        return 1
     accesses = _accesses(block)
     widest = max((tvm.DataType(str(b.dtype)).bits for b, _ in accesses), default=8)
     lanes = max(1, VECTOR_BYTES * 8 // widest)

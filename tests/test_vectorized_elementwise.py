@@ -27,6 +27,9 @@ def _kernels():
         # a bool mask read along the vector: no boolxN type in TVM's CUDA codegen
         "mask": ([x, m, te.compute((32, 256), lambda i, j: tirx.Select(m[i, j], x[i, j], tirx.const(0, "bfloat16")),
                                    name="y")], 0),
+        # a comparison along the vector (ReLU's backward): it would be a boolxN value
+        "relu_bwd": ([x, te.compute((32, 256), lambda i, j: tirx.Select(x[i, j] > tirx.const(0, "bfloat16"), x[i, j],
+                                                                           tirx.const(0, "bfloat16")), name="y")], 0),
         # a transpose that moves the innermost axis
         "transpose": ([x, te.compute((256, 32), lambda i, j: x[j, i], name="y")], 0),
         # a shifted window: vectors would start misaligned
@@ -51,6 +54,18 @@ def test_takes_contiguous_injective_kernels_and_declines_the_rest(name):
     if lanes:
         script = out.script()
         assert "T.vectorized" in script and f"T.vectorized({lanes})" in script.replace("T.int64(", "(")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("name", ["mask", "relu_bwd"])
+def test_declined_bool_kernels_build_for_cuda(name):
+    """What the rule leaves to DLight's other rules builds (a vectorized compare did not:
+    'Cannot convert type T.boolx8 to CUDA type', ResNet's ReLU backward in NHWC)."""
+    tensors, _ = _kernels()[name]
+    with tvm.target.Target(CUDA):
+        mod = dl.ApplyDefaultSchedule(VectorizedElementwise(), dl.gpu.Fallback())(
+            tvm.IRModule({"main": te.create_prim_func(tensors)}))
+    assert tvm.compile(mod, target=tvm.target.Target(CUDA))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
