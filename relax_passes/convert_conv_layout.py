@@ -6,10 +6,12 @@ residual adds), transposing only where a layout-bound op or the function's resul
 Run before ``Conv2dToMatmul``, that makes every im2col gather channel-contiguous and removes the
 NHWC<->NCHW transposes around each convolution GEMM.
 
-Two things are fixed after it: TVM 0.27's ``ConvertLayout`` also wraps 0-d tensors (a loss
-computed from NCHW values) in ``permute_dims``, whose gradient then fails ("Index -2 out of
-bounds"), and such identity permutes are dropped; and the pass runs only where there is a
-convolution to convert, so other models keep their graph untouched.
+Fixed after it: TVM 0.27's ``ConvertLayout`` also wraps 0-d tensors (a loss computed from NCHW
+values) in ``permute_dims``, whose gradient then fails ("Index -2 out of bounds"): such identity
+permutes are dropped; and the per-channel vectors of batch norm, ``[1, C, 1, 1]`` <->
+``[1, 1, 1, C]``, are permuted where only unit axes move: those become reshapes, which move no
+data and fuse with their neighbours.  The pass runs only where there is a convolution to
+convert, so other models keep their graph untouched.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions
+from ._rewrite import mutate_relax_functions, static_shape
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -33,9 +35,13 @@ class _DropIdentityPermutes(PyExprMutator):
             return call
         x = call.args[0]
         ndim = x.ty.ndim
-        axes = None if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
-        if ndim == 0 or (axes is not None and axes == list(range(ndim))):
+        axes = list(range(ndim))[::-1] if call.attrs.axes is None else [int(a) % max(ndim, 1) for a in call.attrs.axes]
+        if ndim == 0 or axes == list(range(ndim)):
             return x
+        shape = static_shape(x)
+        moved = [a for a in axes if shape is not None and shape[a] != 1]
+        if shape is not None and moved == sorted(moved):  # only unit axes move: a reshape, no data movement
+            return relax.op.reshape(x, [shape[a] for a in axes])
         return call
 
 
