@@ -42,8 +42,9 @@ CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits
 def _config(options, partition) -> KernelConfig:
     """Explicit options (``tile``, ``schedule``, ...) win; then, with option ``select`` or
     ``TVM_EVT_SELECT=1``, the choice ``codegen.select`` persisted for this partition on this GPU;
-    then ``select.heuristic_config`` (by problem shape).  A choice whose epilogue leaves the main loop fewer than 2 shared-memory
-    stages is replaced by the first fallback that fits (``legality.fitting_config``)."""
+    then ``select.heuristic_config`` (by problem shape).  A choice whose epilogue leaves the main
+    loop fewer than 2 shared-memory stages is replaced by the first fallback that fits
+    (``legality.fitting_config``)."""
     options = options or {}
     explicit = {k: options[k] for k in CONFIG_KEYS if k in options}
     if explicit:

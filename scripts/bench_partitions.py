@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
     rows = tuning.compare_configs(parts)
-    print(f"{'partition':30s} {'batch':>5s} {'M x N x K':>18s} {'default ms':>10s} {'heuristic':>32s} {'ms':>7s} {'speedup':>7s}")
+    print(f"{'partition':30s} {'batch':>5s} {'M x N x K':>18s} {'default ms':>10s} {'heuristic':>32s} "
+          f"{'ms':>7s} {'speedup':>7s}")
     for r in rows:
         print(f"{r['symbol']:30s} {r['batch']:5d} {'x'.join(map(str, r['mnk'])):>18s} {r['default_ms']:10.3f} "
               f"{r['heuristic']:>32s} {r['heuristic_ms']:7.3f} {r['speedup']:7.2f}"

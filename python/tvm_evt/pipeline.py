@@ -66,7 +66,8 @@ class Rewrite:
 
 
 OPTIONAL = {
-    "layer_norm": Rewrite("FuseLayerNorm / FuseLayerNormBackward: a layer norm and its input gradient as one kernel each"),
+    "layer_norm": Rewrite("FuseLayerNorm / FuseLayerNormBackward: a layer norm and its input gradient as one "
+                          "kernel each"),
     "vectorize": Rewrite("VectorizedElementwise: 16-byte vector loads/stores for contiguous injective kernels"),
     "input_casts": Rewrite("AbsorbPartitionInputCasts: casts that only feed an epilogue done inside it"),
     "softmax_bf16": Rewrite("SaveSoftmaxLowPrecision: the softmax gradient reads P as rounded to bf16"),
