@@ -72,8 +72,8 @@ def _widened(call: relax.Call, keys: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One op kind a chain may hold: ``legal(call, x, ctx)`` says `call` is a step from `x`;
-    ``rebuild(call, x, keys, emit, ctx)`` is the same op at key width `keys` reading the padded
-    `x` (``emit`` binds any extra expression it needs)."""
+    ``rebuild(call, x, keys, emit, ctx, old)`` is the same op at key width `keys` reading the
+    padded `x` in place of the chain's `old` value (``emit`` binds any extra expression it needs)."""
 
     legal: Callable
     rebuild: Callable
