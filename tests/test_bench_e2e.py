@@ -17,6 +17,8 @@ def fake_results():
          "torch_peak_mb": 9000.0, "device_used_mb": 9500.0},
         {"model": "bert_large", "system": "tvm_evt", "ok": True, "step_ms": 80.0, "compile_s": 60.0,
          "device_used_mb": 7000.0, "kernels": [{"kernel": "evt_gemm|x", "calls_per_step": 4, "ms_per_step": 20.0}]},
+        {"model": "gpt2_medium", "system": "tvm_evt", "ok": True, "step_ms": 50.0, "compile_s": 60.0,
+         "rewrites": ["layer_norm", "input_casts", "softmax_bf16", "pad_keys"], "note": "at abc123"},
         {"model": "bert_large", "system": "compile", "ok": False, "error": "timed out after 540 s"},
         {"model": "resnet50", "system": "eager_sdpa", "skipped": "no attention"},
     ]
@@ -55,6 +57,10 @@ def test_reports_from_fake_results(tmp_path):
     md = (tmp_path / "bench_e2e.md").read_text()
     assert "| BERT-Large layer | tvm_evt | 80.00 | 1.25× |" in md
     assert "FAILED: timed out" in md and "n/a: no attention" in md
+    # the optional rewrites a tvm_evt row was compiled with, where they differ from the defaults
+    assert md.splitlines()[[i for i, ln in enumerate(md.splitlines()) if "| GPT-2" in ln][0]].endswith(
+        "| +pad_keys -vectorize; at abc123 |")
+    assert "| BERT-Large layer | tvm_evt | 80.00 | 1.25× | 60.0 | – | 7000 | |" in md  # no record: no note
     assert "Top kernels: bert_large / tvm_evt" in md and "`evt_gemm/x`" in md
     png = tmp_path / "bench_e2e.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -215,6 +215,8 @@ def measure(job: dict) -> dict:
     inputs = [t.cuda() for t in entry.example_inputs()]
     if system.startswith("tvm"):
         step, compile_s = _tvm_step(entry, inputs, system, job.get("tuning_dir"))
+        if system != "tvm_default":
+            row["rewrites"] = rewrites_in_effect()
     else:
         step, compile_s = _torch_step(entry, inputs, system, channels_last=model == "resnet50")
     start = time.perf_counter()
@@ -233,6 +235,24 @@ def measure(job: dict) -> dict:
     if job.get("profile"):
         row["kernels"] = profile_kernels(step, system, job.get("top", 15))
     return row
+
+
+def rewrites_in_effect() -> list[str]:
+    """The optional rewrites (``pipeline.OPTIONAL``) this process compiles with."""
+    from .pipeline import OPTIONAL, enabled
+
+    return [name for name in OPTIONAL if enabled(name)]
+
+
+def _rewrites_note(row: dict) -> str:
+    """How a row's optional rewrites differ from today's defaults ("+pad_keys -vectorize")."""
+    from .pipeline import OPTIONAL
+
+    if "rewrites" not in row:
+        return ""
+    on = set(row["rewrites"])
+    return " ".join([f"+{n}" for n, r in OPTIONAL.items() if n in on and not r.default]
+                    + [f"-{n}" for n, r in OPTIONAL.items() if n not in on and r.default])
 
 
 def time_steps(step, n: int) -> list[float]:
@@ -377,8 +397,10 @@ def markdown(data: dict) -> str:
         else:
             sp = speed.get((r["model"], r["system"]))
             torch_mb = r.get("torch_peak_mb") if not r["system"].startswith("tvm") else None
-            lines.append(f"| {label} | {r['system']} | {r['step_ms']:.2f} | {_fmt(sp, 'x')} | {_fmt(r.get('compile_s'), '1')} "
-                         f"| {_fmt(torch_mb, '0')} | {_fmt(r.get('device_used_mb'), '0')} | |")
+            note = "; ".join(n for n in (_rewrites_note(r), r.get("note", "")) if n).replace("|", "/")
+            cells = [label, r["system"], f"{r['step_ms']:.2f}", _fmt(sp, "x"), _fmt(r.get("compile_s"), "1"),
+                     _fmt(torch_mb, "0"), _fmt(r.get("device_used_mb"), "0")]
+            lines.append("| " + " | ".join(cells) + " |" + (f" {note} |" if note else " |"))
     prof = [r for r in data["rows"] if r.get("kernels")]
     for r in prof:
         lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", "",
