@@ -78,6 +78,18 @@ def emit_call_tir(builder: relax.BlockBuilder, gvar: relax.GlobalVar, args: list
     return [builder.emit(relax.TupleGetItem(call, i)) for i in range(len(types))]
 
 
+def has_call(expr: relax.Expr, op: tvm.ir.Op) -> bool:
+    """Does `expr` (a function body, say) call `op` anywhere?"""
+    found = []
+
+    def note(e) -> None:
+        if isinstance(e, relax.Call) and e.op == op:
+            found.append(e)
+
+    relax.analysis.post_order_visit(expr, note)
+    return bool(found)
+
+
 def producer(mutator, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
     """The call to `op` bound to `expr` in the function `mutator` is visiting, else None."""
     if isinstance(expr, relax.Var):

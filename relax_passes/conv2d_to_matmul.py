@@ -47,6 +47,18 @@ def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
+def _taps(emit, x, spatial, kernel, out, stride, dilation) -> list:
+    """One strided slice of `x` over its `spatial` (height, width) axes per kernel tap, kernel
+    rows then columns: the input each tap of an `out`-sized convolution output reads."""
+    taps = []
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            begin = [i * dilation[0], j * dilation[1]]
+            end = [b + (e - 1) * s + 1 for b, e, s in zip(begin, out, stride)]
+            taps.append(emit(relax.op.strided_slice(x, spatial, begin, end, stride)))
+    return taps
+
+
 @mutator
 class _Rewriter(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -94,8 +106,7 @@ class _Rewriter(PyExprMutator):
         rows = n * oh * ow
         if (kh, kw) == (1, 1) and not any(pad):
             if stride != [1, 1]:
-                x = emit(relax.op.strided_slice(x, [2, 3], [0, 0], [(oh - 1) * stride[0] + 1, (ow - 1) * stride[1] + 1],
-                                                stride))
+                (x,) = _taps(emit, x, [2, 3], kernel, out, stride, dilation)
             return emit(relax.op.reshape(emit(relax.op.permute_dims(x, [0, 2, 3, 1])), [rows, c]))
         if stride == [kh, kw] and dilation == [1, 1] and not any(pad) and (oh * kh, ow * kw) == (h, wd):
             patches = emit(relax.op.reshape(x, [n, c, oh, kh, ow, kw]))
@@ -105,13 +116,7 @@ class _Rewriter(PyExprMutator):
             return None
         if any(pad):
             x = emit(relax.op.nn.pad(x, [0, 0, 0, 0, pad[0], pad[2], pad[1], pad[3]]))
-        taps = []
-        for i in range(kh):
-            for j in range(kw):
-                begin = [i * dilation[0], j * dilation[1]]
-                end = [b + (e - 1) * s + 1 for b, e, s in zip(begin, (oh, ow), stride)]
-                tap = emit(relax.op.strided_slice(x, [2, 3], begin, end, stride))
-                taps.append(emit(relax.op.expand_dims(tap, 2)))
+        taps = [emit(relax.op.expand_dims(tap, 2)) for tap in _taps(emit, x, [2, 3], kernel, out, stride, dilation)]
         stacked = emit(relax.op.concat(taps, axis=2))  # [N, C, KH*KW, OH, OW]
         cols = emit(relax.op.permute_dims(stacked, [0, 3, 4, 1, 2]))
         return emit(relax.op.reshape(cols, [rows, c * math.prod(kernel)]))
@@ -124,8 +129,7 @@ class _Rewriter(PyExprMutator):
         rows = n * oh * ow
         if (kh, kw) == (1, 1) and not any(pad):
             if stride != [1, 1]:
-                x = emit(relax.op.strided_slice(x, [1, 2], [0, 0], [(oh - 1) * stride[0] + 1, (ow - 1) * stride[1] + 1],
-                                                stride))
+                (x,) = _taps(emit, x, [1, 2], kernel, out, stride, dilation)
             return emit(relax.op.reshape(x, [rows, c]))
         if stride == [kh, kw] and dilation == [1, 1] and not any(pad) and (oh * kh, ow * kw) == (h, wd):
             patches = emit(relax.op.reshape(x, [n, oh, kh, ow, kw, c]))
@@ -135,12 +139,7 @@ class _Rewriter(PyExprMutator):
             return None
         if any(pad):
             x = emit(relax.op.nn.pad(x, [0, 0, pad[0], pad[2], pad[1], pad[3], 0, 0]))
-        taps = []
-        for i in range(kh):
-            for j in range(kw):
-                begin = [i * dilation[0], j * dilation[1]]
-                end = [b + (e - 1) * s + 1 for b, e, s in zip(begin, (oh, ow), stride)]
-                taps.append(emit(relax.op.strided_slice(x, [1, 2], begin, end, stride)))  # [N, OH, OW, C]
+        taps = _taps(emit, x, [1, 2], kernel, out, stride, dilation)  # each [N, OH, OW, C]
         cols = emit(relax.op.concat(taps, axis=3)) if len(taps) > 1 else taps[0]  # [N, OH, OW, KH*KW*C]
         return emit(relax.op.reshape(cols, [rows, kh * kw * c]))
 

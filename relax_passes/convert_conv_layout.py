@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, static_shape
+from ._rewrite import has_call, mutate_relax_functions, static_shape
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -28,7 +28,7 @@ LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
 
 
 @mutator
-class _DropIdentityPermutes(PyExprMutator):
+class _SimplifyPermutes(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op != PERMUTE:
@@ -45,21 +45,12 @@ class _DropIdentityPermutes(PyExprMutator):
         return call
 
 
-def _has_conv2d(mod: tvm.IRModule) -> bool:
-    found = []
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(
-                func.body, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op == CONV2D else None)
-    return bool(found)
-
-
 @tvm.transform.module_pass(opt_level=0, name="ConvertConvLayout")
 class ConvertConvLayout:
     """NHWC/OHWI convolutions, layouts carried between them (module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        if not _has_conv2d(mod):
+        if not any(isinstance(f, relax.Function) and has_call(f.body, CONV2D) for _, f in mod.functions_items()):
             return mod
         mod = relax.transform.ConvertLayout(LAYOUTS)(mod)
-        return mutate_relax_functions(_DropIdentityPermutes(mod), mod)
+        return mutate_relax_functions(_SimplifyPermutes(mod), mod)

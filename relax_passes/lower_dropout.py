@@ -17,7 +17,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import add_function_once
+from ._rewrite import add_function_once, has_call
 from .philox import dropout_keep_primfunc
 
 SEED_PARAM = "rng_seed"
@@ -32,14 +32,6 @@ def keep_mask_function(builder: relax.BlockBuilder, shape, rate: float) -> relax
     tag = f"{rate:.6g}".replace(".", "p")
     return add_function_once(builder, f"dropout_keep_{'x'.join(map(str, shape))}_{tag}",
                              lambda: dropout_keep_primfunc(shape, rate))
-
-
-def _has_dropout(func: relax.Function) -> bool:
-    found = []
-    relax.analysis.post_order_visit(
-        func.body, lambda e: found.append(1) if isinstance(e, relax.Call) and e.op == DROPOUT else None
-    )
-    return bool(found)
 
 
 @mutator
@@ -81,7 +73,7 @@ class LowerDropout:
         targets = [
             (gv, f)
             for gv, f in mod.functions_items()
-            if isinstance(f, relax.Function) and _has_dropout(f)
+            if isinstance(f, relax.Function) and has_call(f.body, DROPOUT)
         ]
         if not targets:
             return mod

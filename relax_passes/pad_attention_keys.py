@@ -72,8 +72,8 @@ def _widened(call: relax.Call, keys: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One op kind a chain may hold: ``legal(call, x, ctx)`` says `call` is a step from `x`;
-    ``rebuild(call, x, keys, emit, ctx, old)`` is the same op at key width `keys` reading the
-    padded `x` in place of the chain's `old` value (``emit`` binds any extra expression it needs)."""
+    ``rebuild(call, x, keys, builder, ctx, old)`` is the same op at key width `keys` reading the
+    padded `x` in place of the chain's `old` value (`builder` binds any extra expression it needs)."""
 
     legal: Callable
     rebuild: Callable
@@ -88,7 +88,7 @@ def _with_scalar(call, x, _ctx) -> bool:
     return (a.same_as(x) and _is_scalar(b)) or (b.same_as(x) and _is_scalar(a))
 
 
-def _binary(call, x, keys, emit, ctx, old):
+def _binary(call, x, keys, builder, ctx, old):
     return relax.Call(call.op, [x if a.same_as(old) else a for a in call.args], call.attrs)
 
 
@@ -96,12 +96,12 @@ def _softmax_over_keys(call, x, _ctx) -> bool:
     return call.args[0].same_as(x) and int(call.attrs.axis) in (-1, x.ty.ndim - 1)
 
 
-def _masked_softmax(call, x, keys, emit, ctx, old):
+def _masked_softmax(call, x, keys, builder, ctx, old):
     dtype = str(x.ty.dtype)
     real = int(old.ty.shape.values[-1])
     bias = np.zeros([keys], dtype="float32")
     bias[real:] = -np.inf  # the padded keys get probability 0
-    return relax.op.nn.softmax(emit(relax.op.add(x, relax.const(bias.astype(dtype), dtype))), axis=-1)
+    return relax.op.nn.softmax(builder.emit(relax.op.add(x, relax.const(bias.astype(dtype), dtype))), axis=-1)
 
 
 def _dropout_where(call, x, ctx) -> bool:  # LowerDropout's where(keep, x, 0)
@@ -109,19 +109,19 @@ def _dropout_where(call, x, ctx) -> bool:  # LowerDropout's where(keep, x, 0)
     return a.same_as(x) and _is_scalar(b) and keep_rate(ctx, keep) is not None
 
 
-def _padded_dropout(call, x, keys, emit, ctx, old):
+def _padded_dropout(call, x, keys, builder, ctx, old):
     keep, _, zero = call.args
     shape = [int(s) for s in x.ty.shape.values]
     site_args = list(ctx.bound[keep].args[1].fields)
-    gvar = keep_mask_function(emit.builder, shape, keep_rate(ctx, keep))
-    new_keep = emit(relax.call_tir(gvar, site_args, relax.TensorType(shape, "bool")))
+    gvar = keep_mask_function(builder, shape, keep_rate(ctx, keep))
+    new_keep = builder.emit(relax.call_tir(gvar, site_args, relax.TensorType(shape, "bool")))
     return relax.op.where(new_keep, x, zero)
 
 
 CHAIN = {
-    "relax.reshape": Step(_reads_only, lambda c, x, k, e, ctx, o: relax.op.reshape(x, _widened(c, k))),
-    "relax.broadcast_to": Step(_reads_only, lambda c, x, k, e, ctx, o: relax.op.broadcast_to(x, _widened(c, k))),
-    "relax.astype": Step(_reads_only, lambda c, x, k, e, ctx, o: relax.op.astype(x, c.attrs.dtype)),
+    "relax.reshape": Step(_reads_only, lambda c, x, k, b, ctx, o: relax.op.reshape(x, _widened(c, k))),
+    "relax.broadcast_to": Step(_reads_only, lambda c, x, k, b, ctx, o: relax.op.broadcast_to(x, _widened(c, k))),
+    "relax.astype": Step(_reads_only, lambda c, x, k, b, ctx, o: relax.op.astype(x, c.attrs.dtype)),
     "relax.multiply": Step(_with_scalar, _binary),
     "relax.divide": Step(_with_scalar, _binary),
     "relax.add": Step(_with_scalar, _binary),
@@ -173,16 +173,6 @@ def find_chains(func: relax.Function, mod: tvm.IRModule) -> list[Chain]:
     return chains
 
 
-class _Emit:
-    """``emit(expr)`` on the mutator's builder (what a step's rebuild binds extra values with)."""
-
-    def __init__(self, builder):
-        self.builder = builder
-
-    def __call__(self, expr):
-        return self.builder.emit(expr)
-
-
 def _zeros_like_padding(x: relax.Expr, axis: int, pad: int) -> relax.Expr:
     shape = [int(s) for s in x.ty.shape.values]
     shape[axis] = pad
@@ -229,7 +219,7 @@ class _Padder(PyExprMutator):
         elif kind == "step":
             prev = next(a for a in call.args if a in self.padded)
             step = CHAIN[call.op.name]
-            expr = step.rebuild(call, self.padded[prev], chain.keys, _Emit(self.builder_), self.ctx, prev)
+            expr = step.rebuild(call, self.padded[prev], chain.keys, self.builder_, self.ctx, prev)
             self.padded[binding.var] = self._bind(binding.var, expr)
         else:
             p = self.padded[call.args[0]]

@@ -32,6 +32,7 @@ from ..codegen.philox import PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, ROUNDS,
 KEEP_RATE_ATTR = "tvm_evt.dropout_keep"  # a keep-mask PrimFunc's dropout rate
 KEEP_SHAPE_ATTR = "tvm_evt.dropout_shape"  # and its mask shape
 
+
 def _u32(value: int):
     return tirx.const(value, "uint32")
 

@@ -335,15 +335,14 @@ def compare_configs(partitions: list, measure: Callable | None = None) -> list[d
             jobs[name] = (dataclasses.replace(p, symbol=name), cfg)
         rows.append(row)
     times = measure(jobs)
+    errors = getattr(measure, "records", {})
     for row in rows:
         row["default_ms"] = times[f"{row['symbol']}__{row['default']}"]
         row["heuristic_ms"] = times[f"{row['symbol']}__{row['heuristic']}"]
         row["speedup"] = row["default_ms"] / row["heuristic_ms"] if row["heuristic_ms"] else math.nan
-    errors = getattr(measure, "records", {})
-    for row in rows:
         row["errors"] = {k.rsplit("__", 1)[1]: r["error"] for k, r in errors.items()
                          if k.rsplit("__", 1)[0] == row["symbol"] and r.get("error")}
-    return sorted(rows, key=lambda r: -r["heuristic_ms"] if math.isfinite(r["heuristic_ms"]) else -math.inf)
+    return sorted(rows, key=lambda r: -r["heuristic_ms"])  # a failed build (inf) first
 
 
 def tune_cutlass(partitions: list, work_dir, *, space: str = "quick", top_k: int = 1, chunk: int = 4,
