@@ -33,7 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, drop_unreferenced, flat_bindings, static_shape
+from ._rewrite import binding_uses, drop_unreferenced, flat_bindings, scalar_value, static_shape
 from .lower_dropout import keep_mask_function
 from .philox import KEEP_RATE_ATTR
 
@@ -51,9 +51,13 @@ class Context:
     mod: tvm.IRModule
     bound: dict  # var -> bound value
 
+    @staticmethod
+    def of(func: relax.Function, mod: tvm.IRModule) -> Context:
+        return Context(mod, {b.var: b.value for b in flat_bindings(func)[0]})
 
-def _is_scalar(expr) -> bool:
-    return isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1
+
+def _is_scalar(ctx: Context, expr: relax.Expr) -> bool:
+    return scalar_value(ctx.bound, expr) is not None
 
 
 def keep_rate(ctx: Context, keep: relax.Expr) -> float | None:
@@ -83,9 +87,9 @@ def _reads_only(call, x, _ctx) -> bool:
     return call.args[0].same_as(x)
 
 
-def _with_scalar(call, x, _ctx) -> bool:
+def _with_scalar(call, x, ctx) -> bool:
     a, b = call.args
-    return (a.same_as(x) and _is_scalar(b)) or (b.same_as(x) and _is_scalar(a))
+    return (a.same_as(x) and _is_scalar(ctx, b)) or (b.same_as(x) and _is_scalar(ctx, a))
 
 
 def _binary(call, x, keys, builder, ctx, old):
@@ -106,7 +110,7 @@ def _masked_softmax(call, x, keys, builder, ctx, old):
 
 def _dropout_where(call, x, ctx) -> bool:  # LowerDropout's where(keep, x, 0)
     keep, a, b = call.args
-    return a.same_as(x) and _is_scalar(b) and keep_rate(ctx, keep) is not None
+    return a.same_as(x) and _is_scalar(ctx, b) and keep_rate(ctx, keep) is not None
 
 
 def _padded_dropout(call, x, keys, builder, ctx, old):
@@ -139,10 +143,11 @@ class Chain:
     keys: int  # the padded key length
 
 
-def find_chains(func: relax.Function, mod: tvm.IRModule) -> list[Chain]:
-    """The attention chains of `func` whose key length is not a multiple of ``ALIGN``."""
+def find_chains(func: relax.Function, mod: tvm.IRModule, ctx: Context | None = None) -> list[Chain]:
+    """The attention chains of `func` whose key length is not a multiple of ``ALIGN`` (`ctx`:
+    ``Context.of(func, mod)``, made here unless given)."""
     bindings = flat_bindings(func)[0]
-    ctx = Context(mod, {b.var: b.value for b in bindings})
+    ctx = ctx or Context.of(func, mod)
     uses = binding_uses(func)
     chains = []
     for b in bindings:
@@ -189,14 +194,14 @@ class _Padder(PyExprMutator):
         self.ctx: Context | None = None
 
     def prime(self, func: relax.Function) -> bool:
-        chains = find_chains(func, self.mod)
+        self.ctx = Context.of(func, self.mod)
+        chains = find_chains(func, self.mod, self.ctx)
         self.roles = {}
         for c in chains:
             self.roles[c.scores.var] = (c, "scores")
             for s in c.steps:
                 self.roles[s.var] = (c, "step")
             self.roles[c.out.var] = (c, "out")
-        self.ctx = Context(self.mod, {b.var: b.value for b in flat_bindings(func)[0]})
         return bool(chains)
 
     def _bind(self, old: relax.Var, expr: relax.Expr) -> relax.Var:

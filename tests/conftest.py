@@ -24,3 +24,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_cpu_rng(request):
+    """The CPU tier draws model weights and inputs from torch's global generator: seed it per
+    test, so a verdict does not depend on which tests pytest-xdist ran before in that worker. The
+    GPU tier keeps fresh random inputs per run (it draws from CUDA generators of its own)."""
+    if "gpu" not in request.keywords:
+        import torch
+
+        torch.random.default_generator.manual_seed(0)
+    yield

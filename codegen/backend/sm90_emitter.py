@@ -41,11 +41,16 @@ def _cpp(dtype: str) -> str:
     return CPP_TYPE[dtype]
 
 
+def _full_vector(dtype: str) -> int:
+    """Elements of ``dtype`` in one 16-byte vector access, CUTLASS's default alignment."""
+    return 128 // BITS.get(dtype, 8)
+
+
 def _vector_alignment(extent: int, dtype: str) -> int:
     """Elements per (predicated) vector load of a row/column broadcast vector: 16 bytes where its
     extent, which is also its batch stride, is a multiple of that, else the largest power of two
     dividing it (1 for ViT's 197 query rows: scalar loads of a vector that is one value a row)."""
-    align = 128 // BITS.get(dtype, 8)
+    align = _full_vector(dtype)
     while extent % align:
         align //= 2
     return align
@@ -143,7 +148,7 @@ class Sm90Emitter:
                 name,
                 f"{FUSION}::{kind}<0, TileShape, {_cpp(node.dtype)}, ElementCompute, "
                 f"{_stride_type(node.stride)}"
-                + ("" if align == 128 // BITS.get(node.dtype, 8) else f", {align}") + ">",
+                + ("" if align == _full_vector(node.dtype) else f", {align}") + ">",
             )
         if isinstance(node, ScalarBroadcast):
             return self._declare(
@@ -260,7 +265,7 @@ class Sm90Emitter:
             ("A", g.dtype_a, g.a_stride, (g.m, g.k)),
             ("B", g.dtype_b, g.b_stride, (g.n, g.k)),
         ):
-            align = 128 // BITS[dtype]
+            align = _full_vector(dtype)
             contiguous = dims[1] if stride[1] == 1 else dims[0]
             if contiguous % align:
                 raise Unsupported(f"operand {name}: contiguous extent {contiguous} is not a multiple of {align}")
@@ -270,7 +275,7 @@ class Sm90Emitter:
             if isinstance(node, (AuxLoad, AuxStore)) or (
                 isinstance(node, Reduction) and node.axis is not ReduceAxis.SCALAR
             ):
-                align = 128 // BITS.get(node.dtype, 8)
+                align = _full_vector(node.dtype)
                 extent = g.m if isinstance(node, AuxLoad) and node.column_major else g.n
                 if isinstance(node, Reduction):
                     extent = g.n if node.axis is ReduceAxis.ROW else g.m
@@ -310,7 +315,7 @@ class Sm90Emitter:
             element_a=_cpp(g.dtype_a), element_b=_cpp(g.dtype_b),
             layout_a="cutlass::layout::RowMajor" if g.a_k_major else "cutlass::layout::ColumnMajor",
             layout_b="cutlass::layout::ColumnMajor" if g.b_k_major else "cutlass::layout::RowMajor",
-            align_a=128 // BITS[g.dtype_a], align_b=128 // BITS[g.dtype_b],
+            align_a=_full_vector(g.dtype_a), align_b=_full_vector(g.dtype_b),
             tile_m=cfg.tile[0], tile_n=cfg.tile[1], tile_k=cfg.tile[2],
             cluster_m=cfg.cluster[0], cluster_n=cfg.cluster[1], cluster_k=cfg.cluster[2],
             kernel_schedule="cutlass::gemm::KernelTmaWarpSpecializedCooperative"
