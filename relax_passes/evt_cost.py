@@ -169,6 +169,8 @@ WIDENING_CONSUMERS = frozenset({"relax.nn.softmax"})
 CUDA route, FuseOps' injective producers elsewhere): such a cast stays out of epilogues, so the GEMM
 stores the narrow value."""
 REDUCTION_OPS = frozenset({"relax.sum", "relax.max"})
+TVM_REDUCTION_OPS = REDUCTION_OPS | frozenset({"relax.mean", "relax.min", "relax.prod", "relax.variance", "relax.std"})
+"""Reductions of TVM kernels: FuseOps gives each one its elementwise producers."""
 
 
 def node_cost(elements: int, op: str | None = None) -> float:

@@ -378,6 +378,22 @@ def _cast_for_consumer(graph: OpGraph, node: OpNode) -> bool:
             and all(graph.nodes[u].op in evt_cost.WIDENING_CONSUMERS for u in node.users))
 
 
+def _feeds_only_reductions(graph: OpGraph, elementwise: set, fusable: set) -> set[int]:
+    """The elementwise ops whose values only reductions that stay out of epilogues read, directly
+    or through other such ops (batch norm's ``x*x`` before ``mean``, the widening ``astype``
+    before ``sum``).  Fused into an epilogue, such an op's value would be stored only for the
+    reduction kernel to read back; left out, FuseOps computes it inside that reduction kernel
+    from the GEMM's own output."""
+    found: set[int] = set()
+    for node in reversed(graph.nodes):
+        if node.op not in elementwise or node.is_output or not node.users:
+            continue
+        if all(u in found or (graph.nodes[u].op in evt_cost.TVM_REDUCTION_OPS
+                              and graph.nodes[u].op not in fusable) for u in node.users):
+            found.add(node.index)
+    return found
+
+
 def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
     """Seeds, cores and legal epilogue candidates of every matmul in the block."""
     check = check or _Legality(graph)
@@ -385,6 +401,7 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
     elementwise = (set(rp.BINARY_OPS) | set(rp.UNARY_OPS) | {"relax.where", "relax.astype"}
                    | set(rp.SUPPORTED_EXTERNS))
     reductions = set(rp.REDUCE_OPS)
+    reduction_fed = _feeds_only_reductions(graph, elementwise, reductions if evt_cost.FUSE_REDUCTIONS else set())
     epilogue_dtypes = rp.EPILOGUE_DTYPES
     clusters, refused, cores = [], {}, {}
     for seed in (n.index for n in graph.nodes if n.op == "relax.matmul"):
@@ -422,6 +439,8 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
                 continue  # reductions are terminal
             if _cast_for_consumer(graph, cand):
                 continue  # its consumer's kernel reads the narrow value and widens it itself
+            if v in reduction_fed:
+                continue  # the reduction's kernel computes it from what the epilogue stores anyway
             if cand.op in elementwise:
                 ok_shape = same_tile(cand.shape, shape) and cand.dtype in epilogue_dtypes
             elif cand.op == "relax.reshape":  # [M, N] <-> [B, S, N]: the same tile, a free view

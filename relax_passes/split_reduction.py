@@ -27,9 +27,13 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, producer, static_shape
+from ._rewrite import binding_uses, mutate_relax_functions, producer, static_shape
 
 RESHAPE = tvm.ir.Op.get("relax.reshape")
+# elementwise ops a split reduction's view is pushed above (``_Splitter._view``), at most MAX_PUSH deep
+ELEMENTWISE = frozenset({"relax.astype", "relax.multiply", "relax.add", "relax.subtract", "relax.divide",
+                         "relax.negative"})
+MAX_PUSH = 4
 
 # op name -> (relax builder, its stages are sums) ; mean is a sum divided by the count
 REDUCTIONS = {
@@ -68,6 +72,13 @@ def chunk(reduced: int, kept: int) -> int | None:
 
 @mutator
 class _Splitter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.readers: dict = {}  # var -> the bindings that read it, in the function being rewritten
+
+    def prime(self, func: relax.Function) -> None:
+        self.readers = {v: set(i) for v, i in binding_uses(func).items()}
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op) or call.op.name not in REDUCTIONS:
@@ -90,8 +101,7 @@ class _Splitter(PyExprMutator):
         # reshape first, then cast: the reshape stays a view and FuseOps puts the (elementwise)
         # cast into the reduction's kernel; cast first, the injective reshape stopped that and a
         # float32 copy of the whole input was written (BERT-Large: 6 such copies, 0.57 ms a step)
-        inner = producer(self, x, RESHAPE)  # a reshape of a reshape is one view
-        parts = emit(relax.op.reshape(inner.args[0] if inner is not None else x, [reduced // c, c] + rest))
+        parts = self._view(x, [reduced // c, c] + rest)
         src = emit(relax.op.astype(parts, acc)) if acc != dtype else parts
         partial = emit(reduce(src, axis=[1]))
         out = emit(reduce(partial, axis=[0]))
@@ -103,10 +113,63 @@ class _Splitter(PyExprMutator):
             out = relax.op.reshape(out, out_shape)
         return out
 
+    # -- the reduced input as a view of the split shape
+    def _elementwise(self, x: relax.Expr, depth: int) -> relax.Call | None:
+        """The elementwise call (``ELEMENTWISE``, its other operands scalar constants) bound to
+        `x`, within ``MAX_PUSH`` ops of the reduction, else None."""
+        if depth >= MAX_PUSH or not isinstance(x, relax.Var):
+            return None
+        call = self.lookup_binding(x)
+        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in ELEMENTWISE):
+            return None
+        shape = static_shape(x)
+        if all(static_shape(a) == shape or _is_scalar(a) for a in call.args):
+            return call
+        return None
+
+    def _leaves(self, x: relax.Expr, depth: int = 0) -> list:
+        call = self._elementwise(x, depth)
+        if call is None:
+            return [x]
+        return [leaf for a in call.args if not _is_scalar(a) for leaf in self._leaves(a, depth + 1)]
+
+    def _view(self, x: relax.Expr, shape: list[int], depth: int = 0, made: dict | None = None) -> relax.Expr:
+        """``reshape(x, shape)``, pushed above the elementwise ops that make `x` (batch norm's
+        ``x*x``, a widening cast, a weight gradient's ``dy*x``) when the reduction is `x`'s only
+        reader or they read no more bytes than `x` has: reshaped after them (an injective op),
+        they were a kernel of their own writing a copy; reshaped before, the reshape is a view
+        and FuseOps puts them into the reduction's kernel."""
+        made = {} if made is None else made  # each value viewed once (x * x)
+        if x in made:
+            return made[x]
+        call = self._elementwise(x, depth)
+        if call is not None and depth == 0 and len(self.readers.get(x, ())) != 1 \
+                and sum(_bytes(leaf) for leaf in set(self._leaves(x))) > _bytes(x):
+            call = None  # `x` is written for other readers anyway: reading it costs less
+        if call is None:
+            inner = producer(self, x, RESHAPE)  # a reshape of a reshape is one view
+            view = self.builder_.emit(relax.op.reshape(inner.args[0] if inner is not None else x, shape))
+        else:
+            args = [a if _is_scalar(a) else self._view(a, shape, depth + 1, made) for a in call.args]
+            view = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
+        made[x] = view
+        return view
+
+
+def _is_scalar(expr: relax.Expr) -> bool:
+    """A constant of one element and no more axes than a split reduction's input view."""
+    return isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1 and expr.value.numpy().ndim <= 1
+
+
+def _bytes(expr: relax.Expr) -> int:
+    shape = static_shape(expr)
+    return math.prod(shape) * tvm.DataType(str(expr.ty.dtype)).bits // 8 if shape is not None else 1 << 62
+
 
 @tvm.transform.module_pass(opt_level=0, name="SplitReduction")
 class SplitReduction:
     """Split long few-output reductions of every Relax function into two stages."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return mutate_relax_functions(_Splitter(mod), mod)
+        splitter = _Splitter(mod)
+        return mutate_relax_functions(splitter, mod, before_each=splitter.prime)

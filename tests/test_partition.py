@@ -261,3 +261,26 @@ def test_partitions_compute_what_the_codegen_reads(name):
             err = np.linalg.norm(g - e) / max(np.linalg.norm(e), 1e-30)
             assert err <= 1e-4, f"{gv.name_hint} output {i}: relative error {err:.3g}"
     assert reshaped, "no partition fused across a [M, N] <-> [B, S, N] reshape"
+
+
+def test_ops_only_unfused_reductions_read_stay_out_of_epilogues():
+    """Batch norm's statistics of a GEMM output: ``a = astype(y)`` is read by an elementwise
+    output, so it may join the epilogue; ``a * a`` feeds nothing but ``mean`` (a reduction no
+    epilogue takes), so it is no candidate: stored, it would only be read back by the mean's
+    kernel, which computes it from ``a`` itself."""
+    x = relax.Var("x", relax.TensorType((256, 64), "float16"))
+    w = relax.Var("w", relax.TensorType((64, 128), "float16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w))
+            a = bb.emit(relax.op.astype(y, "float32"))
+            sq = bb.emit(relax.op.multiply(a, a))
+            m = bb.emit_output(relax.op.mean(sq, axis=[0]))
+            h = bb.emit_output(relax.op.multiply(a, relax.const(0.5, "float32")))
+        bb.emit_func_output(relax.Tuple([m, h]))
+    graph = OpGraph(bb.get()["main"].body.blocks[0])
+    (cluster,) = build_problem(graph).clusters
+    names = {graph.nodes[i].var.name for i in cluster.candidates}
+    assert a.name in names and h.name in names
+    assert sq.name not in names and m.name not in names

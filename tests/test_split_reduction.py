@@ -139,3 +139,87 @@ def test_cast_joins_the_first_stage_kernel_and_reshape_chains_collapse():
         if any(n.startswith("cast") for n in names):
             assert any(n.startswith("sum") for n in names), names
     assert any(any(b.value.args[0].name_hint.startswith("cast") for b in f.body.blocks[0].bindings) for f in groups)
+
+
+def test_view_is_pushed_above_elementwise_producers():
+    """Batch norm's second moment of a fp16 conv output: reshaped after ``astype`` and ``x*x``
+    (an injective op), those were a kernel writing a float32 copy; reshaped before, the reshape
+    is a view and the cast and square join the reduction's kernel.  A producer that other ops
+    read too is recomputed only when it reads no more bytes than its value: ``x * z`` (six
+    bytes an element for four) is read as it is."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(y: R.Tensor((128, 28, 28, 128), "float16"), z: R.Tensor((128, 28, 28, 128), "float32")):
+            with R.dataflow():
+                x = R.astype(y, "float32")
+                sq = R.multiply(x, x)
+                m = R.mean(sq, axis=[0, 1, 2], keepdims=True)
+                p = R.multiply(x, z)
+                s = R.sum(p, axis=[0, 1, 2])
+                R.output(m, s, p)
+            return (m, s, p)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(y: R.Tensor((128, 28, 28, 128), "float16"), z: R.Tensor((128, 28, 28, 128), "float32")):
+            with R.dataflow():
+                x = R.astype(y, "float32")
+                v = R.reshape(y, R.shape([1024, 98, 128]))
+                xv = R.astype(v, "float32")
+                sqv = R.multiply(xv, xv)
+                c = R.sum(sqv, axis=[1])
+                d = R.sum(c, axis=[0])
+                e = R.divide(d, R.const(100352.0, "float32"))
+                m = R.reshape(e, R.shape([1, 1, 1, 128]))
+                p = R.multiply(x, z)
+                pv = R.reshape(p, R.shape([1024, 98, 128]))
+                c1 = R.sum(pv, axis=[1])
+                s = R.sum(c1, axis=[0])
+                R.output(m, s, p)
+            return (m, s, p)
+
+    after = relax.transform.DeadCodeElimination()(_canonical(SplitReduction()(Before)))
+    tvm.ir.assert_structural_equal(after, Expected)
+    rng = np.random.default_rng(0)
+    y, z = (rng.standard_normal((128, 28, 28, 128)).astype(dtype) for dtype in ("float16", "float32"))
+    vm = relax.VirtualMachine(tvm.compile(after, target=tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    m, s, _ = (o.numpy() for o in vm["main"](tvm.runtime.tensor(y), tvm.runtime.tensor(z)))
+    x = y.astype("float64")
+    for got, want in ((m, (x * x).mean(axis=(0, 1, 2), keepdims=True)), (s, (x * z).sum(axis=(0, 1, 2)))):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_view_is_pushed_above_a_product_only_the_reduction_reads():
+    """Batch norm's weight gradient ``sum(dy * xhat)``: the product has no other reader, so the
+    reduction's kernel reads both factors rather than a copy of their product."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(dy: R.Tensor((128, 28, 28, 128), "float16"), x: R.Tensor((128, 28, 28, 128), "float16")):
+            with R.dataflow():
+                p = R.multiply(dy, x)
+                s = R.sum(p, axis=[0, 1, 2])
+                R.output(s)
+            return s
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(dy: R.Tensor((128, 28, 28, 128), "float16"), x: R.Tensor((128, 28, 28, 128), "float16")):
+            with R.dataflow():
+                dv = R.reshape(dy, R.shape([1024, 98, 128]))
+                xv = R.reshape(x, R.shape([1024, 98, 128]))
+                pv = R.multiply(dv, xv)
+                f = R.astype(pv, "float32")
+                c = R.sum(f, axis=[1])
+                d = R.sum(c, axis=[0])
+                s = R.astype(d, "float16")
+                R.output(s)
+            return s
+
+    after = relax.transform.DeadCodeElimination()(_canonical(SplitReduction()(Before)))
+    tvm.ir.assert_structural_equal(after, Expected)
