@@ -60,6 +60,25 @@ def test_opaque_evt_calls_leave_no_partition(tmp_path):
     assert parts and len({p.symbol for p in parts}) == len(parts)
 
 
+def test_kernel_traffic_counts_every_kernel_of_the_step():
+    """An MLP step on the CUDA route: its GEMMs are CUTLASS partitions, the rest TIR kernels,
+    each counted with its calls and with the bytes of its buffers."""
+    entry = models.ZOO["mlp"](dropout=0.0)
+    _imported, graph = tuning.training_graph(entry, "bf16")
+    rows = tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"cutlass", "tir"}
+    assert all(r["calls"] >= 1 and r["bytes"] == r["calls"] * r["bytes_per_call"] > 0 for r in rows)
+    assert [r["bytes"] for r in rows] == sorted((r["bytes"] for r in rows), reverse=True)
+    # the first layer's forward GEMM reads x [batch, in] and W [in, hidden] (bf16), writes at least [batch, hidden]
+    (x, _target) = entry.example_inputs()
+    w = next(iter(entry.model.parameters()))
+    least = 2 * (x.numel() + w.numel() + x.shape[0] * w.shape[0])
+    assert any(r["kind"] == "cutlass" and r["bytes_per_call"] >= least for r in rows)
+    with pytest.raises(ValueError, match="CUDA route"):
+        tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "llvm"}))
+
+
 def test_load_model_specs():
     assert "MLP" in tuning.load_model("mlp", batch=3).description
     assert tuning.load_model("tvm_evt.models:mlp").model is not None
@@ -70,6 +89,8 @@ def test_load_model_specs():
 def test_script_help():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--trials" in out.stdout and "--work-dir" in out.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "traffic.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--top" in out.stdout and "kernel_traffic" in out.stdout
 
 
 def test_compare_configs_times_each_partition_under_default_and_heuristic():

@@ -197,6 +197,44 @@ def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
         return tvm.transform.Sequential(front_passes())(mod)
 
 
+def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str = "train_step") -> list[dict]:
+    """The kernels one call of `function` runs on the ``evt`` pipeline's route for `target`, each
+    with the bytes of its buffers (a model of its global-memory traffic: every input read once,
+    every output written once), largest total first: ``{"kernel", "kind": "tir" | "cutlass",
+    "calls", "bytes_per_call", "bytes"}``.  CUTLASS partitions count as opaque calls (no nvcc);
+    the TIR kernels are those after scheduling, with pure reshapes as the views they become.
+    A lower bound on memory time to compare graph rewrites by, without a GPU."""
+    passes = phases(target)
+    names = _names(passes)
+    if "ScheduleTIRForGPU" not in names:
+        raise ValueError(f"kernel_traffic follows the CUDA route; target {target} has no ScheduleTIRForGPU")
+    passes = [OpaqueEVTCalls() if n == "RunCodegen" else p for p, n in zip(passes, names)]
+    with target:
+        mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(mod)
+        mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
+
+    def nbytes(ty) -> int:
+        if isinstance(ty, relax.TupleType):
+            return sum(nbytes(f) for f in ty.fields)
+        return math.prod(int(d) for d in ty.shape.values) * tvm.DataType(str(ty.dtype)).bits // 8
+
+    call_tir, call_packed = tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_dps_packed")
+    rows: dict = {}
+
+    def visit(e) -> None:
+        if not isinstance(e, relax.Call) or e.op not in (call_tir, call_packed):
+            return
+        kind, name = ("tir", e.args[0].name_hint) if e.op == call_tir else ("cutlass", e.args[0].global_symbol)
+        row = rows.setdefault(name, {"kernel": name, "kind": kind, "calls": 0,
+                                     "bytes_per_call": sum(nbytes(a.ty) for a in e.args[1].fields) + nbytes(e.ty)})
+        row["calls"] += 1
+
+    relax.analysis.post_order_visit(mod[function].body, visit)
+    for row in rows.values():
+        row["bytes"] = row["calls"] * row["bytes_per_call"]
+    return sorted(rows.values(), key=lambda r: (-r["bytes"], r["kernel"]))
+
+
 def cutlass_partitions(mod: tvm.IRModule) -> tuple[list, dict]:
     """(distinct lowered `Partition`s, {symbol: reason} of those the codegen cannot take)."""
     from .codegen import select
