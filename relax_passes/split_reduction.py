@@ -114,24 +114,25 @@ class _Splitter(PyExprMutator):
         return out
 
     # -- the reduced input as a view of the split shape
-    def _elementwise(self, x: relax.Expr, depth: int) -> relax.Call | None:
-        """The elementwise call (``ELEMENTWISE``, its other operands scalar constants) bound to
-        `x`, within ``MAX_PUSH`` ops of the reduction, else None."""
+    def _elementwise(self, x: relax.Expr, depth: int, kept: int) -> relax.Call | None:
+        """The elementwise call (``ELEMENTWISE``) bound to `x`, within ``MAX_PUSH`` ops of the
+        reduction, whose other operands are scalar constants or broadcasts along the reduced
+        axes (a batch-norm statistic ``[1, 1, 1, C]``; `kept`: the trailing axes kept), else None."""
         if depth >= MAX_PUSH or not isinstance(x, relax.Var):
             return None
         call = self.lookup_binding(x)
         if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in ELEMENTWISE):
             return None
         shape = static_shape(x)
-        if all(static_shape(a) == shape or _is_scalar(a) for a in call.args):
+        if all(static_shape(a) == shape or _is_scalar(a) or _is_statistic(a, shape, kept) for a in call.args):
             return call
         return None
 
-    def _leaves(self, x: relax.Expr, depth: int = 0) -> list:
-        call = self._elementwise(x, depth)
+    def _leaves(self, x: relax.Expr, kept: int, depth: int = 0) -> list:
+        call = self._elementwise(x, depth, kept)
         if call is None:
             return [x]
-        return [leaf for a in call.args if not _is_scalar(a) for leaf in self._leaves(a, depth + 1)]
+        return [leaf for a in call.args if not _is_scalar(a) for leaf in self._leaves(a, kept, depth + 1)]
 
     def _view(self, x: relax.Expr, shape: list[int], depth: int = 0, made: dict | None = None) -> relax.Expr:
         """``reshape(x, shape)``, pushed above the elementwise ops that make `x` (batch norm's
@@ -142,15 +143,23 @@ class _Splitter(PyExprMutator):
         made = {} if made is None else made  # each value viewed once (x * x)
         if x in made:
             return made[x]
-        call = self._elementwise(x, depth)
+        kept = len(shape) - 2  # shape = [R / c, c] + the kept axes
+        call = self._elementwise(x, depth, kept)
         if call is not None and depth == 0 and len(self.readers.get(x, ())) != 1 \
-                and sum(_bytes(leaf) for leaf in set(self._leaves(x))) > _bytes(x):
+                and sum(_bytes(leaf) for leaf in set(self._leaves(x, kept))) > _bytes(x):
             call = None  # `x` is written for other readers anyway: reading it costs less
         if call is None:
             inner = producer(self, x, RESHAPE)  # a reshape of a reshape is one view
             view = self.builder_.emit(relax.op.reshape(inner.args[0] if inner is not None else x, shape))
         else:
-            args = [a if _is_scalar(a) else self._view(a, shape, depth + 1, made) for a in call.args]
+            args = []
+            for a in call.args:
+                if _is_scalar(a):
+                    args.append(a)
+                elif static_shape(a) != static_shape(x):  # a statistic: [1, .., 1] + kept axes
+                    args.append(self.builder_.emit(relax.op.reshape(a, [1, 1] + shape[2:])))
+                else:
+                    args.append(self._view(a, shape, depth + 1, made))
             view = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
         made[x] = view
         return view
@@ -159,6 +168,13 @@ class _Splitter(PyExprMutator):
 def _is_scalar(expr: relax.Expr) -> bool:
     """A constant of one element and no more axes than a split reduction's input view."""
     return isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1 and expr.value.numpy().ndim <= 1
+
+
+def _is_statistic(expr: relax.Expr, shape: tuple, kept: int) -> bool:
+    """A value of `shape` with every reduced axis (all but the last `kept`) of extent 1."""
+    own = static_shape(expr)
+    return (own is not None and len(own) == len(shape) and own[len(shape) - kept:] == shape[len(shape) - kept:]
+            and all(d == 1 for d in own[: len(shape) - kept]))
 
 
 def _bytes(expr: relax.Expr) -> int:

@@ -193,15 +193,19 @@ def test_view_is_pushed_above_elementwise_producers():
 
 
 def test_view_is_pushed_above_a_product_only_the_reduction_reads():
-    """Batch norm's weight gradient ``sum(dy * xhat)``: the product has no other reader, so the
-    reduction's kernel reads both factors rather than a copy of their product."""
+    """Batch norm's backward ``sum(-dy * x / sigma)``: the product has no other reader, so the
+    reduction's kernel reads the factors (and the per-channel ``sigma``, viewed as
+    ``[1, 1, C]``) rather than a copy of their product."""
 
     @I.ir_module
     class Before:
         @R.function
-        def main(dy: R.Tensor((128, 28, 28, 128), "float16"), x: R.Tensor((128, 28, 28, 128), "float16")):
+        def main(dy: R.Tensor((128, 28, 28, 128), "float16"), x: R.Tensor((128, 28, 28, 128), "float16"),
+                 sigma: R.Tensor((1, 1, 1, 128), "float16")):
             with R.dataflow():
-                p = R.multiply(dy, x)
+                n = R.negative(dy)
+                m = R.multiply(n, x)
+                p = R.divide(m, sigma)
                 s = R.sum(p, axis=[0, 1, 2])
                 R.output(s)
             return s
@@ -209,11 +213,15 @@ def test_view_is_pushed_above_a_product_only_the_reduction_reads():
     @I.ir_module
     class Expected:
         @R.function
-        def main(dy: R.Tensor((128, 28, 28, 128), "float16"), x: R.Tensor((128, 28, 28, 128), "float16")):
+        def main(dy: R.Tensor((128, 28, 28, 128), "float16"), x: R.Tensor((128, 28, 28, 128), "float16"),
+                 sigma: R.Tensor((1, 1, 1, 128), "float16")):
             with R.dataflow():
                 dv = R.reshape(dy, R.shape([1024, 98, 128]))
+                nv = R.negative(dv)
                 xv = R.reshape(x, R.shape([1024, 98, 128]))
-                pv = R.multiply(dv, xv)
+                mv = R.multiply(nv, xv)
+                sv = R.reshape(sigma, R.shape([1, 1, 128]))
+                pv = R.divide(mv, sv)
                 f = R.astype(pv, "float32")
                 c = R.sum(f, axis=[1])
                 d = R.sum(c, axis=[0])
@@ -223,3 +231,12 @@ def test_view_is_pushed_above_a_product_only_the_reduction_reads():
 
     after = relax.transform.DeadCodeElimination()(_canonical(SplitReduction()(Before)))
     tvm.ir.assert_structural_equal(after, Expected)
+    rng = np.random.default_rng(0)
+    dy, x = (rng.standard_normal((128, 28, 28, 128)).astype("float16") for _ in range(2))
+    sigma = rng.uniform(0.5, 2.0, (1, 1, 1, 128)).astype("float16")
+    vm = relax.VirtualMachine(tvm.compile(after, target=tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    got = vm["main"](*(tvm.runtime.tensor(a) for a in (dy, x, sigma))).numpy().astype("float64")
+    # the reference rounds each elementwise result to float16, as the kernel does
+    p = ((-dy) * x / sigma).astype("float64")
+    want = p.sum(axis=(0, 1, 2))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
