@@ -28,6 +28,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._rewrite import binding_uses, mutate_relax_functions, producer, static_shape
+from .evt_cost import tensor_bytes
 
 RESHAPE = tvm.ir.Op.get("relax.reshape")
 # elementwise ops a split reduction's view is pushed above (``_Splitter._view``), at most MAX_PUSH deep
@@ -146,7 +147,7 @@ class _Splitter(PyExprMutator):
         kept = len(shape) - 2  # shape = [R / c, c] + the kept axes
         call = self._elementwise(x, depth, kept)
         if call is not None and depth == 0 and len(self.readers.get(x, ())) != 1 \
-                and sum(_bytes(leaf) for leaf in set(self._leaves(x, kept))) > _bytes(x):
+                and sum(tensor_bytes(leaf) for leaf in set(self._leaves(x, kept))) > tensor_bytes(x):
             call = None  # `x` is written for other readers anyway: reading it costs less
         if call is None:
             inner = producer(self, x, RESHAPE)  # a reshape of a reshape is one view
@@ -175,11 +176,6 @@ def _is_statistic(expr: relax.Expr, shape: tuple, kept: int) -> bool:
     own = static_shape(expr)
     return (own is not None and len(own) == len(shape) and own[len(shape) - kept:] == shape[len(shape) - kept:]
             and all(d == 1 for d in own[: len(shape) - kept]))
-
-
-def _bytes(expr: relax.Expr) -> int:
-    shape = static_shape(expr)
-    return math.prod(shape) * tvm.DataType(str(expr.ty.dtype)).bits // 8 if shape is not None else 1 << 62
 
 
 @tvm.transform.module_pass(opt_level=0, name="SplitReduction")

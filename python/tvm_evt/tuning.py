@@ -213,10 +213,7 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
         mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(mod)
         mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
 
-    def nbytes(ty) -> int:
-        if isinstance(ty, relax.TupleType):
-            return sum(nbytes(f) for f in ty.fields)
-        return math.prod(int(d) for d in ty.shape.values) * tvm.DataType(str(ty.dtype)).bits // 8
+    from .relax_passes.evt_cost import tensor_bytes
 
     call_tir, call_packed = tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_dps_packed")
     rows: dict = {}
@@ -226,7 +223,7 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
             return
         kind, name = ("tir", e.args[0].name_hint) if e.op == call_tir else ("cutlass", e.args[0].global_symbol)
         row = rows.setdefault(name, {"kernel": name, "kind": kind, "calls": 0,
-                                     "bytes_per_call": sum(nbytes(a.ty) for a in e.args[1].fields) + nbytes(e.ty)})
+                                     "bytes_per_call": sum(tensor_bytes(a) for a in e.args[1].fields) + tensor_bytes(e)})
         row["calls"] += 1
 
     relax.analysis.post_order_visit(mod[function].body, visit)
