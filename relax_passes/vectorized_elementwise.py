@@ -131,7 +131,12 @@ class VectorizedElementwise(GPUScheduleRule):
         threads = THREADS  # a divisor of the vector count where one exists: no tail predicate
         while threads > 32 and (total // lanes) % threads:
             threads //= 2
-        bx, tx, vec = sch.split(sch.fuse(*loops), [None, threads, lanes])
+        # Split the lanes off the innermost loop before fusing, so that the outer iterators do not
+        # depend on the lane: a broadcast operand (NCHW's per-channel s[c]) is then one scalar load.
+        # Fused first, its index was floordiv(ramp, HW) -> a gather by an int32x8 index vector, which
+        # TVM 0.27's CUDA codegen emits as make_longlong4 with 8 arguments (NVRTC: "too many arguments").
+        outer, vec = sch.split(loops[-1], [None, lanes])
+        bx, tx = sch.split(sch.fuse(*loops[:-1], outer), [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         sch.vectorize(vec)

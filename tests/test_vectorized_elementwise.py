@@ -5,6 +5,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 from tvm.s_tir import dlight as dl
+from tvm.support import nvcc
 
 from tvm_evt.relax_passes.vectorized_elementwise import VectorizedElementwise
 
@@ -18,11 +19,15 @@ def _kernels():
     m = te.placeholder((32, 256), "bool", name="m")
     v = te.placeholder((256,), "float32", name="v")
     odd = te.placeholder((32, 197), "bfloat16", name="odd")
+    nchw = te.placeholder((4, 16, 392), "bfloat16", name="nchw")
+    s = te.placeholder((16,), "bfloat16", name="s")
     return {
         # attention head split: [B*S, H*d] -> [B, H, S, d], innermost d stays contiguous
         "heads": ([x, te.compute((2, 4, 16, 64), lambda b, h, s, d: x[b * 16 + s, h * 64 + d], name="y")], 8),
         # bf16 -> fp32 cast times a row vector: the widest type (fp32) sets 4 lanes
         "cast_bcast": ([x, v, te.compute((32, 256), lambda i, j: x[i, j].astype("float32") * v[j], name="y")], 4),
+        # NCHW batch norm: a per-channel scalar along the whole vector (a broadcast, not a gather)
+        "channel_bcast": ([nchw, s, te.compute((4, 16, 392), lambda n, c, i: nchw[n, c, i] / s[c], name="y")], 8),
         "fp32_add": ([xf, te.compute((32, 256), lambda i, j: xf[i, j] + tirx.const(1.0, "float32"), name="y")], 4),
         # a bool mask read along the vector: no boolxN type in TVM's CUDA codegen
         "mask": ([x, m, te.compute((32, 256), lambda i, j: tirx.Select(m[i, j], x[i, j], tirx.const(0, "bfloat16")),
@@ -75,8 +80,20 @@ def test_vectorized_kernels_build_with_16_byte_accesses():
     assert "uint4" in src  # 8 bf16 lanes as one 16-byte access
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast"])
+def test_vectorized_kernels_compile_with_nvcc(name):
+    """tvm.compile only emits CUDA source here (it is compiled when loaded on a GPU), so compile it.
+    ResNet-50's NCHW batch norm failed on H100 with NVRTC "too many arguments in function call":
+    the per-channel operand was gathered by an int32x8 index made with an 8-argument make_longlong4."""
+    tensors, _ = _kernels()[name]
+    src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    with tvm.target.Target(CUDA):  # nvcc -gencode arch=compute_90a,code=sm_90a
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["heads", "cast_bcast", "fp32_add"])
+@pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast", "fp32_add"])
 def test_vectorized_kernels_on_gpu_match_numpy(name):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
