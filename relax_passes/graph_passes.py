@@ -9,6 +9,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from .accumulate_in_float32 import AccumulateInFloat32
 from .decompose_batch_norm import DecomposeBatchNorm
 from .decompose_cross_entropy import DecomposeCrossEntropy
 from .decompose_layer_norm import DecomposeLayerNorm
@@ -36,6 +37,7 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             # reductions that need not exist go, then layout chains collapse onto matmuls
             EliminateReduction(),
             EliminateSoftmaxBackwardReduction(),  # attention: rowsum(P*dP) -> rowsum(dO*O)
+            AccumulateInFloat32(),  # the backward's bf16 sums (bias, batch norm) add in fp32
             *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
             FoldLayoutIntoMatmul(),
             relax.transform.FoldConstant(),

@@ -115,15 +115,14 @@ def test_optional_rewrites_are_on_by_default_and_can_be_switched_off(monkeypatch
     mine = {"AbsorbPartitionInputCasts", "FuseLayerNorm", "FuseLayerNormBackward"}
     assert mine <= {p.info.name for p in pipeline.phases(cuda)}
     assert {n for n in pipeline.OPTIONAL if pipeline.enabled(n)} == {n for n, r in pipeline.OPTIONAL.items() if r.default}
-    assert not pipeline.enabled("pad_keys")
     monkeypatch.setenv(pipeline.DISABLE_ENV, "all")
     assert not mine & {p.info.name for p in pipeline.phases(cuda)}
     assert not any(pipeline.enabled(n) for n in pipeline.OPTIONAL)
     monkeypatch.setenv(pipeline.DISABLE_ENV, "layer_norm")
     names = [p.info.name for p in pipeline.phases(cuda)]
     assert "AbsorbPartitionInputCasts" in names and "FuseLayerNorm" not in names
-    monkeypatch.setenv(pipeline.ENABLE_ENV, "pad_keys,layer_norm")  # disabling wins
-    assert pipeline.enabled("pad_keys") and not pipeline.enabled("layer_norm")
+    monkeypatch.setenv(pipeline.ENABLE_ENV, "nhwc,layer_norm")  # disabling wins
+    assert pipeline.enabled("nhwc") and not pipeline.enabled("layer_norm")
     monkeypatch.setenv(pipeline.ENABLE_ENV, "typo")
     with pytest.raises(ValueError, match="typo"):
         pipeline.enabled("layer_norm")

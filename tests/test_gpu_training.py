@@ -15,24 +15,26 @@ from _torch_ref import grad_err, no_dropout, rel_err
 pytestmark = pytest.mark.gpu
 
 
-def _torch_bf16(entry, inputs):
+def _torch_step(entry, inputs, autocast: bool):
+    """Loss and gradients by torch on the GPU: in fp32, or under bf16 autocast."""
     module = copy.deepcopy(entry.training_module()).cuda().train()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = module(*[t.cuda() for t in inputs])
     loss.float().backward()
     model = module.model if hasattr(module, "loss_fn") else module
-    return loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+    return loss.float().cpu(), {n: p.grad.double().cpu() for n, p in model.named_parameters()}
 
 
-SMALL = {  # vit: 17 tokens, so with pad_keys on attention runs over 32 keys (PadAttentionKeys)
+SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, on by default)
     "bert_layer": dict(batch=4, seq=64, hidden=128, heads=4),
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
     "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
 }
+AMP_SLACK = 1.5  # our bf16 gradients may be this much further from fp32 than autocast's
 CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and each opt-in where it acts
     ("bert_layer", "default"), ("bert_layer", "disable=all"), ("resnet_basic", "default"),
-    ("resnet_basic", "enable=nhwc"),
-    ("vit", "enable=pad_keys"),  # without it, the 17-key attention GEMMs are left to TVM (misaligned)
+    ("resnet_basic", "disable=nhwc"),
+    ("vit", "default"),  # without pad_keys the 17-key attention GEMMs are left to TVM (misaligned)
 ]
 
 
@@ -53,18 +55,26 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     report = step.report()
     assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
     assert any("relax.matmul" in p["ops"] for p in report["partitions"])
+    # Judged against torch in fp32, with torch's own bf16 autocast as the yardstick: on a tiny
+    # batch-norm net (statistics over 512 positions) autocast itself is 2-4 % off fp32, so a
+    # fixed bound against the autocast result would compare two noises.
     inputs = entry.example_inputs()
     loss, grads = step.loss_and_grads(*[t.cuda() for t in inputs])
-    ref_loss, ref_grads = _torch_bf16(entry, inputs)
-    assert rel_err(loss.cpu(), ref_loss) <= 2e-2, (float(loss), float(ref_loss))
+    grads = {n: g.double().cpu() for n, g in grads.items()}
+    ref_loss, ref_grads = _torch_step(entry, inputs, autocast=False)
+    amp_loss, amp_grads = _torch_step(entry, inputs, autocast=True)
+    assert rel_err(loss.cpu(), ref_loss) <= max(2e-2, 1.5 * rel_err(amp_loss, ref_loss)), (float(loss), float(ref_loss))
     names = sorted(ref_grads)
-    flat = lambda gs: torch.cat([gs[n].cpu().flatten().double() for n in names])
+    flat = lambda gs: torch.cat([gs[n].flatten() for n in names])
     largest = max(float(g.norm()) for g in ref_grads.values())
-    errs = {n: grad_err(grads[n].cpu(), ref_grads[n], 100 * largest) for n in names}
-    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
-    assert rel_err(flat(grads), flat(ref_grads)) <= 2e-2, worst
-    assert worst[0][1] <= 5e-2, worst
-    # and a full update step runs
-    before = step.parameters()[names[0]].clone()
+    errs = {n: (grad_err(grads[n], ref_grads[n], 100 * largest), grad_err(amp_grads[n], ref_grads[n], 100 * largest))
+            for n in names}
+    worst = sorted(errs.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1e-3))[:5]  # (ours, autocast's)
+    ours, autocast = rel_err(flat(grads), flat(ref_grads)), rel_err(flat(amp_grads), flat(ref_grads))
+    assert ours <= max(2e-2, AMP_SLACK * autocast), (ours, autocast, worst)
+    assert all(e <= max(5e-2, 2 * AMP_SLACK * a) for e, a in errs.values()), worst
+    # and a full update step runs (checked over all weights: a key bias's gradient is zero in
+    # exact arithmetic, and with fp32 accumulation too small to move it)
+    before = {n: v.clone() for n, v in step.parameters().items()}
     step(*[t.cuda() for t in entry.example_inputs()])
-    assert not torch.equal(before, step.parameters()[names[0]])
+    assert any(not torch.equal(before[n], v) for n, v in step.parameters().items())
