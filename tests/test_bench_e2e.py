@@ -59,7 +59,7 @@ def test_reports_from_fake_results(tmp_path):
     assert "FAILED: timed out" in md and "n/a: no attention" in md
     # the optional rewrites a tvm_evt row was compiled with, where they differ from the defaults
     assert md.splitlines()[[i for i, ln in enumerate(md.splitlines()) if "| GPT-2" in ln][0]].endswith(
-        "| +pad_keys -vectorize; at abc123 |")
+        "| -vectorize -nhwc; at abc123 |")
     assert "| BERT-Large layer | tvm_evt | 80.00 | 1.25× | 60.0 | – | 7000 | |" in md  # no record: no note
     assert "Top kernels: bert_large / tvm_evt" in md and "`evt_gemm/x`" in md
     png = tmp_path / "bench_e2e.png"
