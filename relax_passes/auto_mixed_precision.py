@@ -31,7 +31,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import rewrite_function
+from ._rewrite import binding_uses, flat_bindings, rewrite_function
 from .append_optimizer import LOSS_SCALE_PARAM
 
 FP32 = frozenset(
@@ -110,17 +110,21 @@ def _dtype(expr) -> str | None:
 STATISTICS = frozenset({"relax.sum", "relax.mean", "relax.variance"})
 STATISTIC_ARITH = frozenset({"relax.add", "relax.subtract", "relax.multiply", "relax.divide",
                              "relax.sqrt", "relax.rsqrt"})
+# what may lie between a loss's subtraction and its fp32 mean: elementwise and layout ops
+ELEMENTWISE = frozenset({"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative",
+                         "relax.abs", "relax.square"})
+LAYOUT = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze", "relax.flatten"})
 
 
 @mutator
 class _Caster(PyExprMutator):
-    def __init__(self, mod, low: str):
+    def __init__(self, mod, low: str, loss_region: set):
         super().__init__(mod)
         self.low = low
-        self.stats: set = set()
-        self.casts: dict = {}
-        self.loss_region: set = set()  # original vars computed only for fp32 reductions
-        self.current = None  # original vars holding an fp32 statistic (or one derived from them)
+        self.loss_region = loss_region  # original vars computed only for fp32 reductions
+        self.stats: set = set()  # original vars holding an fp32 statistic (or one derived from them)
+        self.casts: dict = {}  # (operand, dtype) -> its cast in the current block
+        self.current = None  # the original var of the binding being visited
 
     def _is_stat(self, arg) -> bool:
         return isinstance(arg, relax.Var) and arg in self.stats
@@ -183,33 +187,21 @@ class _Caster(PyExprMutator):
         return relax.Call(call.op, args, call.attrs, call.ty_args)
 
 
-ELEMENTWISE = frozenset({"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative",
-                         "relax.abs", "relax.square"})
-
-
-LAYOUT = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze", "relax.flatten"})
-
-
 def _feeds_fp32_reductions(func: relax.Function) -> set:
     """Vars bound to elementwise (or layout) ops whose every reader is an fp32 reduction or another
     such op: a loss's (output - target)² before its mean (NHWC: and a transpose back to NCHW),
     which autocast computes in fp32."""
-    bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
-    readers: dict = {}
-    for b in bindings:
-        relax.analysis.post_order_visit(
-            b.value, lambda e, v=b.var: readers.setdefault(e, []).append(v) if isinstance(e, relax.Var) else None)
-    relax.analysis.post_order_visit(
-        func.body.body, lambda e: readers.setdefault(e, []).append(None) if isinstance(e, relax.Var) else None)
-    op_of = {b.var: b.value.op.name for b in bindings
-             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)}
-    region: set = set()
-    for b in reversed(bindings):  # readers come later: one backward sweep
-        users = readers.get(b.var, [])
-        if op_of.get(b.var) in ELEMENTWISE | LAYOUT and users and all(
-                u is not None and (u in region or op_of.get(u) in STATISTICS) for u in users):
-            region.add(b.var)
-    return region
+    bindings = flat_bindings(func)[0]
+    uses = binding_uses(func)  # var -> indices of its readers; len(bindings): the function's result
+    op_of = [b.value.op.name if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op) else None
+             for b in bindings]
+    region: set = set()  # indices of the bindings
+    for i in reversed(range(len(bindings))):  # readers come later: one backward sweep
+        users = uses.get(bindings[i].var, [])
+        if op_of[i] in ELEMENTWISE | LAYOUT and users and all(
+                u < len(bindings) and (u in region or op_of[u] in STATISTICS) for u in users):
+            region.add(i)
+    return {bindings[i].var for i in region}
 
 
 @tvm.transform.module_pass(opt_level=0, name="AutoMixedPrecision")
@@ -231,8 +223,7 @@ class AutoMixedPrecision:
             want = str(originals[i].dtype)
             return bb.emit(relax.op.astype(out, want)) if _dtype(out) != want else out
 
-        caster = _Caster(mod, self.dtype)
-        caster.loss_region = _feeds_fp32_reductions(func)
+        caster = _Caster(mod, self.dtype, _feeds_fp32_reductions(func))
         new_func = rewrite_function(caster, func, keep_dtype)
         new_mod = caster.builder_.get()
         new_mod[gv] = new_func

@@ -23,10 +23,9 @@ def main(argv=None) -> int:
 
     import tvm
 
-    from tvm_evt import bench_e2e, models, tuning
+    from tvm_evt import bench_e2e, tuning
 
-    preset, full, small, _ = bench_e2e.MODELS[args.model]
-    entry = models.PRESETS[preset](**(small if args.quick else full))
+    entry = bench_e2e.build_entry(args.model, args.quick)
     _, graph = tuning.training_graph(entry, args.precision)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))

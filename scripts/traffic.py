@@ -27,10 +27,9 @@ def main(argv=None) -> int:
 
     import tvm
 
-    from tvm_evt import bench_e2e, models, optim, tuning
+    from tvm_evt import bench_e2e, optim, tuning
 
-    preset, full, small, _ = bench_e2e.MODELS[args.model]
-    entry = models.PRESETS[preset](**(small if args.quick else full))
+    entry = bench_e2e.build_entry(args.model, args.quick)
     _, graph = tuning.training_graph(entry, args.precision, optim.AdamW(lr=1e-4))  # as scripts/bench.py
     rows = tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     for kind in ("cutlass", "tir"):
