@@ -8,10 +8,12 @@ buffers, the dropout seed and, when the graph scales its loss (`ScaleLoss`), a t
 Output: the module plus
 
     train_step(*inputs, *params, *rest_without_loss_scale, *slots, step[, scale, tracker])
-        -> (loss, *new_params, *new_buffers, *new_slots, new_step[, new_scale, new_tracker])
+        -> (loss, *new_params, *new_buffers, *new_slots, new_step[, new_scale, new_tracker][, next_seed])
 
 where ``slots`` are the optimizer's state tensors (slot-major: all ``exp_avg`` first), ``step``
 counts updates (fp32 scalar), and ``scale``/``tracker`` are the dynamic loss scaler's state.
+A graph with dropout (`LowerDropout`'s ``rng_seed = (seed, counter)``) also returns the next
+step's seed, counter + 1: the state stays on the device, so a step never waits on a host copy.
 The adjoint is inlined, so forward, backward and update form one dataflow graph.
 """
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax import op as R
 
+from .lower_dropout import SEED_PARAM
 from .optimizers import DynamicLossScale
 
 LOSS_SCALE_PARAM = "loss_scale"
@@ -38,6 +42,7 @@ class StepLayout:
     num_new_buffers: int
     slots: tuple[str, ...]
     loss_scaling: bool
+    advances_seed: bool = False  # the last result is the next rng_seed
 
     @property
     def num_slot_tensors(self) -> int:
@@ -79,6 +84,7 @@ class AppendOptimizer:
             num_new_buffers=len(out_fields) - 1,
             slots=tuple(slots),
             loss_scaling=scaled,
+            advances_seed=any(v.name == SEED_PARAM for v in main_args[n_in + n_p:]),
         )
 
         fresh = lambda v, name=None: relax.Var(name or v.name, v.ty)
@@ -124,6 +130,10 @@ class AppendOptimizer:
                     new_slot_list = [keep(o, n) for o, n in zip(old_slots, new_slot_list)]
                     new_step = keep(step, new_step)
                     extra = self._update_scaler(bb, found_inf, *scaler)
+                if self.layout.advances_seed:
+                    (seed,) = [v for v in step_args[n_in + n_p:] if v.name == SEED_PARAM]
+                    counter = relax.const(np.array([0, 1], dtype="uint32"))
+                    extra.append(bb.emit(R.add(seed, counter)))
                 result = [loss, *new_params, *new_bufs, *new_slot_list, new_step, *extra]
                 out = bb.emit_output(relax.Tuple(result))
             bb.emit_func_output(out)

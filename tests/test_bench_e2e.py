@@ -16,7 +16,7 @@ def fake_results():
         {"model": "bert_large", "system": "eager", "ok": True, "step_ms": 100.0, "compile_s": 0.5,
          "torch_peak_mb": 9000.0, "device_used_mb": 9500.0},
         {"model": "bert_large", "system": "tvm_evt", "ok": True, "step_ms": 80.0, "compile_s": 60.0,
-         "device_used_mb": 7000.0, "kernels": [{"kernel": "evt_gemm|x", "calls_per_step": 4, "ms_per_step": 20.0}]},
+         "device_used_mb": 7000.0, "kernel_ms": 70.0, "launches": 4.0, "kernels": [{"kernel": "evt_gemm|x", "calls_per_step": 4, "ms_per_step": 20.0}]},
         {"model": "gpt2_medium", "system": "tvm_evt", "ok": True, "step_ms": 50.0, "compile_s": 60.0,
          "rewrites": ["layer_norm", "input_casts", "softmax_bf16", "pad_keys"], "note": "at abc123"},
         {"model": "bert_large", "system": "compile", "ok": False, "error": "timed out after 540 s"},
@@ -62,6 +62,7 @@ def test_reports_from_fake_results(tmp_path):
         "| -vectorize -nhwc; at abc123 |")
     assert "| BERT-Large layer | tvm_evt | 80.00 | 1.25× | 60.0 | – | 7000 | |" in md  # no record: no note
     assert "Top kernels: bert_large / tvm_evt" in md and "`evt_gemm/x`" in md
+    assert "GPU busy 70.00 ms/step in 4 kernel launches; idle 10.00 ms." in md
     png = tmp_path / "bench_e2e.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert bench_e2e.load_results(tmp_path) == data

@@ -171,10 +171,15 @@ def test_dropout_keep_rate_and_same_mask_forward_backward():
     assert rel_err(g[keep], c[keep] / (1 - p)) <= 1e-6
     # forward used the same mask: loss = Σ w·c·mask/(1-p) with w = 1
     assert rel_err(loss, (c.double() * keep).sum() / (1 - p)) <= 1e-4  # fp32 sum of 1e6 terms
-    # a training step draws a fresh mask (the seed advances)
+    # the masks follow Philox's (seed, counter) convention; a training step draws a fresh mask:
+    # train_step returns the next state (counter + 1) on the device
+    from tvm_evt.relax_passes.philox import dropout_keep_numpy
+
+    assert torch.equal(keep, torch.from_numpy(dropout_keep_numpy(n, (1234, 0), 0, p)))
     step(c)
     _, grads2 = step.loss_and_grads(c)
-    assert not torch.equal(grads2["w"] != 0, keep)
+    assert torch.equal(grads2["w"] != 0, torch.from_numpy(dropout_keep_numpy(n, (1234, 1), 0, p)))
+    assert step.graph.layout.advances_seed and not torch.equal(grads2["w"] != 0, keep)
 
 
 class _Cumprod(torch.nn.Module):

@@ -233,7 +233,11 @@ def measure(job: dict) -> dict:
                steps=len(times), torch_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
                device_used_mb=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1))
     if job.get("profile"):
-        row["kernels"] = profile_kernels(step, system, job.get("top", 15))
+        kernels = profile_kernels(step, system)
+        # GPU busy time against the step time: the difference is the GPU idling on the host
+        row["kernel_ms"] = round(sum(k["ms_per_step"] for k in kernels), 3)
+        row["launches"] = round(sum(k["calls_per_step"] for k in kernels), 1)
+        row["kernels"] = kernels[:job.get("top", 15)]
     return row
 
 
@@ -317,8 +321,8 @@ def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
     return (lambda: ts(*inputs)), compile_s
 
 
-def profile_kernels(step, system: str, top: int) -> list[dict]:
-    """Top GPU kernels of a few steps by total time (torch.profiler sees TVM's kernels as well,
+def profile_kernels(step, system: str) -> list[dict]:
+    """The GPU kernels of a few steps, most time first (torch.profiler sees TVM's kernels as well,
     through CUPTI); CUTLASS kernels are named by the evt partitions they run."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -339,7 +343,7 @@ def profile_kernels(step, system: str, top: int) -> list[dict]:
             name = f"cutlass {' = '.join(parts)}" if parts else ev.key[:120]
             rows.append({"kernel": name, "calls_per_step": ev.count / 3, "ms_per_step": dev_us / 3e3})
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return rows[:top]
+    return rows
 
 
 # ------------------------------------------------------------------------------------- reports
@@ -403,8 +407,11 @@ def markdown(data: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |" + (f" {note} |" if note else " |"))
     prof = [r for r in data["rows"] if r.get("kernels")]
     for r in prof:
-        lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", "",
-                  "| kernel | calls/step | ms/step | % of step |", "|---|---:|---:|---:|"]
+        lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", ""]
+        if "kernel_ms" in r:
+            lines += [f"GPU busy {r['kernel_ms']:.2f} ms/step in {r['launches']:.0f} kernel launches; "
+                      f"idle {max(r['step_ms'] - r['kernel_ms'], 0):.2f} ms.", ""]
+        lines += ["| kernel | calls/step | ms/step | % of step |", "|---|---:|---:|---:|"]
         for k in r["kernels"]:
             name = k["kernel"].replace("|", "/")
             lines.append(f"| `{name}` | {k['calls_per_step']:.0f} | {k['ms_per_step']:.3f} | "

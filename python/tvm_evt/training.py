@@ -188,9 +188,11 @@ class TrainingStep:
         self.vm = relax.VirtualMachine(executable, self.device)
         self._train = self.vm["train_step"]
         self._adjoint = self.vm["main_adjoint"]
-        self._has_seed = graph.has_seed
-        self._seed = int(seed)
-        self._calls = 0
+        # the dropout RNG state (seed, counter) lives on the device: train_step returns the next
+        # one, so no step starts with a host-to-device copy (TVM synchronises the device after one)
+        self._rng = None
+        if graph.has_seed:
+            self._rng = tvm.runtime.tensor(np.array([int(seed) & 0xFFFFFFFF, 0], dtype="uint32"), self.device)
         self._params = [self._tensor(v) for v in imported.param_values.values()]
         self._buffers = {k: self._tensor(v) for k, v in imported.buffer_values.items()}
         zeros = lambda p: tvm.runtime.tensor(np.zeros(p.shape, dtype=p.dtype), self.device)
@@ -224,14 +226,9 @@ class TrainingStep:
             out.append(_to_tvm(t, self.device))
         return out
 
-    def _rest(self, advance_seed: bool) -> list:
+    def _rest(self) -> list:
         rest = [self._buffers[n] for n in self.imported.buffer_names]
-        if self._has_seed:
-            words = np.array([self._seed & 0xFFFFFFFF, self._calls & 0xFFFFFFFF], dtype="uint32")
-            if advance_seed:
-                self._calls += 1
-            rest.append(tvm.runtime.tensor(words, self.device))
-        return rest
+        return rest + ([self._rng] if self._rng is not None else [])
 
     def _write_buffers(self, new_buffers) -> None:
         for name, value in zip(self.imported.mutated_buffers, new_buffers):
@@ -239,7 +236,7 @@ class TrainingStep:
 
     # -- public API
     def __call__(self, *inputs):
-        args = self._check_inputs(inputs) + self._params + self._rest(advance_seed=True)
+        args = self._check_inputs(inputs) + self._params + self._rest()
         args += self._slots + [self._step] + self._scaler
         out = self._train(*args)
         lay = self.layout
@@ -252,11 +249,13 @@ class TrainingStep:
         i += lay.num_slot_tensors
         self._step = out[i]
         self._scaler = [out[i + 1 + k] for k in range(len(self._scaler))]
+        if lay.advances_seed:
+            self._rng = out[len(out) - 1]
         return _to_torch(out[0])
 
     def loss_and_grads(self, *inputs):
         """(loss, {param_name: grad}) without updating anything."""
-        args = self._check_inputs(inputs) + self._params + self._rest(advance_seed=False)
+        args = self._check_inputs(inputs) + self._params + self._rest()
         if self.layout.loss_scaling:
             args.append(self._scalar(1.0))
         out = self._adjoint(*args)
