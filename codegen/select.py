@@ -151,7 +151,9 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156);
     * M <= 64 with N >= 256: ping-pong 64x256 (0.118);
     * long K over at most one wave of 128x128 tiles (weight gradients 1024x1024x16384):
-      split-K 2 (0.055 / 0.079);
+      split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
+      fill the SMs: ResNet-50's convolution weight gradients (1152x128x100352: 9 tiles) ran
+      split-K 2 on 18 of 132 SMs;
     * short K (256..1024) over two or more waves with at most one stored output: ping-pong
       128x128 (0.049 / 0.056), with a 2x1 cluster when N >= 4096 (0.264 / 0.300); attention's
       K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
@@ -180,7 +182,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     elif m <= 64 and n >= 256:
         cfg = _cfg((64, 256, 64), schedule=PP)
     elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 128) <= num_sms:
-        cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=2)
+        cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
     elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
     elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1 and loads == 0:
@@ -190,6 +192,13 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     if not prune([cfg], m, n, k, g.dtype_a, num_sms):
         return default
     return cfg if check_partition(partition, cfg) else default  # the emitter's rules for this epilogue
+
+
+def long_k_splits(m: int, n: int, k: int, num_sms: int = H100_SMS) -> int:
+    """Split-K pieces for a long-K problem: enough 128x128 tile slices to fill the SMs, each at
+    least 4096 long, and at least 2."""
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    return max(2, min(num_sms // tiles, k // 4096))
 
 
 def _round_up(x: int, m: int) -> int:

@@ -139,8 +139,12 @@ class _Rewriter(PyExprMutator):
             return None
         if any(pad):
             x = emit(relax.op.nn.pad(x, [0, 0, pad[0], pad[2], pad[1], pad[3], 0, 0]))
-        taps = _taps(emit, x, [1, 2], kernel, out, stride, dilation)  # each [N, OH, OW, C]
-        cols = emit(relax.op.concat(taps, axis=3)) if len(taps) > 1 else taps[0]  # [N, OH, OW, KH*KW*C]
+        # each tap [N, OH, OW, 1, C], stacked on that new axis: the gather kernel picks its tap by
+        # an outer index, so it moves whole 16-byte channel vectors (VectorizedElementwise); stacked
+        # along C, the choice varied along the innermost axis and the kernel ran one element a
+        # thread (ResNet-50 conv3_x: 0.48 ms for a 231 MB [100352, 1152] bf16 gather on H100)
+        taps = [emit(relax.op.expand_dims(tap, 3)) for tap in _taps(emit, x, [1, 2], kernel, out, stride, dilation)]
+        cols = emit(relax.op.concat(taps, axis=3)) if len(taps) > 1 else taps[0]  # [N, OH, OW, KH*KW, C]
         return emit(relax.op.reshape(cols, [rows, kh * kw * c]))
 
 
