@@ -10,6 +10,7 @@ One list of phases, in order (``phases(target)``):
     -- CUDA --
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
+    SplitToSlices      a split as one slice per piece, each fusing into its reader (im2col's col2im)
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
     FuseLayerNorm      a decomposed layer norm left to TVM (statistics, normalize, affine, casts) as one kernel
     FuseLayerNormBackward  its input gradient (two row means and the combine) as one kernel
@@ -17,7 +18,7 @@ One list of phases, in order (``phases(target)``):
                        vectorizing schedule rule and training.py's PadAttentionKeys can be
                        switched on or off: ``OPTIONAL``)
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
-    LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 32 ops a kernel), FuseTIR, then DLight's default GPU
+    LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
     -- any other target (the CPU reference path) --
@@ -46,6 +47,7 @@ from .relax_passes.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower_take_backward import LowerTakeBackward
+from .relax_passes.split_to_slices import SplitToSlices
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 from .relax_passes.split_reduction import SplitReduction
 
@@ -141,6 +143,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule
                 LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
+                SplitToSlices(),  # concat's gradient (im2col's col2im): pieces that fuse into their readers
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
                 # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
                 *([FuseLayerNorm(), FuseLayerNormBackward()] if enabled("layer_norm") else []),
@@ -148,7 +151,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
-                BoundedFuseOps(),  # <= 32 ops per kernel: DLight's rules stall on hundreds
+                BoundedFuseOps(),  # <= 64 ops per kernel: DLight's rules stall on hundreds
                 relax.transform.FuseTIR(),
                 ScheduleTIRForGPU(vectorize=enabled("vectorize")),
             ]
