@@ -15,6 +15,7 @@ from .decompose_cross_entropy import DecomposeCrossEntropy
 from .decompose_layer_norm import DecomposeLayerNorm
 from .decompose_matmul_bias import DecomposeMatmulBias
 from .eliminate_loss import EliminateLoss
+from .eliminate_masked_fill_gradient import EliminateMaskedFillGradient
 from .eliminate_reduction import EliminateReduction
 from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
 from .fold_layout import FoldLayoutIntoMatmul
@@ -39,6 +40,7 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             EliminateSoftmaxBackwardReduction(),  # attention: rowsum(P*dP) -> rowsum(dO*O)
             AccumulateInFloat32(),  # the backward's bf16 sums (bias, batch norm) add in fp32
             *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
+            EliminateMaskedFillGradient(),  # causal masks: P is already 0 where dS was masked
             FoldLayoutIntoMatmul(),
             relax.transform.FoldConstant(),
             # forward statistics shared with their backward recomputation, dead loss code gone
