@@ -6,6 +6,12 @@ configuration and under the shape heuristic an untuned build uses (``select.heur
 
 Prints one row per distinct partition (slowest first) with both times; set ``TVM_EVT_DISABLE`` as
 for a compile, since the optional rewrites change the partitions.
+
+    python scripts/bench_partitions.py gpt2_medium --only main_adjoint_evt0_13_c5 --sweep quick
+
+times the chosen partitions under every configuration of a search space (``select.candidates``,
+with narrow-epilogue variants) next to their plain GEMM: what an epilogue costs, and whether a
+configuration hides it.
 """
 import argparse
 import json
@@ -19,6 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--quick", action="store_true", help="the model's small shapes")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--only", default=None, help="comma-separated partition symbols (default: all)")
+    ap.add_argument("--sweep", default=None, choices=["quick", "default", "full"],
+                    help="time every configuration of this search space and the plain GEMM instead")
     args = ap.parse_args(argv)
 
     import tvm
@@ -29,6 +38,22 @@ def main(argv=None) -> int:
     _, graph = tuning.training_graph(entry, args.precision)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {p.symbol for p in parts}
+        if unknown:
+            ap.error(f"no partition {sorted(unknown)}; the model has {sorted(p.symbol for p in parts)}")
+        parts = [p for p in parts if p.symbol in wanted]
+    if args.sweep:
+        rows = tuning.sweep_configs(parts, args.sweep)
+        for r in rows:
+            print(f"{r['symbol']} batch {r['batch']} {'x'.join(map(str, r['mnk']))}: plain GEMM {r['plain_ms']:.3f} ms")
+            for name, ms in sorted(r["ms"].items(), key=lambda kv: kv[1]):
+                print(f"    {name:40s} {ms:8.3f}" + (f"  {r['errors'][name]}" if name in r["errors"] else ""))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"model": args.model, "space": args.sweep, "rows": rows}, f, indent=1)
+        return 0
     rows = tuning.compare_configs(parts)
     print(f"{'partition':30s} {'batch':>5s} {'M x N x K':>18s} {'default ms':>10s} {'heuristic':>32s} "
           f"{'ms':>7s} {'speedup':>7s}")

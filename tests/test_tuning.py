@@ -93,6 +93,34 @@ def test_script_help():
     assert out.returncode == 0 and "--top" in out.stdout and "kernel_traffic" in out.stdout
 
 
+def test_sweep_times_every_candidate_and_the_plain_gemm():
+    from tvm_evt.codegen import select
+    from tvm_evt.codegen.backend import default_config
+
+    entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=4, ffn=1024)
+    _imported, graph = tuning.training_graph(entry, "bf16")
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    parts, _ = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+    parts = parts[:3]
+    asked = []
+
+    def measure(jobs):  # a fake GPU: wider tiles and narrow epilogues are slower, plain GEMMs fastest
+        asked.append(jobs)
+        return {name: (0.5 if "_plain__" in name else 1.0) * cfg.tile[1] + (cfg.epi_tile is not None)
+                for name, (job, cfg) in jobs.items()}
+
+    rows = tuning.sweep_configs(parts, "quick", measure)
+    assert len(asked) == 1 and {r["symbol"] for r in rows} == {p.symbol for p in parts}
+    for r in rows:
+        p = next(p for p in parts if p.symbol == r["symbol"])
+        assert len(r["ms"]) >= len(select.candidates(p, "quick"))  # with the epilogue variants
+        plain = asked[0][f"{p.symbol}_plain__{default_config('bfloat16').name}"][0]
+        assert plain.symbol.endswith("_plain__" + default_config("bfloat16").name)
+        assert len(plain.outputs) == 1 and r["plain_ms"] == 0.5 * default_config("bfloat16").tile[1]
+        assert r["ms"][r["best"]] == min(r["ms"].values()) and r["errors"] == {}
+    assert [r["ms"][r["best"]] for r in rows] == sorted((r["ms"][r["best"]] for r in rows), reverse=True)
+
+
 def test_compare_configs_times_each_partition_under_default_and_heuristic():
     from tvm_evt.codegen import select
     from tvm_evt.codegen.legality import fitting_config
@@ -119,3 +147,17 @@ def test_compare_configs_times_each_partition_under_default_and_heuristic():
                                                             if n == f"{p.symbol}__{r['heuristic']}"))})["x"]
     assert any(r["default"] != r["heuristic"] for r in rows)
     assert [r["heuristic_ms"] for r in rows] == sorted((r["heuristic_ms"] for r in rows), reverse=True)
+
+
+def test_bench_partitions_names_the_partitions_it_does_not_know(capsys):
+    """``--only`` with a symbol the model lacks stops before any GPU work and lists the real ones."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_partitions", ROOT / "scripts" / "bench_partitions.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as exc:
+        script.main(["xml_cnn", "--quick", "--only", "no_such_partition", "--sweep", "quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "no partition ['no_such_partition']" in err and "main_adjoint_evt0_" in err

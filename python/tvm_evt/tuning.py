@@ -380,6 +380,41 @@ def compare_configs(partitions: list, measure: Callable | None = None) -> list[d
     return sorted(rows, key=lambda r: -r["heuristic_ms"])  # a failed build (inf) first
 
 
+def sweep_configs(partitions: list, space: str = "quick", measure: Callable | None = None) -> list[dict]:
+    """Each partition timed under every configuration of ``space`` that ``select.candidates`` keeps
+    for its shape, and their narrow-epilogue variants (fitted to shared memory as ``relax.ext.evt``
+    does), next to its plain GEMM (same operands, only the D store) under the default
+    configuration: what the epilogue costs, and whether some configuration hides it.  One row per
+    partition: ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``errors``."""
+    from .codegen import select
+    from .codegen.backend import default_config
+    from .codegen.legality import fitting_config
+
+    measure = measure or GpuMeasure()
+    jobs, rows = {}, []
+    for p in partitions:
+        configs = [c for base in select.candidates(p, space) for c in (base, select.epilogue_variant(base))]
+        names = []
+        for cfg in dict.fromkeys(fitting_config(p, c) for c in configs):
+            name = f"{p.symbol}__{cfg.name}"
+            jobs[name] = (dataclasses.replace(p, symbol=name), cfg)
+            names.append(name)
+        default = default_config(p.gemm.dtype_a)
+        plain = f"{p.symbol}_plain__{default.name}"
+        jobs[plain] = (select.plain_partition(p, plain), default)
+        rows.append({"symbol": p.symbol, "batch": p.gemm.batch, "mnk": [p.gemm.m, p.gemm.n, p.gemm.k],
+                     "plain": plain, "jobs": names})
+    times = measure(jobs)
+    errors = getattr(measure, "records", {})
+    for row in rows:
+        row["plain_ms"] = times[row.pop("plain")]
+        names = row.pop("jobs")
+        row["ms"] = {n.rsplit("__", 1)[1]: times[n] for n in names}
+        row["best"] = min(row["ms"], key=row["ms"].get)
+        row["errors"] = {n.rsplit("__", 1)[1]: errors[n]["error"] for n in names if errors.get(n, {}).get("error")}
+    return sorted(rows, key=lambda r: -r["ms"][r["best"]])
+
+
 def tune_cutlass(partitions: list, work_dir, *, space: str = "quick", top_k: int = 1, chunk: int = 4,
                  deadline: float = math.inf, measure: Callable | None = None, gpu: str | None = None,
                  progress=None) -> dict:
