@@ -25,15 +25,20 @@ import tvm_ffi
 
 from . import select
 from .backend import KernelConfig, default_config, emit, smem
+from .backend.flash_attention import emit_attention
 from .build import BuildError, build_each, kernel_entries, link_module
 from .errors import Unsupported
 from .frontend import from_function
+from .frontend.attention_call import attention_of_function
 from .ir import Partition
 from .legality import fitting_config
 from .passes import lower
 
 CODEGEN_NAME = "evt"
 GLOBAL_FUNC = f"relax.ext.{CODEGEN_NAME}"
+# fused training attention calls (``tvm_evt.attention`` / ``_backward``): flash-attention kernels
+ATTENTION_CODEGEN_NAME = "evt_attention"
+ATTENTION_GLOBAL_FUNC = f"relax.ext.{ATTENTION_CODEGEN_NAME}"
 
 
 CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits", "epi_tile", "atomic_reduce")
@@ -141,6 +146,35 @@ def kernel_partitions(kernel_name: str) -> list[str]:
     return sorted(_KERNEL_PARTITIONS.get(kernel_name, ()))
 
 
+def build_attention(calls) -> "tvm.runtime.Module":
+    """One static library holding the flash-attention kernels of ``calls`` (``AttentionCall``s),
+    built in parallel through the object cache; ``export_library`` links it."""
+    sources = {call.symbol: emit_attention(call) for call in calls}
+    objects = build_each(sources)
+    for symbol, result in objects.items():
+        if isinstance(result, BuildError):
+            raise BuildError(f"relax.ext.evt_attention: nvcc failed for {symbol}: {result.first_error}\n{result}",
+                             name=symbol, stderr=result.stderr)
+    obj = link_module([objects[s] for s in sources], list(sources))
+    return tvm.runtime.load_static_library(str(obj), list(sources))
+
+
+def attention_codegen(funcs, options, constant_names):
+    """``relax.ext.evt_attention``: every fused attention call (``Codegen="evt_attention"``) as
+    flash-attention kernels in one static library."""
+    funcs = list(funcs)
+    if not funcs:
+        return []
+    try:
+        calls = [attention_of_function(func) for func in funcs]
+        return [build_attention(calls)]
+    except Unsupported as err:
+        raise tvm.error.TVMError(f"relax.ext.evt_attention: {err.reason}") from err
+    except BuildError as err:
+        raise tvm.error.TVMError(str(err)) from err
+
+
 def register() -> None:
-    """Register ``relax.ext.evt`` (idempotent)."""
+    """Register ``relax.ext.evt`` and ``relax.ext.evt_attention`` (idempotent)."""
     tvm_ffi.register_global_func(GLOBAL_FUNC, evt_codegen, override=True)
+    tvm_ffi.register_global_func(ATTENTION_GLOBAL_FUNC, attention_codegen, override=True)

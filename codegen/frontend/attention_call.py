@@ -1,0 +1,94 @@
+"""Read a ``Codegen="evt_attention"`` function (one ``tvm_evt.attention`` or
+``tvm_evt.attention_backward`` call on its parameters) into an ``AttentionCall``; what the
+flash-attention kernels cannot take raises ``Unsupported`` with the reason.
+
+The ops' argument conventions are those of ``tvm_evt.relax_passes.attention_op``:
+``attention(q, k, v, seed, scale, causal, dropout, site[, bias])`` and
+``attention_backward(q, k, v, o, lse, dout, seed, scale, causal, dropout, site[, bias])``.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..errors import Unsupported
+from ..ir.attention import AttentionCall
+
+FORWARD_OP = "tvm_evt.attention"
+BACKWARD_OP = "tvm_evt.attention_backward"
+# op -> (tensor arguments before ``seed``, index of ``seed``)
+TENSOR_ARGS = {FORWARD_OP: ("q", "k", "v"), BACKWARD_OP: ("q", "k", "v", "o", "lse", "dout")}
+DTYPES = ("bfloat16", "float16")
+HEAD_DIMS = (64,)
+
+
+def _prim(expr, what: str, op: str):
+    if not isinstance(expr, relax.PrimValue):
+        raise Unsupported(f"{op}: {what} must be a constant PrimValue, got {type(expr).__name__}")
+    return expr.value.value
+
+
+def _shape(expr) -> list[int]:
+    try:
+        return [int(s) for s in expr.ty.shape]
+    except (TypeError, AttributeError) as err:
+        raise Unsupported(f"attention operand {expr} has no static shape") from err
+
+
+def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionCall:
+    """The ``AttentionCall`` of one op call (arguments may be any expressions)."""
+    op = call.op.name if isinstance(call.op, tvm.ir.Op) else None
+    if op not in TENSOR_ARGS:
+        raise Unsupported(f"{op or call.op} is not a fused attention op")
+    tensors = TENSOR_ARGS[op]
+    n = len(tensors)
+    if len(call.args) not in (n + 5, n + 6):
+        raise Unsupported(f"{op}: expected {n + 5} or {n + 6} arguments, got {len(call.args)}")
+    q = call.args[0]
+    dtype = str(q.ty.dtype)
+    if dtype not in DTYPES:
+        raise Unsupported(f"{op}: dtype {dtype} (the kernels take {', '.join(DTYPES)})")
+    for name, arg in zip(tensors, call.args[:n]):
+        want = "float32" if name == "lse" else dtype
+        if str(arg.ty.dtype) != want:
+            raise Unsupported(f"{op}: {name} is {arg.ty.dtype}, expected {want}")
+    batch, heads, sq, head_dim = _shape(q)
+    kb, kh, sk, kd = _shape(call.args[1])
+    if (kb, kh, kd) != (batch, heads, head_dim) or _shape(call.args[2]) != [kb, kh, sk, kd]:
+        raise Unsupported(f"{op}: q {_shape(q)}, k {_shape(call.args[1])}, v {_shape(call.args[2])} do not agree")
+    if head_dim not in HEAD_DIMS:
+        raise Unsupported(f"{op}: head dimension {head_dim} (the kernels take {HEAD_DIMS})")
+    if batch * heads > 65535:
+        raise Unsupported(f"{op}: batch x heads = {batch * heads} exceeds the grid's y extent")
+    scale, causal, dropout, site = (
+        _prim(call.args[n + 1 + i], what, op) for i, what in enumerate(("scale", "causal", "dropout", "site"))
+    )
+    has_bias = len(call.args) == n + 6
+    if has_bias and (_shape(call.args[-1]) != [sk] or str(call.args[-1].ty.dtype) != "float32"):
+        raise Unsupported(f"{op}: bias must be float32 [{sk}], got {call.args[-1].ty}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise Unsupported(f"{op}: dropout rate {dropout} outside [0, 1)")
+    return AttentionCall(
+        symbol=symbol, backward=op == BACKWARD_OP, dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk,
+        head_dim=head_dim, scale=float(scale), causal=bool(causal), dropout=float(dropout), site=int(site),
+        has_bias=has_bias,
+    )
+
+
+def attention_of_function(func: relax.Function) -> AttentionCall:
+    """The ``AttentionCall`` of a partition function: one op call whose tensor arguments are the
+    function's parameters in ``AttentionCall.inputs`` order (the DPS order the entry binds)."""
+    symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "attention"
+    body = func.body
+    call = body.body if isinstance(body, relax.SeqExpr) else body
+    if isinstance(body, relax.SeqExpr) and isinstance(call, relax.Var):
+        bound = {b.var: b.value for block in body.blocks for b in block.bindings}
+        call = bound.get(call, call)
+    if not isinstance(call, relax.Call):
+        raise Unsupported(f"{symbol}: the function body is not one attention call")
+    spec = attention_of_call(call, str(symbol))
+    n = len(TENSOR_ARGS[FORWARD_OP if not spec.backward else BACKWARD_OP])
+    args = list(call.args[:n]) + ([call.args[n]] if spec.has_dropout else []) + ([call.args[-1]] if spec.has_bias else [])
+    if len(func.params) != len(args) or any(not a.same_as(p) for a, p in zip(args, func.params)):
+        raise Unsupported(f"{symbol}: the call's tensor arguments must be the parameters {spec.inputs} in order")
+    return spec

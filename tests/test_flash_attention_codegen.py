@@ -1,0 +1,84 @@
+"""Flash-attention codegen without a GPU: the emitted entries, what is refused, and an nvcc build
+whose entries check their arguments (the kernels' numbers: tests/test_gpu_flash_attention.py)."""
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from tvm_evt.codegen.backend.flash_attention import emit_attention
+from tvm_evt.codegen.build import cache, link_module, toolchain
+from tvm_evt.codegen.errors import Unsupported
+from tvm_evt.codegen.ir.attention import AttentionCall
+
+
+def call(**kw) -> AttentionCall:
+    base = dict(symbol="attn_fwd", backward=False, dtype="bfloat16", batch=2, heads=3, sq=197, sk=208,
+                head_dim=64, scale=0.125, causal=False, dropout=0.1, site=3, has_bias=True)
+    return AttentionCall(**{**base, **kw})
+
+
+def test_dps_arguments_follow_the_flags():
+    assert call().inputs == ("q", "k", "v", "seed", "bias") and call().outputs == ("out", "lse")
+    assert call(dropout=0.0, has_bias=False).inputs == ("q", "k", "v")
+    back = call(backward=True, dropout=0.0)
+    assert back.inputs == ("q", "k", "v", "o", "lse", "dout", "bias") and back.outputs == ("dq", "dk", "dv")
+
+
+def test_forward_entry_bakes_in_shapes_flags_and_dropout_constants():
+    src = emit_attention(call())
+    assert "flash_fwd<true, false, true, true><<<grid, kThreads, 0, stream>>>(p);" in src
+    assert "dim3 grid((197 + kBlock - 1) / kBlock, 6);" in src
+    # the Philox threshold and scale of p = 0.1 (codegen/philox.py's convention), the site
+    assert "p.threshold = 1677722u;" in src and "p.drop_scale = 1.1111111640930176f;" in src
+    assert "p.site = 3u;" in src
+    # every argument is checked: q [2,3,197,64] bf16 ... seed uint32[2], bias f32[208], lse f32
+    assert 'check(q, kKernel, "q", {2, 3, 197, 64}, kDLBfloat, 16, device)' in src
+    assert 'check(seed, kKernel, "seed", {2}, kDLUInt, 32, device)' in src
+    assert 'check(bias, kKernel, "bias", {208}, kDLFloat, 32, device)' in src
+    assert 'check(lse, kKernel, "lse", {2, 3, 197}, kDLFloat, 32, device)' in src
+    assert "expects 7 tensors" in src  # q, k, v, seed, bias, out, lse
+
+
+def test_backward_entry_launches_delta_dkdv_dq():
+    src = emit_attention(call(backward=True, dtype="float16", causal=True, dropout=0.0, has_bias=False,
+                              symbol="attn_bwd"))
+    assert "flash_delta<false><<<" in src
+    assert "flash_dkdv<false, true, false, false>" in src and "flash_dq<false, true, false, false>" in src
+    assert "p.seed" not in src.split("int run(")[1]  # no dropout: no seed argument
+    assert "expects 9 tensors" in src  # q, k, v, o, lse, dout, dq, dk, dv
+
+
+def test_same_call_same_source():
+    assert emit_attention(call()) == emit_attention(call())
+    assert emit_attention(call()) != emit_attention(call(site=4))
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (dict(head_dim=128), "head dimension 128"),
+    (dict(dtype="float32"), "dtype float32"),
+    (dict(symbol="not-an-identifier"), "not a C identifier"),
+])
+def test_refuses_what_the_kernels_cannot_take(bad, reason):
+    with pytest.raises(Unsupported, match=reason):
+        emit_attention(call(**bad))
+
+
+def test_nvcc_builds_the_kernels_and_entries_check_arguments(tmp_path, monkeypatch):
+    """A few seconds of nvcc (no CUTLASS templates); the exported entries raise TVM FFI errors."""
+    if toolchain.find_nvcc() is None or shutil.which("ld") is None or shutil.which("g++") is None:
+        pytest.skip("nvcc absent")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = [call(), call(backward=True, symbol="attn_bwd", causal=True)]
+    objects = cache.build_many({c.symbol: emit_attention(c) for c in calls})
+    module_obj = link_module(list(objects.values()), [c.symbol for c in calls])
+    so = tmp_path / "attention.so"
+    subprocess.run(["g++", "-shared", "-o", str(so), str(module_obj)], check=True)
+    import tvm_ffi
+
+    fwd = tvm_ffi.load_module(str(so))["attn_fwd"]
+    with pytest.raises(TypeError, match="expects 7 tensors, got 0"):
+        fwd()
+    x = tvm_ffi.from_dlpack(np.zeros((2, 3, 197, 64), np.float32))
+    with pytest.raises(ValueError, match="q must be on cuda"):
+        fwd(*[x] * 7)
