@@ -35,6 +35,7 @@ def _shapes(call: AttentionCall) -> dict[str, tuple[list[int], str, int]]:
         "o": (qshape, code, bits), "out": (qshape, code, bits), "dout": (qshape, code, bits),
         "lse": lse, "seed": ([2], "kDLUInt", 32), "bias": ([call.sk], "kDLFloat", 32),
         "dq": (qshape, code, bits), "dk": (kshape, code, bits), "dv": (kshape, code, bits),
+        "mask": (call.mask_shape, "kDLUInt", 32),
     }
     return {name: table[name] for name in call.inputs + call.outputs}
 
@@ -54,8 +55,12 @@ def emit_attention(call: AttentionCall) -> str:
         for name, (shape, code, bits) in shapes.items()
     )
     optional = []
-    if call.has_dropout:
+    if "seed" in call.inputs:
         optional.append("  p.seed = data_of<const uint32_t>(seed);")
+    if "mask" in call.outputs:
+        optional.append("  p.mask_out = data_of<uint32_t>(mask);")
+    if "mask" in call.inputs:
+        optional.append("  p.mask_in = data_of<const uint32_t>(mask);")
     if call.has_bias:
         optional.append("  p.bias = data_of<const float>(bias);")
     template = BACKWARD_ENTRY if call.backward else FORWARD_ENTRY

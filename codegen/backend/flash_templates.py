@@ -64,6 +64,9 @@ struct Params {
   uint16_t* dv;
   const float* bias;     // [Sk] added to the scaled scores, or null
   const uint32_t* seed;  // uint32[2], the Philox key, or null
+  uint32_t* mask_out;    // forward: the keep bits of every tile computed, for the backward pass (or null)
+  const uint32_t* mask_in;  // backward: those bits (or null: regenerate them from the seed)
+  int q_blocks, k_blocks;   // 64-row tiles of the queries and of the keys (the saved mask's grid)
   int sq, sk;
   float scale;           // softmax scale
   float scale_log2;      // scale * log2(e)
@@ -114,16 +117,23 @@ __device__ __forceinline__ uint32_t keep_bits(uint64_t first, int count, uint32_
 // The keep mask of one 64 x 64 tile (queries m0.., keys n0..) as bits in shared memory,
 // ``bits[2 * query + key / 32] >> key % 32``: each thread draws the 8 (or 9) Philox words of 32
 // consecutive elements of one row, so a tile costs the minimum number of draws whatever the
-// fragment layout of the kernel that reads it.
+// fragment layout of the kernel that reads it.  The forward pass can save the bits (128 words a
+// tile, [B*H, q_blocks, k_blocks, 128]) and the backward kernels read them instead of drawing.
 constexpr int kMaskWords = kBlock * kBlock / 32;
-__device__ __forceinline__ void mask_tile(uint32_t* bits, const uint32_t* seed, uint32_t site, uint32_t threshold,
-                                          uint64_t row0, int m0, int n0, int sq, int sk, int tid) {
+__device__ __forceinline__ void mask_tile(uint32_t* bits, Params const& p, int bh, int m0, int n0, int tid) {
   const int r = tid >> 1, half = tid & 1;
-  const int count = min(32, sk - (n0 + half * 32));
+  const int64_t tile = (int64_t(bh) * p.q_blocks + m0 / kBlock) * p.k_blocks + n0 / kBlock;
   uint32_t word = 0;
-  if (m0 + r < sq && count > 0)
-    word = keep_bits((row0 + m0 + r) * uint64_t(sk) + n0 + half * 32, count, site, seed[0], seed[1], threshold);
-  bits[2 * r + half] = word;
+  if (p.mask_in) {  // the forward pass saved it
+    word = p.mask_in[tile * kMaskWords + tid];
+  } else {
+    const int count = min(32, p.sk - (n0 + half * 32));
+    if (m0 + r < p.sq && count > 0)
+      word = keep_bits((uint64_t(bh) * p.sq + m0 + r) * uint64_t(p.sk) + n0 + half * 32, count, p.site, p.seed[0],
+                       p.seed[1], p.threshold);
+    if (p.mask_out) p.mask_out[tile * kMaskWords + tid] = word;
+  }
+  bits[tid] = word;  // tid == 2 * r + half
 }
 __device__ __forceinline__ bool kept(const uint32_t* bits, int query, int key) {
   return (bits[2 * query + (key >> 5)] >> (key & 31)) & 1u;
@@ -294,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(Params p) {
   load_tile(sK[0], K, 0, p.sk, tid);
   load_tile(sV[0], V, 0, p.sk, tid);
   cp_async_commit();
-  if (kDropout) mask_tile(sMask[0], p.seed, p.site, p.threshold, uint64_t(bh) * p.sq, m0, 0, p.sq, p.sk, tid);
+  if (kDropout) mask_tile(sMask[0], p, bh, m0, 0, tid);
   cp_async_wait_all();
   __syncthreads();
   uint32_t qf[4][4];
@@ -319,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(Params p) {
     for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     gemm_nk<kBf16>(s, qf, sK[buf], lane);
     if (kDropout && j + 1 < blocks)  // the next tile's mask, read after this tile's closing barrier
-      mask_tile(sMask[buf ^ 1], p.seed, p.site, p.threshold, uint64_t(bh) * p.sq, m0, n0 + kBlock, p.sq, p.sk, tid);
+      mask_tile(sMask[buf ^ 1], p, bh, m0, n0 + kBlock, tid);
 
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -443,7 +453,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   };
   if (first < last) {
     load_queries(first, 0);
-    if (kDropout) mask_tile(sMask[0], p.seed, p.site, p.threshold, uint64_t(qo), first * kBlock, n0, p.sq, p.sk, tid);
+    if (kDropout) mask_tile(sMask[0], p, bh, first * kBlock, n0, tid);
   }
   cp_async_commit();
   cp_async_wait_all();
@@ -453,7 +463,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     const int buf = (i - first) & 1, m0 = i * kBlock;
     if (i + 1 < last) {
       load_queries(i + 1, buf ^ 1);
-      if (kDropout) mask_tile(sMask[buf ^ 1], p.seed, p.site, p.threshold, uint64_t(qo), m0 + kBlock, n0, p.sq, p.sk, tid);
+      if (kDropout) mask_tile(sMask[buf ^ 1], p, bh, m0 + kBlock, n0, tid);
     }
     cp_async_commit();
 
@@ -536,7 +546,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq(Params p) {
   load_tile(sK[0], K, 0, p.sk, tid);
   load_tile(sV[0], V, 0, p.sk, tid);
   cp_async_commit();
-  if (kDropout) mask_tile(sMask[0], p.seed, p.site, p.threshold, uint64_t(qo), m0, 0, p.sq, p.sk, tid);
+  if (kDropout) mask_tile(sMask[0], p, bh, m0, 0, tid);
   cp_async_wait_all();
   __syncthreads();
 
@@ -548,7 +558,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq(Params p) {
     if (j + 1 < blocks) {
       load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, tid);
       load_tile(sV[buf ^ 1], V, n0 + kBlock, p.sk, tid);
-      if (kDropout) mask_tile(sMask[buf ^ 1], p.seed, p.site, p.threshold, uint64_t(qo), m0, n0 + kBlock, p.sq, p.sk, tid);
+      if (kDropout) mask_tile(sMask[buf ^ 1], p, bh, m0, n0 + kBlock, tid);
     }
     cp_async_commit();
     float s[8][4], dp[8][4];
@@ -661,6 +671,8 @@ ${checks}
 ${optional}
   p.sq = ${sq};
   p.sk = ${sk};
+  p.q_blocks = (${sq} + kBlock - 1) / kBlock;
+  p.k_blocks = (${sk} + kBlock - 1) / kBlock;
   p.scale = ${scale}f;
   p.scale_log2 = ${scale_log2}f;
   p.drop_scale = ${drop_scale}f;
@@ -710,6 +722,8 @@ ${checks}
 ${optional}
   p.sq = ${sq};
   p.sk = ${sk};
+  p.q_blocks = (${sq} + kBlock - 1) / kBlock;
+  p.k_blocks = (${sk} + kBlock - 1) / kBlock;
   p.scale = ${scale}f;
   p.scale_log2 = ${scale_log2}f;
   p.drop_scale = ${drop_scale}f;

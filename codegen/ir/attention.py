@@ -4,7 +4,8 @@
 ``backward``: dQ, dK, dV from Q, K, V, O, LSE and dO (FlashAttention-2's backward).
 Q, O, dQ, dO are [batch, heads, sq, head_dim]; K, V, dK, dV [batch, heads, sk, head_dim]; LSE
 [batch, heads, sq] float32; bias (optional) [sk] float32; the dropout mask follows
-``codegen/philox.py`` over the row-major [batch, heads, sq, sk] index with the given ``site``.
+``codegen/philox.py`` over the row-major [batch, heads, sq, sk] index with the given ``site``
+(``saved_mask``: the forward pass also returns it as bits, which the backward pass takes).
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class AttentionCall:
     dropout: float
     site: int
     has_bias: bool
+    # dropout's keep bits: the forward pass writes them (an extra output, ``mask``) and the
+    # backward pass reads them (an input in place of the seed) instead of drawing them again
+    saved_mask: bool = False
 
     @property
     def has_dropout(self) -> bool:
@@ -35,8 +39,17 @@ class AttentionCall:
     def inputs(self) -> tuple[str, ...]:
         """The partition's tensor parameters, in order (the DPS arguments before the outputs)."""
         names = ("q", "k", "v", "o", "lse", "dout") if self.backward else ("q", "k", "v")
-        return names + (("seed",) if self.has_dropout else ()) + (("bias",) if self.has_bias else ())
+        if self.has_dropout:
+            names += ("mask",) if self.backward and self.saved_mask else ("seed",)
+        return names + (("bias",) if self.has_bias else ())
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return ("dq", "dk", "dv") if self.backward else ("out", "lse")
+        if self.backward:
+            return ("dq", "dk", "dv")
+        return ("out", "lse") + (("mask",) if self.has_dropout and self.saved_mask else ())
+
+    @property
+    def mask_shape(self) -> list[int]:
+        """The saved keep bits: 128 words per 64 x 64 tile of every (batch, head)."""
+        return [self.batch, self.heads, -(-self.sq // 64), -(-self.sk // 64), 128]
