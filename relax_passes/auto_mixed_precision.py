@@ -10,7 +10,8 @@ Every op states the dtype it wants for its floating-point inputs, by a policy ta
   operands are all fp32 (batch norm's affine after it, the running-statistics update), and the
   elementwise ops that only fp32 reductions read (a loss's ``(out - target)²``) compute in fp32,
   as autocast's fused batch norm and fp32 losses do;
-* everything else computes in the low-precision dtype.
+* everything else computes in the low-precision dtype (the fused attention ops too, but their
+  key bias and log-sum-exp operands stay fp32: ``LOW_BUT_FP32_ARGS``).
 
 Measured on H100 (tiny batch-norm net, statistics over 512 positions): without the fp32 rules
 the bf16 gradients were up to 1.4x (and 1.6x with fp32 accumulation alone) as far from fp32
@@ -78,6 +79,13 @@ FOLLOW = frozenset(
         "relax.full_like",
     }
 )
+
+# ops computed in the low dtype whose operands at these positions stay float32: the fused
+# attention's key bias and its saved log-sum-exp statistic (relax_passes/attention_op.py)
+LOW_BUT_FP32_ARGS = {
+    "tvm_evt.attention": frozenset({8}),  # bias
+    "tvm_evt.attention_backward": frozenset({4, 11}),  # lse, bias
+}
 
 _FLOATS = ("float16", "bfloat16", "float32")
 
@@ -181,7 +189,8 @@ class _Caster(PyExprMutator):
             all_fp32 = name in STATISTIC_ARITH and bool(floats) and all(d == "float32" for d in floats)
             fp32 = name in FP32 or by_stat or all_fp32 or self.current in self.loss_region
             want = "float32" if fp32 else self.low
-            args = [self._cast_operand(a, want) for a in args]
+            fp32_args = LOW_BUT_FP32_ARGS.get(name, frozenset())
+            args = [self._cast_operand(a, "float32" if i in fp32_args else want) for i, a in enumerate(args)]
             if name in RETARGET_OUT_DTYPE:
                 return RETARGET_OUT_DTYPE[name](call, args, want)
         return relax.Call(call.op, args, call.attrs, call.ty_args)

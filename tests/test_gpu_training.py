@@ -27,6 +27,8 @@ def _torch_step(entry, inputs, autocast: bool):
 
 SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, on by default)
     "bert_layer": dict(batch=4, seq=64, hidden=128, heads=4),
+    "bert_layer_d64": dict(batch=4, seq=80, hidden=256, heads=4),  # flash attention's head dimension
+    "gpt2_block_d64": dict(batch=2, seq=96, hidden=256, heads=4),
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
     "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
 }
@@ -35,6 +37,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("bert_layer", "default"), ("bert_layer", "disable=all"), ("resnet_basic", "default"),
     ("resnet_basic", "disable=nhwc"),
     ("vit", "default"),  # without pad_keys the 17-key attention GEMMs are left to TVM (misaligned)
+    ("bert_layer_d64", "enable=flash_attention"), ("gpt2_block_d64", "enable=flash_attention"),
 ]
 
 
@@ -45,7 +48,7 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     if switch != "default":
         how, names = switch.split("=")
         monkeypatch.setenv(pipeline.DISABLE_ENV if how == "disable" else pipeline.ENABLE_ENV, names)
-    entry = models.ZOO[name](**SMALL[name])
+    entry = models.ZOO[name.removesuffix("_d64")](**SMALL[name])
     no_dropout(entry.model)
     step = tvm_evt.compile_training(
         copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
@@ -55,6 +58,12 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     report = step.report()
     assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
     assert any("relax.matmul" in p["ops"] for p in report["partitions"])
+    if "flash_attention" in switch:  # the attention core is one op, and the kernels take it
+        from tvm_evt.relax_passes.offload_attention import OffloadAttention
+
+        offload = OffloadAttention()
+        offload(step.graph.mod)
+        assert "tvm_evt.attention_backward" in step.graph.mod.script() and offload.fallbacks == []
     # Judged against torch in fp32, with torch's own bf16 autocast as the yardstick: on a tiny
     # batch-norm net (statistics over 512 positions) autocast itself is 2-4 % off fp32, so a
     # fixed bound against the autocast result would compare two noises.

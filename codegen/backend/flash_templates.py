@@ -90,28 +90,22 @@ __device__ __forceinline__ uint4 philox_draw(uint64_t draw, uint32_t site, uint3
   return make_uint4(c0, c1, c2, c3);
 }
 
-// keep bits (bit e for element first + e) of ``count`` <= 32 consecutive elements
+// keep bits (bit e for element first + e) of ``count`` <= 32 consecutive elements: the 8 draws
+// covering them (9 when ``first`` is not a multiple of 4), 4 bits each, then shifted into place
 __device__ __forceinline__ uint32_t keep_bits(uint64_t first, int count, uint32_t site, uint32_t k0, uint32_t k1,
                                               uint32_t threshold) {
-  uint32_t word = 0;
-  if ((first & 3) == 0) {  // draws aligned with the word: 8 draws, 4 bits each, straight-line code
+  const uint64_t draw = first >> 2;
+  const int skip = int(first & 3);
+  uint64_t bits = 0;
 #pragma unroll
-    for (int d = 0; d < 8; ++d) {
-      const uint4 w = philox_draw((first >> 2) + d, site, k0, k1);
-      word |= (uint32_t((w.x >> 8) >= threshold) | uint32_t((w.y >> 8) >= threshold) << 1 |
-               uint32_t((w.z >> 8) >= threshold) << 2 | uint32_t((w.w >> 8) >= threshold) << 3) << (4 * d);
-    }
-    return count >= 32 ? word : word & ((1u << count) - 1u);
+  for (int d = 0; d < 9; ++d) {
+    if (d == 8 && skip == 0) break;
+    const uint4 w = philox_draw(draw + d, site, k0, k1);
+    bits |= uint64_t(uint32_t((w.x >> 8) >= threshold) | uint32_t((w.y >> 8) >= threshold) << 1 |
+                     uint32_t((w.z >> 8) >= threshold) << 2 | uint32_t((w.w >> 8) >= threshold) << 3) << (4 * d);
   }
-  uint64_t drawn = ~uint64_t(0);
-  uint4 w = make_uint4(0, 0, 0, 0);
-  for (int e = 0; e < count; ++e) {
-    const uint64_t i = first + e;
-    if ((i >> 2) != drawn) { drawn = i >> 2; w = philox_draw(drawn, site, k0, k1); }
-    const uint32_t j = uint32_t(i) & 3u, x = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
-    word |= uint32_t((x >> 8) >= threshold) << e;
-  }
-  return word;
+  const uint32_t word = uint32_t(bits >> skip);
+  return count >= 32 ? word : word & ((1u << count) - 1u);
 }
 
 // The keep mask of one 64 x 64 tile (queries m0.., keys n0..) as bits in shared memory,

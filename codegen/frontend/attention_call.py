@@ -8,6 +8,8 @@ The ops' argument conventions are those of ``tvm_evt.relax_passes.attention_op``
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 from tvm import relax
 
@@ -23,9 +25,9 @@ HEAD_DIMS = (64,)
 
 
 def _prim(expr, what: str, op: str):
-    if not isinstance(expr, relax.PrimValue):
-        raise Unsupported(f"{op}: {what} must be a constant PrimValue, got {type(expr).__name__}")
-    return expr.value.value
+    if not isinstance(expr, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
+        raise Unsupported(f"{op}: {what} must be a constant prim value, got {type(expr).__name__}")
+    return expr.value
 
 
 def _shape(expr) -> list[int]:
@@ -75,20 +77,38 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
     )
 
 
+SAVED_MASK_ATTR = "tvm_evt.saved_mask"
+
+
 def attention_of_function(func: relax.Function) -> AttentionCall:
     """The ``AttentionCall`` of a partition function: one op call whose tensor arguments are the
-    function's parameters in ``AttentionCall.inputs`` order (the DPS order the entry binds)."""
+    function's parameters in ``AttentionCall.inputs`` order (the DPS order the entry binds).
+
+    With the function attribute ``tvm_evt.saved_mask`` the forward function returns dropout's
+    keep bits as a third result and the backward function takes them as its ``mask`` parameter
+    in place of the seed (its call's seed argument is then not read)."""
     symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "attention"
     body = func.body
-    call = body.body if isinstance(body, relax.SeqExpr) else body
-    if isinstance(body, relax.SeqExpr) and isinstance(call, relax.Var):
-        bound = {b.var: b.value for block in body.blocks for b in block.bindings}
-        call = bound.get(call, call)
-    if not isinstance(call, relax.Call):
-        raise Unsupported(f"{symbol}: the function body is not one attention call")
+    bindings = [b for block in body.blocks for b in block.bindings] if isinstance(body, relax.SeqExpr) else []
+    values = [b.value for b in bindings] + [body.body if isinstance(body, relax.SeqExpr) else body]
+    calls = [v for v in values if isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name in TENSOR_ARGS]
+    if len(calls) != 1:
+        raise Unsupported(f"{symbol}: expected one attention call in the function, found {len(calls)}")
+    call = calls[0]
     spec = attention_of_call(call, str(symbol))
-    n = len(TENSOR_ARGS[FORWARD_OP if not spec.backward else BACKWARD_OP])
+    saved = bool(int(func.attrs[SAVED_MASK_ATTR])) if func.attrs and SAVED_MASK_ATTR in func.attrs else False
+    if saved:
+        if not spec.has_dropout:
+            raise Unsupported(f"{symbol}: a saved mask without dropout")
+        spec = dataclasses.replace(spec, saved_mask=True)
+    n = len(TENSOR_ARGS[BACKWARD_OP if spec.backward else FORWARD_OP])
     args = list(call.args[:n]) + ([call.args[n]] if spec.has_dropout else []) + ([call.args[-1]] if spec.has_bias else [])
-    if len(func.params) != len(args) or any(not a.same_as(p) for a, p in zip(args, func.params)):
-        raise Unsupported(f"{symbol}: the call's tensor arguments must be the parameters {spec.inputs} in order")
+    if len(func.params) != len(args):
+        raise Unsupported(f"{symbol}: expected parameters {spec.inputs}, got {len(func.params)}")
+    for name, arg, param in zip(spec.inputs, args, func.params):
+        if name == "mask":
+            if [int(d) for d in param.ty.shape] != spec.mask_shape or str(param.ty.dtype) != "uint32":
+                raise Unsupported(f"{symbol}: mask parameter must be uint32 {spec.mask_shape}, got {param.ty}")
+        elif not arg.same_as(param):
+            raise Unsupported(f"{symbol}: the call's tensor arguments must be the parameters {spec.inputs} in order")
     return spec

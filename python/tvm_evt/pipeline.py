@@ -8,6 +8,8 @@ One list of phases, in order (``phases(target)``):
     AbsorbPartitionInputCasts  a cast that only feeds a partition's epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
     -- CUDA --
+    OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention),
+                       or plain ops the partitioner sees where the kernels cannot take them
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     SplitToSlices      a split as one slice per piece, each fusing into its reader (im2col's col2im)
@@ -77,6 +79,9 @@ OPTIONAL = {
                         "GEMMs run on CUTLASS (H100: ViT-B/16 9.77 -> 8.08 ms per step)"),
     "nhwc": Rewrite("ConvertConvLayout (NHWC/OHWI) before Conv2dToMatmul: channel-contiguous im2col, no transposes "
                     "between convolutions (H100: ResNet-50 conv3_x 43.15 -> 24.71 ms per step)"),
+    "flash_attention": Rewrite("FuseAttention: the attention core (QK^T, scale, causal mask, softmax, dropout, PV) "
+                               "as one tvm_evt.attention op before Gradient, so no BxHxSxS tensor is materialised "
+                               "where a flash-attention kernel takes the call", default=False),
 }
 
 
@@ -135,10 +140,14 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
         from tvm.relax.backend.cuda import pipeline as cuda
 
         from .codegen import relax_ext
+        from .relax_passes.offload_attention import OffloadAttention
 
         relax_ext.register()
         return (
-            front
+            # fused attention calls -> flash-attention kernels (Codegen="evt_attention"), or plain
+            # ops before the partitioner where the kernels cannot take them
+            [OffloadAttention()]
+            + front
             + cuda.library_dispatch_passes(target)
             + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule

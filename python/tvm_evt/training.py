@@ -7,6 +7,7 @@ The training graph is built by `relax_passes` in this order:
 3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
    `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
    `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule; opt-in NHWC);
+   `FuseAttention`: the attention core as one ``tvm_evt.attention`` op (flash attention; opt-in);
    `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment; opt-in);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
@@ -33,6 +34,7 @@ from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
 from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
+from .relax_passes.fuse_attention import FuseAttention
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.pad_attention_keys import PadAttentionKeys
 from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
@@ -127,6 +129,9 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         Conv2dToMatmul(),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
+        # the attention core as one tvm_evt.attention op (opt-in: pipeline.OPTIONAL); it needs the
+        # canonical bindings above (no tuple round trips between the softmax and LowerDropout's mask)
+        *([FuseAttention()] if enabled("flash_attention") else []),
         # key lengths like ViT's 197 to a multiple of 16: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
         *([PadAttentionKeys()] if enabled("pad_keys") else []),
     ]

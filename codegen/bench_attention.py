@@ -1,0 +1,149 @@
+"""Flash-attention kernel benchmark (``relax.ext.evt_attention``) against torch's SDPA on the GPU.
+
+Cases are the attention cores of the end-to-end models (bf16, head dimension 64):
+  bert       BERT-Large layer   32 x 16 x 512 x 512, dropout 0.1, keep bits saved by the forward
+  bert_regen the same, the backward drawing the keep bits again from the seed
+  bert_p0    the same without dropout
+  gpt2       GPT-2 medium block 16 x 16 x 1024 x 1024, causal, dropout 0.1 (saved)
+  vit        ViT-B/16 block     128 x 12 x 197 x 208, key bias (PadAttentionKeys' -inf), dropout 0.1 (saved)
+
+Method: both kernels of a case are built through ``build_attention`` and called through their FFI
+entries on torch tensors; each is timed with CUDA events after warm-up, with fresh random inputs
+(regenerated in place) and NaN-poisoned outputs before every run, median of ``iters`` runs.
+torch is timed the same way in the same process: ``scaled_dot_product_attention`` forward, and
+forward + backward (its fused flash or memory-efficient kernel, whichever torch picks).
+Correctness is tests/test_gpu_flash_attention.py's job; here every output is only checked finite.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+
+from .ir.attention import AttentionCall
+
+CASES = {  # name: (batch, heads, sq, sk, causal, bias, dropout, saved mask)
+    "bert": (32, 16, 512, 512, False, False, 0.1, True),
+    "bert_regen": (32, 16, 512, 512, False, False, 0.1, False),
+    "bert_p0": (32, 16, 512, 512, False, False, 0.0, False),
+    "gpt2": (16, 16, 1024, 1024, True, False, 0.1, True),
+    "vit": (128, 12, 197, 208, False, True, 0.1, True),
+}
+HEAD_DIM, SCALE, SITE = 64, 0.125, 3
+
+
+def calls(name: str, dtype: str = "bfloat16") -> tuple[AttentionCall, AttentionCall]:
+    batch, heads, sq, sk, causal, bias, p, saved = CASES[name]
+    common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=HEAD_DIM, scale=SCALE,
+                  causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0)
+    return (AttentionCall(symbol=f"bench_{name}_fwd", backward=False, **common),
+            AttentionCall(symbol=f"bench_{name}_bwd", backward=True, **common))
+
+
+def _median_ms(fn, prepare, iters: int, warmup: int = 3) -> float:
+    import torch
+
+    times = []
+    for i in range(warmup + iters):
+        prepare()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16") -> dict:
+    """Times (ms) of our forward and backward kernels and of torch's SDPA on one case."""
+    import torch
+    import tvm
+
+    from .relax_ext import build_attention
+
+    fwd, bwd = calls(name, dtype)
+    with tempfile.TemporaryDirectory() as tmp:  # a static library runs once exported and loaded
+        path = os.path.join(tmp, f"{name}.so")
+        build_attention([fwd, bwd]).export_library(path)
+        lib = tvm.runtime.load_module(path)
+    run_fwd, run_bwd = lib[fwd.symbol], lib[bwd.symbol]
+    tdt = getattr(torch, dtype)
+    b, h, sq, sk = fwd.batch, fwd.heads, fwd.sq, fwd.sk
+    q = torch.empty(b, h, sq, HEAD_DIM, device="cuda", dtype=tdt)
+    k, v = (torch.empty(b, h, sk, HEAD_DIM, device="cuda", dtype=tdt) for _ in range(2))
+    do = torch.empty_like(q)
+    o, lse = torch.empty_like(q), torch.empty(b, h, sq, device="cuda")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    t = {"q": q, "k": k, "v": v, "dout": do, "o": o, "lse": lse,
+         "seed": torch.zeros(2, dtype=torch.int32, device="cuda").to(torch.uint32)}
+    if fwd.has_bias:
+        t["bias"] = torch.zeros(sk, device="cuda")
+        t["bias"][sk - (sk - sq):] = float("-inf")  # the padded keys
+    if "mask" in fwd.outputs:
+        t["mask"] = torch.empty(fwd.mask_shape, dtype=torch.int32, device="cuda").to(torch.uint32)
+
+    def fresh():
+        for x in (q, k, v, do):
+            x.normal_()
+        t["seed"].copy_(torch.tensor(list(os.urandom(8)), dtype=torch.uint8).view(torch.int32).to(torch.uint32))
+
+    def call(entry, spec, outs):
+        entry(*[tvm.runtime.from_dlpack(x) for x in [t[n] for n in spec.inputs] + outs])
+
+    fwd_outs = [o, lse] + ([t["mask"]] if "mask" in fwd.outputs else [])
+    ours_fwd = _median_ms(lambda: call(run_fwd, fwd, fwd_outs),
+                          lambda: (fresh(), o.fill_(float("nan")), lse.fill_(float("nan"))), iters)
+
+    def prepare_bwd():  # a forward on fresh inputs (untimed), then poisoned gradients
+        fresh()
+        call(run_fwd, fwd, fwd_outs)
+        for x in (dq, dk, dv):
+            x.fill_(float("nan"))
+
+    ours_bwd = _median_ms(lambda: call(run_bwd, bwd, [dq, dk, dv]), prepare_bwd, iters)
+    for what, x in (("O", o), ("LSE", lse), ("dQ", dq), ("dK", dk), ("dV", dv)):
+        if not torch.isfinite(x).all():
+            raise RuntimeError(f"{name}: {what} of the flash-attention kernels is not finite")
+
+    mask = t["bias"].to(tdt).expand(b, h, sq, sk) if fwd.has_bias else None  # causal: is_causal
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def torch_fwd():
+        return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=SCALE)
+
+    with torch.no_grad():
+        torch_f = _median_ms(torch_fwd, fresh, iters)
+    torch_fb = _median_ms(lambda: torch_fwd().backward(do), fresh, iters)
+    return {"case": name, "shape": [b, h, sq, sk], "causal": fwd.causal, "bias": fwd.has_bias,
+            "dropout": fwd.dropout, "saved_mask": fwd.saved_mask,
+            "ours_fwd_ms": ours_fwd, "ours_bwd_ms": ours_bwd, "ours_ms": ours_fwd + ours_bwd,
+            "sdpa_fwd_ms": torch_f, "sdpa_ms": torch_fb, "speedup": torch_fb / (ours_fwd + ours_bwd)}
+
+
+def markdown(rows: list[dict], gpu: str) -> str:
+    lines = [f"GPU: {gpu}", "",
+             "| case | B x H x Sq x Sk | ours fwd | ours bwd | ours fwd+bwd | SDPA fwd | SDPA fwd+bwd | SDPA / ours |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {' x '.join(map(str, r['shape']))} | {r['ours_fwd_ms']:.3f} | "
+                     f"{r['ours_bwd_ms']:.3f} | {r['ours_ms']:.3f} | {r['sdpa_fwd_ms']:.3f} | "
+                     f"{r['sdpa_ms']:.3f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(names: list[str], iters: int = 20, out: str | None = None) -> list[dict]:
+    import json
+
+    import torch
+
+    rows = [bench_case(n, iters) for n in names]
+    text = markdown(rows, torch.cuda.get_device_name())
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return rows
+

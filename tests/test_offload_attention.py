@@ -1,0 +1,103 @@
+"""OffloadAttention: fused attention calls become Codegen="evt_attention" functions that the
+flash-attention codegen reads back (with dropout's keep bits saved by the forward call for the
+backward call), and calls the kernels cannot take are decomposed into plain ops computing the
+same values."""
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax import op as R
+
+from tvm_evt.codegen.frontend.attention_call import attention_of_function
+from tvm_evt.relax_passes import attention_op
+from tvm_evt.relax_passes.offload_attention import CODEGEN, OffloadAttention
+
+B, H, S, SK, D = 2, 2, 80, 96, 64
+SITE = 7
+
+
+def _training_module(dtype: str, dropout: float = 0.1, bias: bool = True, causal: bool = False) -> tvm.IRModule:
+    """loss = sum(attention(q, k, v) * w) and its adjoint (through the op's gradient rule); float32
+    parameters, the attention in `dtype` (as AutoMixedPrecision leaves it)."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((B, H, S, D), "float32"))
+    k = relax.Var("k", relax.TensorType((B, H, SK, D), "float32"))
+    v = relax.Var("v", relax.TensorType((B, H, SK, D), "float32"))
+    seed = relax.Var("rng_seed", relax.TensorType((2,), "uint32"))
+    w = relax.Var("w", relax.TensorType((B, H, S, D), "float32"))
+    b = relax.const(np.where(np.arange(SK) < SK - 5, 0.0, -np.inf).astype("float32")) if bias else None
+    with bb.function("main", [q, k, v, seed, w]):
+        with bb.dataflow():
+            qkv = [x if dtype == "float32" else bb.emit(R.astype(x, dtype)) for x in (q, k, v)]
+            att = bb.emit(attention_op.attention(*qkv, seed, 0.125, causal, dropout, SITE, b))
+            o = bb.emit(R.astype(bb.emit(relax.TupleGetItem(att, 0)), "float32"))
+            loss = bb.emit_output(R.sum(R.multiply(o, w)))
+        bb.emit_func_output(loss)
+    mod = bb.get()
+    return relax.transform.Gradient("main", require_grads=mod["main"].params[:3])(mod)
+
+
+def _codegen_functions(mod: tvm.IRModule) -> dict:
+    return {gv.name_hint: f for gv, f in mod.functions_items()
+            if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+
+
+def _ops(mod: tvm.IRModule, fn: str) -> list[str]:
+    names = []
+    relax.analysis.post_order_visit(
+        mod[fn].body, lambda e: names.append(e.op.name) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+    return names
+
+
+def test_bf16_attention_and_its_backward_share_saved_keep_bits():
+    offload = OffloadAttention()
+    mod = offload(_training_module("bfloat16"))
+    assert offload.fallbacks == []
+    funcs = _codegen_functions(mod)
+    specs = {name: attention_of_function(f) for name, f in funcs.items()}
+    assert sorted(specs) == ["main_adjoint_attention1", "main_adjoint_attention_backward2", "main_attention0"]
+    fwd, back = specs["main_adjoint_attention1"], specs["main_adjoint_attention_backward2"]
+    assert (fwd.backward, fwd.saved_mask, back.backward, back.saved_mask) == (False, True, True, True)
+    assert fwd.outputs == ("out", "lse", "mask") and back.inputs == ("q", "k", "v", "o", "lse", "dout", "mask", "bias")
+    assert (fwd.sq, fwd.sk, fwd.dropout, fwd.site, fwd.has_bias) == (S, SK, np.float32(0.1), SITE, True)
+    # main has no backward to feed: its forward draws the mask and does not save it
+    assert specs["main_attention0"].saved_mask is False
+    # the adjoint passes the forward's third result to the backward call, and no attention op is left
+    for fn in ("main", "main_adjoint"):
+        assert not {attention_op.FORWARD, attention_op.BACKWARD} & set(_ops(mod, fn))
+    bindings = {b.var: b.value for blk in mod["main_adjoint"].body.blocks for b in blk.bindings}
+    fwd_call = next(v for v in bindings.values() if isinstance(v, relax.Call) and v.op.same_as(mod.get_global_var("main_adjoint_attention1")))
+    back_call = next(v for v in bindings.values() if isinstance(v, relax.Call) and v.op.same_as(mod.get_global_var("main_adjoint_attention_backward2")))
+    mask = bindings[back_call.args[6]]
+    assert isinstance(mask, relax.TupleGetItem) and mask.index == 2
+    assert any(var.same_as(mask.tuple_value) for var, v in bindings.items() if v.same_as(fwd_call))
+    assert [int(d) for d in back_call.args[6].ty.shape] == fwd.mask_shape
+
+
+def test_without_dropout_nothing_is_saved_and_equal_calls_share_a_function():
+    mod = OffloadAttention()(_training_module("float16", dropout=0.0, bias=False, causal=True))
+    specs = {name: attention_of_function(f) for name, f in _codegen_functions(mod).items()}
+    # main's and main_adjoint's forward calls are equal: one function
+    assert sorted(specs) == ["main_adjoint_attention_backward1", "main_attention0"]
+    assert not any(s.saved_mask for s in specs.values())
+    assert specs["main_attention0"].inputs == ("q", "k", "v") and specs["main_attention0"].causal
+
+
+def test_float32_attention_is_decomposed_and_computes_the_same_values():
+    before = _training_module("float32", dropout=0.25)
+    offload = OffloadAttention()
+    after = offload(before)
+    assert not _codegen_functions(after)
+    assert offload.fallbacks and all("dtype float32" in reason for reason in offload.fallbacks)
+    for fn in ("main", "main_adjoint"):
+        assert "relax.matmul" in _ops(after, fn)
+        assert not {attention_op.FORWARD, attention_op.BACKWARD} & set(_ops(after, fn))
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype("float32") for s in ((B, H, S, D), (B, H, SK, D), (B, H, SK, D))]
+    args += [np.array([0x1234, 0x5678], "uint32"), rng.standard_normal((B, H, S, D)).astype("float32")]
+    results = []
+    for mod in (before, after):  # before: the ops' FLegalize
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
+        results.append([loss.numpy()] + [g.numpy() for g in grads])
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
