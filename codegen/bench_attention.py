@@ -139,6 +139,9 @@ def main(names: list[str], iters: int = 20, out: str | None = None) -> list[dict
 
     import torch
 
+    from .relax_ext import build_attention
+
+    build_attention([c for n in names for c in calls(n)])  # every kernel in parallel, into the object cache
     rows = [bench_case(n, iters) for n in names]
     text = markdown(rows, torch.cuda.get_device_name())
     print(text)
