@@ -207,3 +207,16 @@ def test_training_step_is_unchanged_by_fusion(name, dropout, monkeypatch):
     errs = {n: grad_err(fused_grads[n], g, scale) for n, g in grads.items()}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= 1e-5, f"{worst}: {errs[worst]:.3g}"
+
+
+def test_causal_masks_of_real_sequence_lengths_are_recognised(monkeypatch):
+    """GPT-2's mask at 128 tokens (FoldConstant leaves a 128 x 128 mask unfolded: it is evaluated)."""
+    monkeypatch.setenv(pipeline.ENABLE_ENV, "flash_attention")
+    entry = models.ZOO["gpt2_block"](seq=128)
+    imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+    main = tvm_evt.build_training_module(imported, tvm_evt.optim.SGD(lr=0.1), "bf16").mod["main"]
+    calls = []
+    relax.analysis.post_order_visit(main.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and e.op.same_as(tvm.ir.Op.get(A.FORWARD)) else None)
+    [call] = calls
+    assert A.operands(call).attrs.causal
