@@ -28,7 +28,8 @@ Every value from ``S`` to ``O`` (the reshapes and broadcasts of the scores and o
 matmuls, the scaled/masked/biased scores, ``P``, ``keep``, the dropped ``P``) must be read by the
 next step only; otherwise the chain is left alone.  The keep-mask call, the causal mask's
 subgraph and kernels left without a caller are removed afterwards.  Whether a kernel can take a
-fused call is decided later, on the CUDA route (``OffloadAttention``).
+fused call is decided later, on the CUDA route (``OffloadAttention``); ``head_dims`` restricts the
+fusion to what they can take.
 """
 
 from __future__ import annotations
@@ -367,10 +368,16 @@ class _Fuser(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="FuseAttention")
 class FuseAttention:
-    """Replace each attention core (module docstring) by ``tvm_evt.attention``; ``fused`` counts them."""
+    """Replace each attention core (module docstring) by ``tvm_evt.attention``; ``fused`` counts them.
 
-    def __init__(self):
+    `head_dims`: fuse only attention over these head dimensions (None: any); the training pipeline
+    passes the flash-attention kernels' (``codegen.frontend.attention_call.HEAD_DIMS``), since a call
+    the kernels refuse is decomposed again on CUDA, where the unfused graph would have had its keys
+    padded for CUTLASS (PadAttentionKeys)."""
+
+    def __init__(self, head_dims: tuple[int, ...] | None = None):
         self.fused = 0
+        self.head_dims = head_dims
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         fuser = _Fuser(mod)
@@ -379,7 +386,8 @@ class FuseAttention:
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or (func.attrs and "Codegen" in func.attrs):
                 continue
-            matches = find_attention(func, mod, masks)
+            matches = [m for m in find_attention(func, mod, masks)
+                       if self.head_dims is None or static_shape(m.q)[3] in self.head_dims]
             if matches:
                 fuser.prime(matches)
                 fuser.builder_.update_func(gv, fuser.visit_expr(func))

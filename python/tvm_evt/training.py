@@ -34,6 +34,7 @@ from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
 from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
+from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .relax_passes.fuse_attention import FuseAttention
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.pad_attention_keys import PadAttentionKeys
@@ -131,7 +132,7 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         relax.transform.DeadCodeElimination(),
         # the attention core as one tvm_evt.attention op (opt-in: pipeline.OPTIONAL); it needs the
         # canonical bindings above (no tuple round trips between the softmax and LowerDropout's mask)
-        *([FuseAttention()] if enabled("flash_attention") else []),
+        *([FuseAttention(head_dims=FLASH_HEAD_DIMS)] if enabled("flash_attention") else []),
         # key lengths like ViT's 197 to a multiple of 16: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
         *([PadAttentionKeys()] if enabled("pad_keys") else []),
     ]
