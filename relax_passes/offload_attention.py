@@ -18,48 +18,69 @@ import dataclasses
 
 import tvm
 from tvm import relax
+from tvm.relax import op as R
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..codegen.errors import Unsupported
 from ..codegen.frontend.attention_call import (
     BACKWARD_OP,
     FORWARD_OP,
+    LAYOUT_ATTR,
     SAVED_MASK_ATTR,
     TENSOR_ARGS,
     attention_of_call,
 )
 from . import attention_op
+from .cancel_transposes import PERMUTE_DIMS, CancelTransposes
 
 CODEGEN = "evt_attention"
 OPS = {tvm.ir.Op.get(FORWARD_OP): FORWARD_OP, tvm.ir.Op.get(BACKWARD_OP): BACKWARD_OP}
 DECOMPOSE = {FORWARD_OP: attention_op.decompose_attention, BACKWARD_OP: attention_op.decompose_attention_backward}
 
 
-def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None) -> tuple[relax.Function, list[relax.Expr]]:
+HEADS_SWAP = [0, 2, 1, 3]  # [B, H, S, D] <-> [B, S, H, D]
+LAYOUT_TENSORS = ("q", "k", "v", "o", "dout")  # the inputs a "bshd" kernel reads sequence-major
+
+
+def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
+                     sources: dict | None) -> tuple[relax.Function, list[relax.Expr]]:
     """fn(<tensor args in AttentionCall.inputs order>) { return op(params..., prims...) } and the
     call's arguments for those parameters.  With a saved mask (``spec.saved_mask``) the forward
     function also returns the keep bits (only its type matters: the kernel writes them), and the
-    backward function takes ``mask``, the forward's third result, in place of the seed."""
+    backward function takes ``mask``, the forward's third result, in place of the seed.  With
+    ``sources`` (``spec.layout == "bshd"``: name -> the [B, S, H, D] tensor an operand transposes)
+    those are the parameters, transposed inside the function, and its tensor results are [B, S, H, D]."""
     n = len(TENSOR_ARGS[call.op.name])
     positions = list(range(n)) + ([n] if spec.has_dropout else []) + ([len(call.args) - 1] if spec.has_bias else [])
     args = [call.args[i] for i in positions]
     if spec.saved_mask and spec.backward:
         args[n] = mask
+    if sources:
+        args = [sources.get(name, arg) for name, arg in zip(spec.inputs, args)]
     params = [relax.Var(name, arg.ty) for name, arg in zip(spec.inputs, args)]
-    inner = list(call.args)
-    for param, i, name in zip(params, positions, spec.inputs):
-        if name != "mask":
-            inner[i] = param
     bb = relax.BlockBuilder()
     with bb.function("attention", params):
+        inner = list(call.args)
+        inner[n] = attention_op.no_seed()  # unless a parameter: not read (no dropout, or the saved bits)
+        for param, i, name in zip(params, positions, spec.inputs):
+            if name == "mask":
+                continue
+            inner[i] = bb.emit(R.permute_dims(param, HEADS_SWAP)) if sources and name in sources else param
         out = bb.emit(relax.Call(call.op, inner, call.attrs, call.ty_args))
+        results = [relax.TupleGetItem(out, i) for i in range(3 if spec.backward else 2)]
+        if sources:  # O, or dQ, dK, dV, as [B, S, H, D]
+            swap = range(3) if spec.backward else range(1)
+            results = [bb.emit(R.permute_dims(bb.emit(r), HEADS_SWAP)) if i in swap else r for i, r in enumerate(results)]
         if spec.saved_mask and not spec.backward:
-            bits = bb.emit(relax.op.zeros(relax.ShapeExpr(spec.mask_shape), "uint32"))
-            out = bb.emit(relax.Tuple([relax.TupleGetItem(out, 0), relax.TupleGetItem(out, 1), bits]))
+            results.append(bb.emit(relax.op.zeros(relax.ShapeExpr(spec.mask_shape), "uint32")))
+        if sources or (spec.saved_mask and not spec.backward):
+            out = bb.emit(relax.Tuple(results))
         bb.emit_func_output(out)
     func = bb.get()["attention"]
     if spec.saved_mask:
         func = func.with_attr(SAVED_MASK_ATTR, 1)
+    if sources:
+        func = func.with_attr(LAYOUT_ATTR, spec.layout)
     return func, args
 
 
@@ -98,18 +119,46 @@ class _Offloader(PyExprMutator):
         site = _dropout_site(spec)
         if spec.has_dropout and (site in self.masks if spec.backward else site in self.backward_sites):
             spec = dataclasses.replace(spec, saved_mask=True)
-        func, args = _kernel_function(call, spec, self.masks.get(site))
+        sources = self.sequence_major(call, spec)
+        if sources:
+            spec = dataclasses.replace(spec, layout="bshd")
+        func, args = _kernel_function(call, spec, self.masks.get(site), sources)
         gvar = self.shared.get(spec)
         if gvar is None:
             kind = "attention_backward" if spec.backward else "attention"
             symbol = f"{self.prefix}_{kind}{len(self.shared)}"
             gvar = self.builder_.add_func(func.with_attrs({"Codegen": CODEGEN, "global_symbol": symbol}), symbol)
             self.shared[spec] = gvar
-        if not (spec.saved_mask and not spec.backward):
+        if not (spec.saved_mask and not spec.backward) and not sources:
             return relax.Call(gvar, args)
         full = self.builder_.emit(relax.Call(gvar, args))
-        self.masks[site] = self.builder_.emit(relax.TupleGetItem(full, 2))
-        return relax.Tuple([relax.TupleGetItem(full, 0), relax.TupleGetItem(full, 1)])
+        if spec.saved_mask and not spec.backward:
+            self.masks[site] = self.builder_.emit(relax.TupleGetItem(full, 2))
+        results = [relax.TupleGetItem(full, i) for i in range(3 if spec.backward else 2)]
+        if sources:  # the graph around keeps [B, H, S, D] (CancelTransposes meets its own transposes)
+            swap = range(3) if spec.backward else range(1)
+            results = [self.builder_.emit(R.permute_dims(self.builder_.emit(r), HEADS_SWAP)) if i in swap else r
+                       for i, r in enumerate(results)]
+        return relax.Tuple(results)
+
+    def _transposed_from(self, expr: relax.Expr) -> relax.Expr | None:
+        """The [B, S, H, D] tensor `expr` ([B, H, S, D]) is ``permute_dims(., [0, 2, 1, 3])`` of,
+        looking through tuples this pass built; else None."""
+        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+        if isinstance(value, relax.TupleGetItem):
+            tup = self.lookup_binding(value.tuple_value) if isinstance(value.tuple_value, relax.Var) else value.tuple_value
+            return self._transposed_from(tup.fields[value.index]) if isinstance(tup, relax.Tuple) else None
+        if isinstance(value, relax.Call) and value.op == PERMUTE_DIMS and value.attrs.axes is not None \
+                and [int(a) for a in value.attrs.axes] == HEADS_SWAP and getattr(value.args[0].ty, "ndim", -1) == 4:
+            return value.args[0]
+        return None
+
+    def sequence_major(self, call: relax.Call, spec) -> dict | None:
+        """name -> [B, S, H, D] source of every operand in ``LAYOUT_TENSORS`` when all of them are
+        transposed [B, S, H, D] tensors (a linear layer's output split into heads), else None."""
+        tensors = TENSOR_ARGS[call.op.name]
+        sources = {name: self._transposed_from(arg) for name, arg in zip(tensors, call.args) if name in LAYOUT_TENSORS}
+        return sources if all(src is not None for src in sources.values()) else None
 
 
 def _backward_sites(func: relax.Function) -> set:
@@ -146,4 +195,7 @@ class OffloadAttention:
             new = mutator_.visit_expr(func)
             mutator_.builder_.update_func(gv, new)
             mod = mutator_.builder_.get()
-        return relax.transform.DeadCodeElimination()(mod)
+        # CanonicalizeBindings: items of the tuples built here read their fields directly, so the
+        # transposes CancelTransposes leaves unused are dead
+        mod = CancelTransposes()(relax.transform.DeadCodeElimination()(mod))
+        return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))

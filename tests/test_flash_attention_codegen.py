@@ -49,6 +49,15 @@ def test_backward_entry_launches_delta_dkdv_dq():
     assert "expects 9 tensors" in src  # q, k, v, o, lse, dout, dq, dk, dv
 
 
+def test_bshd_layout_checks_sequence_major_shapes():
+    src = emit_attention(call(layout="bshd", backward=True))
+    assert 'check(q, kKernel, "q", {2, 197, 3, 64}, kDLBfloat, 16, device)' in src
+    assert 'check(dk, kKernel, "dk", {2, 208, 3, 64}, kDLBfloat, 16, device)' in src
+    assert 'check(lse, kKernel, "lse", {2, 3, 197}, kDLFloat, 32, device)' in src  # LSE keeps [B, H, Sq]
+    assert "p.bshd = 1;" in src and "p.heads = 3;" in src and "p.bshd = 0;" in emit_attention(call())
+    assert emit_attention(call(layout="bshd")) != emit_attention(call())
+
+
 def test_same_call_same_source():
     assert emit_attention(call()) == emit_attention(call())
     assert emit_attention(call()) != emit_attention(call(site=4))
@@ -58,6 +67,7 @@ def test_same_call_same_source():
     (dict(head_dim=128), "head dimension 128"),
     (dict(dtype="float32"), "dtype float32"),
     (dict(symbol="not-an-identifier"), "not a C identifier"),
+    (dict(layout="sbhd"), "layout 'sbhd'"),
 ])
 def test_refuses_what_the_kernels_cannot_take(bad, reason):
     with pytest.raises(Unsupported, match=reason):

@@ -14,7 +14,7 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 CASES = [
-    # id, batch, heads, sq, sk, causal, bias, dropout, saved mask
+    # id, batch, heads, sq, sk, causal, bias, dropout, saved mask[, layout]
     ("plain", 2, 3, 128, 128, False, False, 0.0, False),
     ("dropout", 2, 3, 128, 192, False, False, 0.1, False),
     ("dropout_saved", 2, 3, 128, 192, False, False, 0.1, True),
@@ -24,10 +24,13 @@ CASES = [
     ("vit_saved", 2, 3, 197, 208, False, True, 0.1, True),
     ("ragged", 1, 2, 100, 77, True, False, 0.0, False),
     ("ragged_dropout", 1, 2, 100, 77, True, False, 0.2, False),  # rows not 4-aligned: nine draws per word, shifted
+    ("bshd_saved", 2, 3, 128, 192, False, False, 0.1, True, "bshd"),  # [B, S, H, D] in and out
+    ("bshd_ragged_causal", 2, 3, 100, 77, True, False, 0.2, False, "bshd"),
+    ("bshd_vit", 2, 3, 197, 208, False, True, 0.1, True, "bshd"),
 ]
 
 
-def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, tmp):
+def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, tmp, layout="bhsd"):
     """The forward and backward entries of one case, built, exported and loaded."""
     import tvm
 
@@ -35,7 +38,7 @@ def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, tmp)
     from tvm_evt.codegen.relax_ext import build_attention
 
     common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=64, scale=0.125,
-                  causal=causal, dropout=p, site=5, has_bias=has_bias, saved_mask=saved)
+                  causal=causal, dropout=p, site=5, has_bias=has_bias, saved_mask=saved, layout=layout)
     fwd = AttentionCall(symbol=f"{name}_{dtype}_fwd", backward=False, **common)
     bwd = AttentionCall(symbol=f"{name}_{dtype}_bwd", backward=True, **common)
     lib = build_attention([fwd, bwd])
@@ -74,8 +77,13 @@ def test_flash_attention_matches_float64(case, dtype, tmp_path):
     import torch
     import tvm
 
-    name, batch, heads, sq, sk, causal, has_bias, p, saved = case
-    fwd, bwd, run_fwd, run_bwd = _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, str(tmp_path))
+    name, batch, heads, sq, sk, causal, has_bias, p, saved, *layout = case
+    layout = layout[0] if layout else "bhsd"
+    fwd, bwd, run_fwd, run_bwd = _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype,
+                                          str(tmp_path), layout)
+    # the kernels' view: [B, S, H, D] tensors for "bshd" (the reference stays [B, H, S, D])
+    kernel = (lambda t: t.transpose(1, 2).contiguous()) if layout == "bshd" else (lambda t: t)
+    back = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
     tdt = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -84,15 +92,15 @@ def test_flash_attention_matches_float64(case, dtype, tmp_path):
 
     q, k, v, do = randn(batch, heads, sq, 64), randn(batch, heads, sk, 64), randn(batch, heads, sk, 64), randn(batch, heads, sq, 64)
     seed = (int.from_bytes(os.urandom(4), "little"), 7)
-    tensors = {"q": q, "k": k, "v": v, "dout": do,
+    tensors = {"q": kernel(q), "k": kernel(k), "v": kernel(v), "dout": kernel(do),
                "seed": torch.tensor(seed, dtype=torch.int64).to(torch.uint32).cuda()}
     if has_bias:  # ViT's padded keys: the last 11 masked
         tensors["bias"] = torch.zeros(sk, device="cuda")
         tensors["bias"][sk - 11:] = float("-inf")
     poison = float("nan")
-    o = torch.full((batch, heads, sq, 64), poison, device="cuda", dtype=tdt)
+    o = torch.full_like(tensors["q"], poison)
     lse = torch.full((batch, heads, sq), poison, device="cuda")
-    dq, dk, dv = (torch.full_like(t, poison) for t in (q, k, v))
+    dq, dk, dv = (torch.full_like(tensors[n], poison) for n in "qkv")
 
     def call(entry, spec, outs):
         args = [tensors[n] for n in spec.inputs] + outs
@@ -107,7 +115,7 @@ def test_flash_attention_matches_float64(case, dtype, tmp_path):
     call(run_bwd, bwd, [dq, dk, dv])
     torch.cuda.synchronize()
     want = _reference(q, k, v, do, tensors.get("bias"), causal, p, seed, 5)
-    for what, g, w in zip(["O", "LSE", "dQ", "dK", "dV"], [o, lse, dq, dk, dv], want):
+    for what, g, w in zip(["O", "LSE", "dQ", "dK", "dV"], [back(o), lse, back(dq), back(dk), back(dv)], want):
         g = g.double()
         assert torch.isfinite(g).all(), f"{what} has non-finite values"
         err = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-6)

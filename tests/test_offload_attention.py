@@ -3,6 +3,7 @@ flash-attention codegen reads back (with dropout's keep bits saved by the forwar
 backward call), and calls the kernels cannot take are decomposed into plain ops computing the
 same values."""
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 from tvm.relax import op as R
@@ -51,6 +52,7 @@ def _ops(mod: tvm.IRModule, fn: str) -> list[str]:
 def test_bf16_attention_and_its_backward_share_saved_keep_bits():
     offload = OffloadAttention()
     mod = offload(_training_module("bfloat16"))
+    relax.analysis.well_formed(mod)  # no free vars: the backward's seed is not a parameter
     assert offload.fallbacks == []
     funcs = _codegen_functions(mod)
     specs = {name: attention_of_function(f) for name, f in funcs.items()}
@@ -101,3 +103,75 @@ def test_float32_attention_is_decomposed_and_computes_the_same_values():
         results.append([loss.numpy()] + [g.numpy() for g in grads])
     for got, want in zip(*results):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _heads_module(rate: float, dtype: str = "bfloat16") -> tvm.IRModule:
+    """Attention on heads split from [B, S, H*D] activations, as a linear layer's output is:
+    x [B, S, H, D] -> permute_dims -> attention -> permute_dims -> [B, S, H*D]; and its adjoint."""
+    bb = relax.BlockBuilder()
+    xs = [relax.Var(n, relax.TensorType((B, S, H, D), "float32")) for n in ("xq", "xk", "xv")]
+    seed = relax.Var("rng_seed", relax.TensorType((2,), "uint32"))
+    w = relax.Var("w", relax.TensorType((B, S, H * D), "float32"))
+    with bb.function("main", [*xs, seed, w]):
+        with bb.dataflow():
+            q, k, v = (bb.emit(R.permute_dims(bb.emit(R.astype(x, dtype)), [0, 2, 1, 3])) for x in xs)
+            att = bb.emit(attention_op.attention(q, k, v, seed, 0.125, True, rate, SITE))
+            o = bb.emit(R.permute_dims(bb.emit(relax.TupleGetItem(att, 0)), [0, 2, 1, 3]))
+            o = bb.emit(R.astype(bb.emit(R.reshape(o, (B, S, H * D))), "float32"))
+            loss = bb.emit_output(R.sum(R.multiply(o, w)))
+        bb.emit_func_output(loss)
+    mod = bb.get()
+    return relax.transform.Gradient("main", require_grads=mod["main"].params[:3])(mod)
+
+
+def _as_plain_relax(mod: tvm.IRModule) -> tvm.IRModule:
+    """The kernel functions as ordinary Relax functions (the ops' decomposition), for llvm; not
+    for saved keep bits, which only the kernels read (the backward op's seed is then a dummy)."""
+    return tvm.IRModule({gv: f.without_attr("Codegen") if isinstance(f, relax.Function) and f.attrs
+                         and "Codegen" in f.attrs else f for gv, f in mod.functions_items()}, attrs=mod.attrs)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.0])
+def test_heads_split_from_activations_are_read_sequence_major_without_transposes(rate):
+    before = _heads_module(rate)
+    after = OffloadAttention()(before)
+    relax.analysis.well_formed(after)
+    specs = [attention_of_function(f) for f in _codegen_functions(after).values()]
+    assert len(specs) == (3 if rate else 2) and all(s.layout == "bshd" for s in specs)
+    assert sum(s.saved_mask for s in specs) == (2 if rate else 0)  # main_adjoint's pair
+    heads_swaps = []
+    relax.analysis.post_order_visit(after["main_adjoint"].body, lambda e: heads_swaps.append(e) if isinstance(
+        e, relax.Call) and e.op.same_as(tvm.ir.Op.get("relax.permute_dims")) else None)
+    assert heads_swaps == []  # q, k, v, O, dO, dQ, dK, dV: no transposes left around the kernels
+    if rate:
+        return
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal((B, S, H, D)).astype("float32") for _ in range(3)]
+    args += [np.array([0x1234, 0x5678], "uint32"), rng.standard_normal((B, S, H * D)).astype("float32")]
+    results = []
+    for mod in (before, _as_plain_relax(after)):
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
+        results.append([loss.numpy()] + [g.numpy() for g in grads])
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_cancel_transposes_looks_through_tuples_and_keeps_other_orders():
+    from tvm_evt.relax_passes.cancel_transposes import CancelTransposes
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 3, 4, 5), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(R.permute_dims(x, [0, 2, 1, 3]))
+            t = bb.emit(relax.Tuple([y, x]))
+            back = bb.emit(R.permute_dims(bb.emit(relax.TupleGetItem(t, 0)), [0, 2, 1, 3]))
+            other = bb.emit(R.permute_dims(y, [0, 1, 3, 2]))  # not the inverse: kept
+            out = bb.emit_output(relax.Tuple([back, other]))
+        bb.emit_func_output(out)
+    after = CancelTransposes()(bb.get())
+    ret = after["main"].body.blocks[0].bindings[-1].value
+    bound = {b.var: b.value for b in after["main"].body.blocks[0].bindings}
+    assert bound[ret.fields[0]].same_as(after["main"].params[0]) or ret.fields[0].same_as(after["main"].params[0])
+    assert [int(a) for a in bound[ret.fields[1]].attrs.axes] == [0, 1, 3, 2]

@@ -27,8 +27,7 @@ def _float(x: float) -> str:
 def _shapes(call: AttentionCall) -> dict[str, tuple[list[int], str, int]]:
     """name -> (shape, DLPack type code, bits) of every DPS argument."""
     code, bits = DL_CODE[call.dtype]
-    qshape = [call.batch, call.heads, call.sq, call.head_dim]
-    kshape = [call.batch, call.heads, call.sk, call.head_dim]
+    qshape, kshape = call.shape(call.sq), call.shape(call.sk)
     lse = ([call.batch, call.heads, call.sq], "kDLFloat", 32)
     table = {
         "q": (qshape, code, bits), "k": (kshape, code, bits), "v": (kshape, code, bits),
@@ -45,6 +44,8 @@ def emit_attention(call: AttentionCall) -> str:
         raise Unsupported(f"{call.symbol}: dtype {call.dtype}")
     if call.head_dim != 64:
         raise Unsupported(f"{call.symbol}: head dimension {call.head_dim} (the kernels take 64)")
+    if call.layout not in ("bhsd", "bshd"):
+        raise Unsupported(f"{call.symbol}: layout {call.layout!r} (the kernels take bhsd, bshd)")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", call.symbol):
         raise Unsupported(f"{call.symbol!r} is not a C identifier")
     shapes = _shapes(call)
@@ -68,11 +69,12 @@ def emit_attention(call: AttentionCall) -> str:
         version=CODEGEN_VERSION, symbol=call.symbol, kind="backward" if call.backward else "forward",
         batch=call.batch, heads=call.heads, sq=call.sq, sk=call.sk, head_dim=call.head_dim, dtype=call.dtype,
         scale=_float(call.scale), causal=int(call.causal), has_bias=int(call.has_bias), dropout=_float(call.dropout),
-        site=call.site,
+        site=call.site, layout=call.layout,
     )
     entry = template.substitute(
         namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, num_args=len(names), bind=bind, checks=checks,
         optional="\n".join(optional), sq=call.sq, sk=call.sk, batch_heads=call.batch * call.heads,
+        heads=call.heads, bshd=int(call.layout == "bshd"),
         scale=_float(call.scale), scale_log2=_float(call.scale * math.log2(math.e)),
         drop_scale=_float(dropout_scale(call.dropout) if call.has_dropout else 1.0),
         threshold=keep_threshold(call.dropout) if call.has_dropout else 0, site=call.site,

@@ -78,6 +78,17 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
 
 
 SAVED_MASK_ATTR = "tvm_evt.saved_mask"
+LAYOUT_ATTR = "tvm_evt.layout"
+SEQUENCE_MAJOR = ("q", "k", "v", "o", "dout")  # the parameters a "bshd" function takes as [B, S, H, D]
+
+
+def _transposed_param(arg, bound: dict):
+    """The parameter `arg` is ``permute_dims(param, [0, 2, 1, 3])`` of (inside the function), else None."""
+    value = bound.get(arg)
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.permute_dims" \
+            and value.attrs.axes is not None and [int(a) for a in value.attrs.axes] == [0, 2, 1, 3]:
+        return value.args[0]
+    return None
 
 
 def attention_of_function(func: relax.Function) -> AttentionCall:
@@ -86,7 +97,9 @@ def attention_of_function(func: relax.Function) -> AttentionCall:
 
     With the function attribute ``tvm_evt.saved_mask`` the forward function returns dropout's
     keep bits as a third result and the backward function takes them as its ``mask`` parameter
-    in place of the seed (its call's seed argument is then not read)."""
+    in place of the seed (its call's seed argument is then not read).  With ``tvm_evt.layout`` =
+    "bshd" the parameters q, k, v, o and dout are [B, S, H, D], transposed inside the function
+    before the call, and so are the tensor results (O; dQ, dK, dV)."""
     symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "attention"
     body = func.body
     bindings = [b for block in body.blocks for b in block.bindings] if isinstance(body, relax.SeqExpr) else []
@@ -101,6 +114,11 @@ def attention_of_function(func: relax.Function) -> AttentionCall:
         if not spec.has_dropout:
             raise Unsupported(f"{symbol}: a saved mask without dropout")
         spec = dataclasses.replace(spec, saved_mask=True)
+    layout = str(func.attrs[LAYOUT_ATTR]) if func.attrs and LAYOUT_ATTR in func.attrs else "bhsd"
+    if layout not in ("bhsd", "bshd"):
+        raise Unsupported(f"{symbol}: layout {layout!r}")
+    spec = dataclasses.replace(spec, layout=layout)
+    bound = {b.var: b.value for b in bindings}
     n = len(TENSOR_ARGS[BACKWARD_OP if spec.backward else FORWARD_OP])
     args = list(call.args[:n]) + ([call.args[n]] if spec.has_dropout else []) + ([call.args[-1]] if spec.has_bias else [])
     if len(func.params) != len(args):
@@ -109,6 +127,10 @@ def attention_of_function(func: relax.Function) -> AttentionCall:
         if name == "mask":
             if [int(d) for d in param.ty.shape] != spec.mask_shape or str(param.ty.dtype) != "uint32":
                 raise Unsupported(f"{symbol}: mask parameter must be uint32 {spec.mask_shape}, got {param.ty}")
+        elif layout == "bshd" and name in SEQUENCE_MAJOR:
+            source = _transposed_param(arg, bound)
+            if source is None or not source.same_as(param):
+                raise Unsupported(f"{symbol}: {name} must be permute_dims({name}, [0, 2, 1, 3]) of its parameter")
         elif not arg.same_as(param):
             raise Unsupported(f"{symbol}: the call's tensor arguments must be the parameters {spec.inputs} in order")
     return spec

@@ -2,7 +2,8 @@
 
 ``forward``:  O, LSE = softmax(scale * Q Kᵀ + bias, causal mask) -> dropout -> @ V
 ``backward``: dQ, dK, dV from Q, K, V, O, LSE and dO (FlashAttention-2's backward).
-Q, O, dQ, dO are [batch, heads, sq, head_dim]; K, V, dK, dV [batch, heads, sk, head_dim]; LSE
+Q, O, dQ, dO are [batch, heads, sq, head_dim]; K, V, dK, dV [batch, heads, sk, head_dim] (or [batch, seq,
+heads, head_dim] all of them: ``layout``); LSE
 [batch, heads, sq] float32; bias (optional) [sk] float32; the dropout mask follows
 ``codegen/philox.py`` over the row-major [batch, heads, sq, sk] index with the given ``site``
 (``saved_mask``: the forward pass also returns it as bits, which the backward pass takes).
@@ -30,6 +31,10 @@ class AttentionCall:
     # dropout's keep bits: the forward pass writes them (an extra output, ``mask``) and the
     # backward pass reads them (an input in place of the seed) instead of drawing them again
     saved_mask: bool = False
+    # "bhsd": q, k, v, o, dout, out, dq, dk, dv are [batch, heads, seq, head_dim]; "bshd": [batch,
+    # seq, heads, head_dim], as a linear layer's output splits into heads (no transposes around
+    # the kernels).  LSE, bias and mask are the same either way.
+    layout: str = "bhsd"
 
     @property
     def has_dropout(self) -> bool:
@@ -48,6 +53,12 @@ class AttentionCall:
         if self.backward:
             return ("dq", "dk", "dv")
         return ("out", "lse") + (("mask",) if self.has_dropout and self.saved_mask else ())
+
+    def shape(self, rows: int) -> list[int]:
+        """The shape of a q-like (``rows`` = sq) or k-like (``rows`` = sk) tensor in ``layout``."""
+        if self.layout == "bshd":
+            return [self.batch, rows, self.heads, self.head_dim]
+        return [self.batch, self.heads, rows, self.head_dim]
 
     @property
     def mask_shape(self) -> list[int]:
