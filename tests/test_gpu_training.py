@@ -59,11 +59,8 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
     assert any("relax.matmul" in p["ops"] for p in report["partitions"])
     if name.endswith("_d64"):  # the attention core is one op, and the kernels take it
-        from tvm_evt.relax_passes.offload_attention import OffloadAttention
-
-        offload = OffloadAttention()
-        offload(step.graph.mod)
-        assert "tvm_evt.attention_backward" in step.graph.mod.script() and offload.fallbacks == []
+        assert [a["op"] for a in report["attention"]] == ["forward", "backward"], report["attention"]
+        assert all(a["kernel"] for a in report["attention"]), report["attention"]
     # Judged against torch in fp32, with torch's own bf16 autocast as the yardstick: on a tiny
     # batch-norm net (statistics over 512 positions) autocast itself is 2-4 % off fp32, so a
     # fixed bound against the autocast result would compare two noises.

@@ -175,3 +175,17 @@ def test_cancel_transposes_looks_through_tuples_and_keeps_other_orders():
     bound = {b.var: b.value for b in after["main"].body.blocks[0].bindings}
     assert bound[ret.fields[0]].same_as(after["main"].params[0]) or ret.fields[0].same_as(after["main"].params[0])
     assert [int(a) for a in bound[ret.fields[1]].attrs.axes] == [0, 1, 3, 2]
+
+
+def test_training_report_says_which_attention_runs_as_a_kernel():
+    import tvm_evt
+    from tvm_evt import models
+    from tvm_evt.report import training_report
+
+    entry = models.ZOO["bert_layer"](batch=2, seq=64, hidden=128, heads=2)  # head dim 64
+    imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+    bf16 = training_report(tvm_evt.build_training_module(imported, None, "bf16").mod)["attention"]
+    assert [(a["op"], a["shape"], a["kernel"], a["causal"]) for a in bf16] == \
+        [("forward", [2, 2, 64, 64], True, False), ("backward", [2, 2, 64, 64], True, False)]
+    fp32 = training_report(tvm_evt.build_training_module(imported, None, "fp32").mod)["attention"]
+    assert [a["kernel"] for a in fp32] == [False, False] and all("dtype float32" in a["reason"] for a in fp32)

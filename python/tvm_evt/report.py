@@ -6,7 +6,12 @@ returns::
 
     {"partitions": [{"symbol", "ops": ["relax.matmul", ...], "bytes_saved", "matmul"}, ...],
      "unfused_matmuls": [{"var", "shape", "dtype", "reason"}, ...],
-     "solve_seconds": float, "method": "ilp" | "cache" | "greedy" | "mixed", ...}
+     "solve_seconds": float, "method": "ilp" | "cache" | "greedy" | "mixed", ...,
+     "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "dtype", "causal",
+                    "dropout", "kernel": bool, "reason"}, ...]}
+
+where ``attention`` lists the fused attention calls (``FuseAttention``) and whether the CUDA
+route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops.
 
 ``draw(mod, path)`` writes a PNG (matplotlib): one row per kernel in execution order, GEMM + EVT
 partitions as labelled boxes, the ops TVM keeps as grey dots, data edges between them.
@@ -25,8 +30,32 @@ def partitioned(mod: tvm.IRModule, function: str = "train_step") -> tvm.IRModule
     return tvm.transform.Sequential(front_passes(functions=(function,)))(mod)
 
 
+def attention_calls(func: relax.Function) -> list[dict]:
+    """The fused attention calls of `func`, and whether the flash-attention kernels take each."""
+    from .codegen.errors import Unsupported
+    from .codegen.frontend.attention_call import BACKWARD_OP, TENSOR_ARGS, attention_of_call
+
+    calls = []
+    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in TENSOR_ARGS else None)
+    rows = []
+    for call in calls:
+        q, k = call.args[0].ty, call.args[1].ty
+        row = {"op": "backward" if call.op.name == BACKWARD_OP else "forward",
+               "shape": [int(d) for d in q.shape][:3] + [int(k.shape[2])], "dtype": str(q.dtype)}
+        try:
+            spec = attention_of_call(call)
+            row.update(causal=spec.causal, dropout=spec.dropout, kernel=True, reason=None)
+        except Unsupported as err:
+            row.update(kernel=False, reason=err.reason)
+        rows.append(row)
+    return rows
+
+
 def training_report(mod: tvm.IRModule, function: str = "train_step") -> dict:
-    return partition_report(partitioned(mod, function)).get(function, {})
+    part = partitioned(mod, function)
+    report = partition_report(part).get(function, {})
+    return {**report, "attention": attention_calls(part[function])}
 
 
 def draw(mod: tvm.IRModule, path: str, function: str = "train_step", title: str = "") -> str:
