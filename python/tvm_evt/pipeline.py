@@ -8,8 +8,9 @@ One list of phases, in order (``phases(target)``):
     AbsorbPartitionInputCasts  a cast that only feeds a partition's epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
     -- CUDA --
-    OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention),
-                       or plain ops the partitioner sees where the kernels cannot take them
+    OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention;
+                       heads split from activations read in place, CancelTransposes), or plain ops the
+                       partitioner sees where the kernels cannot take them
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     SplitToSlices      a split as one slice per piece, each fusing into its reader (im2col's col2im)
