@@ -187,5 +187,5 @@ def test_training_report_says_which_attention_runs_as_a_kernel():
     bf16 = training_report(tvm_evt.build_training_module(imported, None, "bf16").mod)["attention"]
     assert [(a["op"], a["shape"], a["kernel"], a["causal"]) for a in bf16] == \
         [("forward", [2, 2, 64, 64], True, False), ("backward", [2, 2, 64, 64], True, False)]
-    fp32 = training_report(tvm_evt.build_training_module(imported, None, "fp32").mod)["attention"]
-    assert [a["kernel"] for a in fp32] == [False, False] and all("dtype float32" in a["reason"] for a in fp32)
+    # fp32: no kernel computes it, so FuseAttention leaves it unfused
+    assert training_report(tvm_evt.build_training_module(imported, None, "fp32").mod)["attention"] == []

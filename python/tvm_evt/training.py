@@ -7,7 +7,7 @@ The training graph is built by `relax_passes` in this order:
 3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
    `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
    `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule; opt-in NHWC);
-   `FuseAttention`: the attention core as one ``tvm_evt.attention`` op (flash attention; opt-in);
+   `FuseAttention`: the attention core as one ``tvm_evt.attention`` op (flash attention; bf16/fp16);
    `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment; opt-in);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
@@ -34,6 +34,7 @@ from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
 from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
+from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
 from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .relax_passes.fuse_attention import FuseAttention
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
@@ -41,6 +42,8 @@ from .relax_passes.pad_attention_keys import PadAttentionKeys
 from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
 
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+# the precisions whose attention the flash-attention kernels compute (FuseAttention runs for these)
+FLASH_PRECISIONS = tuple(p for p, dtype in PRECISIONS.items() if dtype in FLASH_DTYPES)
 
 
 # ---------------------------------------------------------------------------- targets
@@ -130,9 +133,12 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         Conv2dToMatmul(),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
-        # the attention core as one tvm_evt.attention op (opt-in: pipeline.OPTIONAL); it needs the
-        # canonical bindings above (no tuple round trips between the softmax and LowerDropout's mask)
-        *([FuseAttention(head_dims=FLASH_HEAD_DIMS)] if enabled("flash_attention") else []),
+        # the attention core as one tvm_evt.attention op where the flash-attention kernels can take
+        # it (bf16/fp16, their head dimensions; pipeline.OPTIONAL); elsewhere the unfused graph keeps
+        # PadAttentionKeys' CUTLASS-aligned keys.  It needs the canonical bindings above (no tuple
+        # round trips between the softmax and LowerDropout's mask)
+        *([FuseAttention(head_dims=FLASH_HEAD_DIMS)] if enabled("flash_attention") and precision in FLASH_PRECISIONS
+          else []),
         # key lengths like ViT's 197 to a multiple of 16: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
         *([PadAttentionKeys()] if enabled("pad_keys") else []),
     ]
