@@ -189,3 +189,27 @@ def test_training_report_says_which_attention_runs_as_a_kernel():
         [("forward", [2, 2, 64, 64], True, False), ("backward", [2, 2, 64, 64], True, False)]
     # fp32: no kernel computes it, so FuseAttention leaves it unfused
     assert training_report(tvm_evt.build_training_module(imported, None, "fp32").mod)["attention"] == []
+
+
+def test_cuda_route_cross_builds_and_exports_the_flash_kernels(tmp_path, monkeypatch):
+    """Without a GPU: the evt pipeline builds a bf16 step with attention for sm_90a (nvcc, a few
+    seconds: no CUTLASS partitions here) and the exported library holds both kernels' entries."""
+    import shutil
+    import subprocess
+
+    from tvm_evt import pipeline
+    from tvm_evt.codegen.build import toolchain
+
+    if toolchain.find_nvcc() is None or shutil.which("nm") is None:
+        pytest.skip("nvcc absent")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    mod = _training_module("bfloat16")
+    mod = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint == "main_adjoint"})
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    executable = tvm.compile(mod, target=target, relax_pipeline=pipeline.PIPELINE_NAME)
+    path = tmp_path / "step.so"
+    executable.export_library(str(path))
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    assert "__tvm_ffi_main_adjoint_attention0" in symbols
+    assert "__tvm_ffi_main_adjoint_attention_backward1" in symbols
