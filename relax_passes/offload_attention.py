@@ -11,6 +11,17 @@ partitions; the reason is kept in ``OffloadAttention.fallbacks``.
     lv = tvm_evt.attention(q, k, v, seed, 0.125, 0, 0.1, 3)
   ->
     lv = main_attention0(q, k, v, seed)       # Codegen="evt_attention", global_symbol
+
+Two refinements of the calls' kernels:
+
+* saved keep bits: a forward call with dropout whose backward call is in the same function (the
+  same site and shapes) also returns dropout's keep bits (1 bit an element), which the backward
+  kernel reads instead of drawing them again (``tvm_evt.saved_mask``);
+* sequence-major heads: where q, k, v (and o, dO) are all ``permute_dims(x, [0, 2, 1, 3])`` of
+  [B, S, H, D] tensors, as a linear layer's output split into heads is, the kernel reads the x's
+  and writes O (dQ, dK, dV) as [B, S, H, D] (``tvm_evt.layout`` = "bshd"); the graph around gets
+  [B, H, S, D] views of them, whose transposes `CancelTransposes` then removes against the
+  graph's own.
 """
 from __future__ import annotations
 
@@ -25,8 +36,10 @@ from ..codegen.errors import Unsupported
 from ..codegen.frontend.attention_call import (
     BACKWARD_OP,
     FORWARD_OP,
+    HEADS_SWAP,
     LAYOUT_ATTR,
     SAVED_MASK_ATTR,
+    SEQUENCE_MAJOR,
     TENSOR_ARGS,
     attention_of_call,
 )
@@ -37,9 +50,6 @@ CODEGEN = "evt_attention"
 OPS = {tvm.ir.Op.get(FORWARD_OP): FORWARD_OP, tvm.ir.Op.get(BACKWARD_OP): BACKWARD_OP}
 DECOMPOSE = {FORWARD_OP: attention_op.decompose_attention, BACKWARD_OP: attention_op.decompose_attention_backward}
 
-
-HEADS_SWAP = [0, 2, 1, 3]  # [B, H, S, D] <-> [B, S, H, D]
-LAYOUT_TENSORS = ("q", "k", "v", "o", "dout")  # the inputs a "bshd" kernel reads sequence-major
 
 
 def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
@@ -65,12 +75,12 @@ def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
         for param, i, name in zip(params, positions, spec.inputs):
             if name == "mask":
                 continue
-            inner[i] = bb.emit(R.permute_dims(param, HEADS_SWAP)) if sources and name in sources else param
+            inner[i] = bb.emit(R.permute_dims(param, list(HEADS_SWAP))) if sources and name in sources else param
         out = bb.emit(relax.Call(call.op, inner, call.attrs, call.ty_args))
         results = [relax.TupleGetItem(out, i) for i in range(3 if spec.backward else 2)]
         if sources:  # O, or dQ, dK, dV, as [B, S, H, D]
             swap = range(3) if spec.backward else range(1)
-            results = [bb.emit(R.permute_dims(bb.emit(r), HEADS_SWAP)) if i in swap else r for i, r in enumerate(results)]
+            results = [bb.emit(R.permute_dims(bb.emit(r), list(HEADS_SWAP))) if i in swap else r for i, r in enumerate(results)]
         if spec.saved_mask and not spec.backward:
             results.append(bb.emit(relax.op.zeros(relax.ShapeExpr(spec.mask_shape), "uint32")))
         if sources or (spec.saved_mask and not spec.backward):
@@ -137,7 +147,7 @@ class _Offloader(PyExprMutator):
         results = [relax.TupleGetItem(full, i) for i in range(3 if spec.backward else 2)]
         if sources:  # the graph around keeps [B, H, S, D] (CancelTransposes meets its own transposes)
             swap = range(3) if spec.backward else range(1)
-            results = [self.builder_.emit(R.permute_dims(self.builder_.emit(r), HEADS_SWAP)) if i in swap else r
+            results = [self.builder_.emit(R.permute_dims(self.builder_.emit(r), list(HEADS_SWAP))) if i in swap else r
                        for i, r in enumerate(results)]
         return relax.Tuple(results)
 
@@ -149,15 +159,15 @@ class _Offloader(PyExprMutator):
             tup = self.lookup_binding(value.tuple_value) if isinstance(value.tuple_value, relax.Var) else value.tuple_value
             return self._transposed_from(tup.fields[value.index]) if isinstance(tup, relax.Tuple) else None
         if isinstance(value, relax.Call) and value.op == PERMUTE_DIMS and value.attrs.axes is not None \
-                and [int(a) for a in value.attrs.axes] == HEADS_SWAP and getattr(value.args[0].ty, "ndim", -1) == 4:
+                and tuple(int(a) for a in value.attrs.axes) == HEADS_SWAP and getattr(value.args[0].ty, "ndim", -1) == 4:
             return value.args[0]
         return None
 
     def sequence_major(self, call: relax.Call, spec) -> dict | None:
-        """name -> [B, S, H, D] source of every operand in ``LAYOUT_TENSORS`` when all of them are
+        """name -> [B, S, H, D] source of every operand in ``SEQUENCE_MAJOR`` when all of them are
         transposed [B, S, H, D] tensors (a linear layer's output split into heads), else None."""
         tensors = TENSOR_ARGS[call.op.name]
-        sources = {name: self._transposed_from(arg) for name, arg in zip(tensors, call.args) if name in LAYOUT_TENSORS}
+        sources = {name: self._transposed_from(arg) for name, arg in zip(tensors, call.args) if name in SEQUENCE_MAJOR}
         return sources if all(src is not None for src in sources.values()) else None
 
 

@@ -80,13 +80,14 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
 SAVED_MASK_ATTR = "tvm_evt.saved_mask"
 LAYOUT_ATTR = "tvm_evt.layout"
 SEQUENCE_MAJOR = ("q", "k", "v", "o", "dout")  # the parameters a "bshd" function takes as [B, S, H, D]
+HEADS_SWAP = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
 
 
 def _transposed_param(arg, bound: dict):
     """The parameter `arg` is ``permute_dims(param, [0, 2, 1, 3])`` of (inside the function), else None."""
     value = bound.get(arg)
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.permute_dims" \
-            and value.attrs.axes is not None and [int(a) for a in value.attrs.axes] == [0, 2, 1, 3]:
+            and value.attrs.axes is not None and tuple(int(a) for a in value.attrs.axes) == HEADS_SWAP:
         return value.args[0]
     return None
 
