@@ -79,6 +79,21 @@ def test_kernel_traffic_counts_every_kernel_of_the_step():
         tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "llvm"}))
 
 
+def test_kernel_traffic_counts_flash_attention_kernels():
+    """A bf16 BERT layer with head dim 64: its attention is two flash kernels, each counted with
+    q, k, v, O, LSE and dropout's keep bits (forward) or the gradients (backward)."""
+    entry = models.ZOO["bert_layer"](batch=2, seq=64, hidden=128, heads=2)
+    _imported, graph = tuning.training_graph(entry, "bf16")
+    rows = tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    flash = sorted((r for r in rows if r["kind"] == "flash"), key=lambda r: r["kernel"])
+    assert len(flash) == 2 and "backward" in flash[1]["kernel"] and all(r["calls"] == 1 for r in flash)
+    qkv = 2 * 64 * 128 * 2  # one [B, S, H*D] bf16 tensor
+    mask = 2 * 2 * 1 * 1 * 128 * 4  # the keep bits: 128 words per 64 x 64 tile
+    lse = 2 * 2 * 64 * 4
+    assert flash[0]["bytes_per_call"] == 4 * qkv + 8 + lse + mask  # q, k, v, seed -> O, LSE, bits
+    assert flash[1]["bytes_per_call"] == 8 * qkv + lse + mask  # q, k, v, O, dO, LSE, bits -> dQ, dK, dV
+
+
 def test_load_model_specs():
     assert "MLP" in tuning.load_model("mlp", batch=3).description
     assert tuning.load_model("tvm_evt.models:mlp").model is not None

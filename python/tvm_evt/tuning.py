@@ -155,21 +155,32 @@ def compile_tuned(mod: tvm.IRModule, target: tvm.target.Target, work_dir):
 
 
 # ------------------------------------------------------------------------------- partitions
-def evt_functions(mod: tvm.IRModule) -> dict:
-    """{GlobalVar: function} of the ``Codegen="evt"`` partitions."""
+def evt_functions(mod: tvm.IRModule, codegen: str | None = None) -> dict:
+    """{GlobalVar: function} of the ``Codegen="evt"`` partitions (or of `codegen`'s functions)."""
     from .relax_passes.partition_evt import CODEGEN
 
+    codegen = codegen or CODEGEN
     return {gv: f for gv, f in mod.functions_items()
-            if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+            if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == codegen}
+
+
+def _external_functions(mod: tvm.IRModule) -> dict:
+    """{GlobalVar: kind} of the functions ``RunCodegen`` builds: evt partitions ("cutlass") and
+    flash-attention calls ("flash")."""
+    from .relax_passes.offload_attention import CODEGEN as ATTENTION
+
+    kinds = {gv: "cutlass" for gv in evt_functions(mod)}
+    return {**kinds, **{gv: "flash" for gv in evt_functions(mod, ATTENTION)}}
 
 
 @tvm.transform.module_pass(opt_level=0, name="OpaqueEVTCalls")
 class OpaqueEVTCalls:
-    """Replace each call of an evt partition by a ``call_dps_packed`` of its symbol and drop the
-    partitions: what ``RunCodegen`` leaves for TVM, without building the kernels."""
+    """Replace each call of an evt partition (or flash-attention function) by a ``call_dps_packed``
+    of its symbol and drop the functions: what ``RunCodegen`` leaves for TVM, without building
+    the kernels."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        parts = evt_functions(mod)
+        parts = _external_functions(mod)
         if not parts:
             return mod
 
@@ -200,8 +211,10 @@ def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
 def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str = "train_step") -> list[dict]:
     """The kernels one call of `function` runs on the ``evt`` pipeline's route for `target`, each
     with the bytes of its buffers (a model of its global-memory traffic: every input read once,
-    every output written once), largest total first: ``{"kernel", "kind": "tir" | "cutlass",
-    "calls", "bytes_per_call", "bytes"}``.  CUTLASS partitions count as opaque calls (no nvcc);
+    every output written once), largest total first: ``{"kernel", "kind": "tir" | "cutlass" | "flash",
+    "calls", "bytes_per_call", "bytes"}``.  CUTLASS partitions and flash-attention kernels count as
+    opaque calls (no nvcc; a flash kernel's workspace and the S x S tiles it keeps on chip are not
+    counted);
     the TIR kernels are those after scheduling, with pure reshapes as the views they become.
     A lower bound on memory time to compare graph rewrites by, without a GPU."""
     passes = phases(target)
@@ -210,7 +223,11 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
         raise ValueError(f"kernel_traffic follows the CUDA route; target {target} has no ScheduleTIRForGPU")
     passes = [OpaqueEVTCalls() if n == "RunCodegen" else p for p, n in zip(passes, names)]
     with target:
-        mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(mod)
+        kinds = {}
+        for p, n in zip(passes[: names.index("ScheduleTIRForGPU") + 1], names):
+            if n == "RunCodegen":  # the symbols of both external kinds, before they are dropped
+                kinds = {gv.name_hint: kind for gv, kind in _external_functions(mod).items()}
+            mod = p(mod)
         mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
 
     from .relax_passes.evt_cost import tensor_bytes
@@ -221,7 +238,11 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
     def visit(e) -> None:
         if not isinstance(e, relax.Call) or e.op not in (call_tir, call_packed):
             return
-        kind, name = ("tir", e.args[0].name_hint) if e.op == call_tir else ("cutlass", e.args[0].global_symbol)
+        if e.op == call_tir:
+            kind, name = "tir", e.args[0].name_hint
+        else:
+            name = e.args[0].global_symbol
+            kind = kinds.get(name, "cutlass")
         row = rows.setdefault(name, {"kernel": name, "kind": kind, "calls": 0,
                                      "bytes_per_call": sum(tensor_bytes(a) for a in e.args[1].fields) + tensor_bytes(e)})
         row["calls"] += 1
