@@ -128,3 +128,16 @@ def test_tvm_default_baseline_builds_a_training_step_for_cuda():
     assert ex is not None
     names = [gv.name_hint for gv in graph.mod.get_global_vars()]
     assert not any("evt" in n for n in names)  # nothing partitioned: the baseline is TVM alone
+
+
+def test_attention_summary_counts_the_calls_the_kernels_run():
+    import types
+
+    import tvm_evt
+
+    entry = models.ZOO["bert_layer"](batch=2, seq=64, hidden=128, heads=2)  # head dim 64
+    imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+    step = types.SimpleNamespace(graph=tvm_evt.build_training_module(imported, None, "bf16"))
+    assert bench_e2e.attention_summary(step) == {"fused": 2, "kernels": 2, "reasons": []}
+    step = types.SimpleNamespace(graph=tvm_evt.build_training_module(imported, None, "fp32"))
+    assert bench_e2e.attention_summary(step) == {"fused": 0, "kernels": 0, "reasons": []}

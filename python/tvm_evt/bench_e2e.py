@@ -214,9 +214,10 @@ def measure(job: dict) -> dict:
     row["description"] = entry.description
     inputs = [t.cuda() for t in entry.example_inputs()]
     if system.startswith("tvm"):
-        step, compile_s = _tvm_step(entry, inputs, system, job.get("tuning_dir"))
+        step, compile_s, ts = _tvm_step(entry, inputs, system, job.get("tuning_dir"))
         if system != "tvm_default":
             row["rewrites"] = rewrites_in_effect()
+            row["attention"] = attention_summary(ts)
     else:
         step, compile_s = _torch_step(entry, inputs, system, channels_last=model == "resnet50")
     start = time.perf_counter()
@@ -318,7 +319,17 @@ def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
         ts = compile_training(entry.model, example, loss_fn=entry.loss_fn, optimizer=optimizer, precision="bf16",
                               tuning_dir=tuning_dir if system == "tvm_evt_tuned" else None)
     compile_s = time.perf_counter() - start
-    return (lambda: ts(*inputs)), compile_s
+    return (lambda: ts(*inputs)), compile_s, ts
+
+
+def attention_summary(ts) -> dict:
+    """How many fused attention calls the step's gradient function has, and how many of them
+    the flash-attention kernels run (the rest: why not)."""
+    from .report import attention_calls
+
+    calls = attention_calls(ts.graph.mod["main_adjoint"])
+    return {"fused": len(calls), "kernels": sum(c["kernel"] for c in calls),
+            "reasons": sorted({c["reason"] for c in calls if not c["kernel"]})}
 
 
 def profile_kernels(step, system: str) -> list[dict]:
