@@ -213,3 +213,28 @@ def test_cuda_route_cross_builds_and_exports_the_flash_kernels(tmp_path, monkeyp
                              check=True).stdout
     assert "__tvm_ffi_main_adjoint_attention0" in symbols
     assert "__tvm_ffi_main_adjoint_attention_backward1" in symbols
+
+
+def test_attention_of_function_checks_the_sequence_major_parameters():
+    """A "bshd" function must transpose each of its q, k, v parameters into the call, in order; a
+    function that claims the layout otherwise, or an unknown layout, is refused."""
+    import dataclasses
+
+    from tvm_evt.codegen.errors import Unsupported
+    from tvm_evt.codegen.frontend.attention_call import LAYOUT_ATTR
+
+    good = next(f for f in _codegen_functions(OffloadAttention()(_heads_module(0.0))).values()
+                if attention_of_function(f).backward is False)
+    assert attention_of_function(good).layout == "bshd"
+    with pytest.raises(Unsupported, match="layout 'sbhd'"):
+        attention_of_function(good.with_attr(LAYOUT_ATTR, "sbhd"))
+    # the same call with q and k swapped (all [B, S, H, D] here), still claiming "bshd"
+    bb = relax.BlockBuilder()
+    params = [relax.Var(name, p.ty) for name, p in zip("qkv", good.params)]
+    with bb.function("attention", params):
+        q, k, v = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (params[1], params[0], params[2]))
+        bb.emit_func_output(bb.emit(attention_op.attention(q, k, v, attention_op.no_seed(), 0.125, True, 0.0, SITE)))
+    bad = bb.get()["attention"].with_attrs({LAYOUT_ATTR: "bshd", "global_symbol": "bad"})
+    with pytest.raises(Unsupported, match="q must be permute_dims"):
+        attention_of_function(bad)
+    assert dataclasses.replace(attention_of_function(good), layout="bhsd").shape(S) == [B, H, S, D]
