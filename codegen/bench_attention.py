@@ -32,12 +32,12 @@ CASES = {  # name: (batch, heads, sq, sk, causal, bias, dropout, saved mask)
 HEAD_DIM, SCALE, SITE = 64, 0.125, 3
 
 
-def calls(name: str, dtype: str = "bfloat16") -> tuple[AttentionCall, AttentionCall]:
+def calls(name: str, dtype: str = "bfloat16", layout: str = "bhsd") -> tuple[AttentionCall, AttentionCall]:
     batch, heads, sq, sk, causal, bias, p, saved = CASES[name]
     common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=HEAD_DIM, scale=SCALE,
-                  causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0)
-    return (AttentionCall(symbol=f"bench_{name}_fwd", backward=False, **common),
-            AttentionCall(symbol=f"bench_{name}_bwd", backward=True, **common))
+                  causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0, layout=layout)
+    return (AttentionCall(symbol=f"bench_{name}_{layout}_fwd", backward=False, **common),
+            AttentionCall(symbol=f"bench_{name}_{layout}_bwd", backward=True, **common))
 
 
 def _median_ms(fn, prepare, iters: int, warmup: int = 3) -> float:
@@ -56,14 +56,15 @@ def _median_ms(fn, prepare, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16") -> dict:
-    """Times (ms) of our forward and backward kernels and of torch's SDPA on one case."""
+def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str = "bhsd") -> dict:
+    """Times (ms) of our forward and backward kernels and of torch's SDPA on one case; with
+    `layout` "bshd" the kernels take [B, S, H, D] tensors (torch gets [B, H, S, D] views of them)."""
     import torch
     import tvm
 
     from .relax_ext import build_attention
 
-    fwd, bwd = calls(name, dtype)
+    fwd, bwd = calls(name, dtype, layout)
     with tempfile.TemporaryDirectory() as tmp:  # a static library runs once exported and loaded
         path = os.path.join(tmp, f"{name}.so")
         build_attention([fwd, bwd]).export_library(path)
@@ -71,8 +72,8 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16") -> dict:
     run_fwd, run_bwd = lib[fwd.symbol], lib[bwd.symbol]
     tdt = getattr(torch, dtype)
     b, h, sq, sk = fwd.batch, fwd.heads, fwd.sq, fwd.sk
-    q = torch.empty(b, h, sq, HEAD_DIM, device="cuda", dtype=tdt)
-    k, v = (torch.empty(b, h, sk, HEAD_DIM, device="cuda", dtype=tdt) for _ in range(2))
+    q = torch.empty(fwd.shape(sq), device="cuda", dtype=tdt)
+    k, v = (torch.empty(fwd.shape(sk), device="cuda", dtype=tdt) for _ in range(2))
     do = torch.empty_like(q)
     o, lse = torch.empty_like(q), torch.empty(b, h, sq, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -109,15 +110,16 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16") -> dict:
 
     mask = t["bias"].to(tdt).expand(b, h, sq, sk) if fwd.has_bias else None  # causal: is_causal
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+    heads_major = (lambda x: x.transpose(1, 2)) if layout == "bshd" else (lambda x: x)
+    ql, kl, vl = (heads_major(x.detach().requires_grad_()) for x in (q, k, v))
 
     def torch_fwd():
         return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=SCALE)
 
     with torch.no_grad():
         torch_f = _median_ms(torch_fwd, fresh, iters)
-    torch_fb = _median_ms(lambda: torch_fwd().backward(do), fresh, iters)
-    return {"case": name, "shape": [b, h, sq, sk], "causal": fwd.causal, "bias": fwd.has_bias,
+    torch_fb = _median_ms(lambda: torch_fwd().backward(heads_major(do)), fresh, iters)
+    return {"case": name, "layout": layout, "shape": [b, h, sq, sk], "causal": fwd.causal, "bias": fwd.has_bias,
             "dropout": fwd.dropout, "saved_mask": fwd.saved_mask,
             "ours_fwd_ms": ours_fwd, "ours_bwd_ms": ours_bwd, "ours_ms": ours_fwd + ours_bwd,
             "sdpa_fwd_ms": torch_f, "sdpa_ms": torch_fb, "speedup": torch_fb / (ours_fwd + ours_bwd)}
@@ -128,21 +130,22 @@ def markdown(rows: list[dict], gpu: str) -> str:
              "| case | B x H x Sq x Sk | ours fwd | ours bwd | ours fwd+bwd | SDPA fwd | SDPA fwd+bwd | SDPA / ours |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {' x '.join(map(str, r['shape']))} | {r['ours_fwd_ms']:.3f} | "
+        case = r["case"] + (f" ({r['layout']})" if r.get("layout", "bhsd") != "bhsd" else "")
+        lines.append(f"| {case} | {' x '.join(map(str, r['shape']))} | {r['ours_fwd_ms']:.3f} | "
                      f"{r['ours_bwd_ms']:.3f} | {r['ours_ms']:.3f} | {r['sdpa_fwd_ms']:.3f} | "
                      f"{r['sdpa_ms']:.3f} | {r['speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
-def main(names: list[str], iters: int = 20, out: str | None = None) -> list[dict]:
+def main(names: list[str], iters: int = 20, out: str | None = None, layout: str = "bhsd") -> list[dict]:
     import json
 
     import torch
 
     from .relax_ext import build_attention
 
-    build_attention([c for n in names for c in calls(n)])  # every kernel in parallel, into the object cache
-    rows = [bench_case(n, iters) for n in names]
+    build_attention([c for n in names for c in calls(n, layout=layout)])  # in parallel, into the object cache
+    rows = [bench_case(n, iters, layout=layout) for n in names]
     text = markdown(rows, torch.cuda.get_device_name())
     print(text)
     if out:

@@ -12,12 +12,14 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(bench_attention.CASES)}")
     parser.add_argument("--iters", type=int, default=20, help="timed runs per kernel (median)")
     parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                        help="the kernels' q/k/v/O layout: [B, H, S, D], or [B, S, H, D] as the training graphs use")
     args = parser.parse_args()
     names = [n for n in args.cases.split(",") if n]
     unknown = set(names) - set(bench_attention.CASES)
     if unknown:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}")
-    bench_attention.main(names, args.iters, args.json)
+    bench_attention.main(names, args.iters, args.json, args.layout)
 
 
 if __name__ == "__main__":

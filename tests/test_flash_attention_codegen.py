@@ -92,3 +92,17 @@ def test_nvcc_builds_the_kernels_and_entries_check_arguments(tmp_path, monkeypat
     x = tvm_ffi.from_dlpack(np.zeros((2, 3, 197, 64), np.float32))
     with pytest.raises(ValueError, match="q must be on cuda"):
         fwd(*[x] * 7)
+
+
+def test_bench_cases_emit_in_both_layouts():
+    from tvm_evt.codegen import bench_attention
+
+    for name in bench_attention.CASES:
+        for layout in ("bhsd", "bshd"):
+            fwd, bwd = bench_attention.calls(name, layout=layout)
+            assert fwd.layout == bwd.layout == layout and fwd.symbol != bwd.symbol
+            emit_attention(fwd), emit_attention(bwd)
+    row = {"case": "vit", "layout": "bshd", "shape": [1, 2, 3, 4], "ours_fwd_ms": 1.0, "ours_bwd_ms": 2.0,
+           "ours_ms": 3.0, "sdpa_fwd_ms": 1.0, "sdpa_ms": 3.0, "speedup": 1.0}
+    assert "| vit (bshd) | 1 x 2 x 3 x 4 | 1.000 | 2.000 | 3.000 | 1.000 | 3.000 | 1.00x |" in \
+        bench_attention.markdown([row], "GPU")
