@@ -23,29 +23,31 @@ def _axes(call: relax.Call, ndim: int) -> list[int]:
     return list(reversed(range(ndim))) if axes is None else [int(a) for a in axes]
 
 
+def bound_value(mutator: PyExprMutator, expr: relax.Expr) -> relax.Expr:
+    """What `expr` is bound to in the function `mutator` is building, looking through vars and
+    items of tuples built there."""
+    while True:
+        value = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+        if value is None:
+            return expr
+        if isinstance(value, relax.TupleGetItem):
+            tup = bound_value(mutator, value.tuple_value)
+            if isinstance(tup, relax.Tuple):
+                expr = tup.fields[value.index]
+                continue
+        if isinstance(value, relax.Var):
+            expr = value
+            continue
+        return value
+
+
 @mutator
 class _Canceller(PyExprMutator):
-    def value_of(self, expr: relax.Expr) -> relax.Expr:
-        """What `expr` is bound to, looking through vars and items of tuples built in the function."""
-        while True:
-            value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
-            if value is None:
-                return expr
-            if isinstance(value, relax.TupleGetItem):
-                tup = self.value_of(value.tuple_value)
-                if isinstance(tup, relax.Tuple):
-                    expr = tup.fields[value.index]
-                    continue
-            if isinstance(value, relax.Var):
-                expr = value
-                continue
-            return value
-
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op != PERMUTE_DIMS or not isinstance(call.args[0], relax.Var):
             return call
-        inner = self.value_of(call.args[0])
+        inner = bound_value(self, call.args[0])
         if not (isinstance(inner, relax.Call) and inner.op == PERMUTE_DIMS):
             return call
         ndim = getattr(call.args[0].ty, "ndim", -1)

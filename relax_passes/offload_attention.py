@@ -42,14 +42,24 @@ from ..codegen.frontend.attention_call import (
     SEQUENCE_MAJOR,
     TENSOR_ARGS,
     attention_of_call,
+    heads_transposed,
 )
 from . import attention_op
-from .cancel_transposes import PERMUTE_DIMS, CancelTransposes
+from .cancel_transposes import CancelTransposes, bound_value
 
 CODEGEN = "evt_attention"
 OPS = {tvm.ir.Op.get(FORWARD_OP): FORWARD_OP, tvm.ir.Op.get(BACKWARD_OP): BACKWARD_OP}
 DECOMPOSE = {FORWARD_OP: attention_op.decompose_attention, BACKWARD_OP: attention_op.decompose_attention_backward}
 
+
+def _results(bb: relax.BlockBuilder, out: relax.Expr, spec, swap_heads: bool) -> list[relax.Expr]:
+    """The tensor results of a call's value `out` (O, LSE; or dQ, dK, dV), with the heads axis of
+    O (dQ, dK, dV) swapped with the sequence axis where `swap_heads`."""
+    results = [relax.TupleGetItem(out, i) for i in range(3 if spec.backward else 2)]
+    if not swap_heads:
+        return results
+    swapped = range(3) if spec.backward else range(1)
+    return [bb.emit(R.permute_dims(bb.emit(r), list(HEADS_SWAP))) if i in swapped else r for i, r in enumerate(results)]
 
 
 def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
@@ -77,10 +87,7 @@ def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
                 continue
             inner[i] = bb.emit(R.permute_dims(param, list(HEADS_SWAP))) if sources and name in sources else param
         out = bb.emit(relax.Call(call.op, inner, call.attrs, call.ty_args))
-        results = [relax.TupleGetItem(out, i) for i in range(3 if spec.backward else 2)]
-        if sources:  # O, or dQ, dK, dV, as [B, S, H, D]
-            swap = range(3) if spec.backward else range(1)
-            results = [bb.emit(R.permute_dims(bb.emit(r), list(HEADS_SWAP))) if i in swap else r for i, r in enumerate(results)]
+        results = _results(bb, out, spec, swap_heads=bool(sources))  # with sources: [B, S, H, D]
         if spec.saved_mask and not spec.backward:
             results.append(bb.emit(relax.op.zeros(relax.ShapeExpr(spec.mask_shape), "uint32")))
         if sources or (spec.saved_mask and not spec.backward):
@@ -144,30 +151,15 @@ class _Offloader(PyExprMutator):
         full = self.builder_.emit(relax.Call(gvar, args))
         if spec.saved_mask and not spec.backward:
             self.masks[site] = self.builder_.emit(relax.TupleGetItem(full, 2))
-        results = [relax.TupleGetItem(full, i) for i in range(3 if spec.backward else 2)]
-        if sources:  # the graph around keeps [B, H, S, D] (CancelTransposes meets its own transposes)
-            swap = range(3) if spec.backward else range(1)
-            results = [self.builder_.emit(R.permute_dims(self.builder_.emit(r), list(HEADS_SWAP))) if i in swap else r
-                       for i, r in enumerate(results)]
-        return relax.Tuple(results)
-
-    def _transposed_from(self, expr: relax.Expr) -> relax.Expr | None:
-        """The [B, S, H, D] tensor `expr` ([B, H, S, D]) is ``permute_dims(., [0, 2, 1, 3])`` of,
-        looking through tuples this pass built; else None."""
-        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
-        if isinstance(value, relax.TupleGetItem):
-            tup = self.lookup_binding(value.tuple_value) if isinstance(value.tuple_value, relax.Var) else value.tuple_value
-            return self._transposed_from(tup.fields[value.index]) if isinstance(tup, relax.Tuple) else None
-        if isinstance(value, relax.Call) and value.op == PERMUTE_DIMS and value.attrs.axes is not None \
-                and tuple(int(a) for a in value.attrs.axes) == HEADS_SWAP and getattr(value.args[0].ty, "ndim", -1) == 4:
-            return value.args[0]
-        return None
+        # the graph around keeps [B, H, S, D] (CancelTransposes meets its own transposes)
+        return relax.Tuple(_results(self.builder_, full, spec, swap_heads=bool(sources)))
 
     def sequence_major(self, call: relax.Call, spec) -> dict | None:
         """name -> [B, S, H, D] source of every operand in ``SEQUENCE_MAJOR`` when all of them are
         transposed [B, S, H, D] tensors (a linear layer's output split into heads), else None."""
         tensors = TENSOR_ARGS[call.op.name]
-        sources = {name: self._transposed_from(arg) for name, arg in zip(tensors, call.args) if name in SEQUENCE_MAJOR}
+        sources = {name: heads_transposed(bound_value(self, arg))
+                   for name, arg in zip(tensors, call.args) if name in SEQUENCE_MAJOR}
         return sources if all(src is not None for src in sources.values()) else None
 
 
@@ -207,5 +199,5 @@ class OffloadAttention:
             mod = mutator_.builder_.get()
         # CanonicalizeBindings: items of the tuples built here read their fields directly, so the
         # transposes CancelTransposes leaves unused are dead
-        mod = CancelTransposes()(relax.transform.DeadCodeElimination()(mod))
+        mod = CancelTransposes()(mod)  # ends with dead-code elimination
         return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))

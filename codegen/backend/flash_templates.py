@@ -416,7 +416,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride(p);
-  const int64_t qo = int64_t(bh) * p.sq, ko = int64_t(bh) * p.sk;
+  const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
   const uint16_t* Q = p.q + head_base(p, bh, p.sq);
   const uint16_t* dO = p.dout + head_base(p, bh, p.sq);
 
@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq(Params p) {
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride(p);
-  const int64_t qo = int64_t(bh) * p.sq, ko = int64_t(bh) * p.sk;
+  const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
   const uint16_t* K = p.k + head_base(p, bh, p.sk);
   const uint16_t* V = p.v + head_base(p, bh, p.sk);
 

@@ -83,9 +83,8 @@ SEQUENCE_MAJOR = ("q", "k", "v", "o", "dout")  # the parameters a "bshd" functio
 HEADS_SWAP = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
 
 
-def _transposed_param(arg, bound: dict):
-    """The parameter `arg` is ``permute_dims(param, [0, 2, 1, 3])`` of (inside the function), else None."""
-    value = bound.get(arg)
+def heads_transposed(value) -> relax.Expr | None:
+    """`x` where `value` is ``permute_dims(x, [0, 2, 1, 3])`` ([B, S, H, D] <-> [B, H, S, D]), else None."""
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.permute_dims" \
             and value.attrs.axes is not None and tuple(int(a) for a in value.attrs.axes) == HEADS_SWAP:
         return value.args[0]
@@ -129,7 +128,7 @@ def attention_of_function(func: relax.Function) -> AttentionCall:
             if [int(d) for d in param.ty.shape] != spec.mask_shape or str(param.ty.dtype) != "uint32":
                 raise Unsupported(f"{symbol}: mask parameter must be uint32 {spec.mask_shape}, got {param.ty}")
         elif layout == "bshd" and name in SEQUENCE_MAJOR:
-            source = _transposed_param(arg, bound)
+            source = heads_transposed(bound.get(arg))
             if source is None or not source.same_as(param):
                 raise Unsupported(f"{symbol}: {name} must be permute_dims({name}, [0, 2, 1, 3]) of its parameter")
         elif not arg.same_as(param):
