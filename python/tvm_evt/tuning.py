@@ -177,10 +177,14 @@ def _external_functions(mod: tvm.IRModule) -> dict:
 class OpaqueEVTCalls:
     """Replace each call of an evt partition (or flash-attention function) by a ``call_dps_packed``
     of its symbol and drop the functions: what ``RunCodegen`` leaves for TVM, without building
-    the kernels."""
+    the kernels.  ``kinds`` maps each symbol replaced to "cutlass" or "flash"."""
+
+    def __init__(self):
+        self.kinds: dict[str, str] = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         parts = _external_functions(mod)
+        self.kinds.update({gv.name_hint: kind for gv, kind in parts.items()})
         if not parts:
             return mod
 
@@ -221,13 +225,10 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
     names = _names(passes)
     if "ScheduleTIRForGPU" not in names:
         raise ValueError(f"kernel_traffic follows the CUDA route; target {target} has no ScheduleTIRForGPU")
-    passes = [OpaqueEVTCalls() if n == "RunCodegen" else p for p, n in zip(passes, names)]
+    opaque = OpaqueEVTCalls()
+    passes = [opaque if n == "RunCodegen" else p for p, n in zip(passes, names)]
     with target:
-        kinds = {}
-        for p, n in zip(passes[: names.index("ScheduleTIRForGPU") + 1], names):
-            if n == "RunCodegen":  # the symbols of both external kinds, before they are dropped
-                kinds = {gv.name_hint: kind for gv, kind in _external_functions(mod).items()}
-            mod = p(mod)
+        mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(mod)
         mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
 
     from .relax_passes.evt_cost import tensor_bytes
@@ -242,7 +243,7 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
             kind, name = "tir", e.args[0].name_hint
         else:
             name = e.args[0].global_symbol
-            kind = kinds.get(name, "cutlass")
+            kind = opaque.kinds.get(name, "cutlass")
         row = rows.setdefault(name, {"kernel": name, "kind": kind, "calls": 0,
                                      "bytes_per_call": sum(tensor_bytes(a) for a in e.args[1].fields) + tensor_bytes(e)})
         row["calls"] += 1
