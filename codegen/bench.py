@@ -322,19 +322,24 @@ class Torch:
         return self.rel_err(out.float().flatten()[tidx], want)
 
     def time(self, fn, refresh, iters: int, warmup: int) -> float:
-        """Median milliseconds of ``fn()`` between CUDA events; ``refresh()`` runs before each."""
-        t = self.torch
-        for _ in range(warmup):
-            refresh()
-            fn()
-        events = [(t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in events:
-            refresh()
-            start.record()
-            fn()
-            end.record()
-        t.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
+        return median_ms(fn, refresh, iters, warmup)
+
+
+def median_ms(fn, refresh, iters: int, warmup: int) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events; ``refresh()`` runs before each."""
+    import torch
+
+    for _ in range(warmup):
+        refresh()
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        refresh()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 # ------------------------------------------------------------------------------------ the run

@@ -17,9 +17,9 @@ Correctness is tests/test_gpu_flash_attention.py's job; here every output is onl
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 
+from .bench import median_ms
 from .ir.attention import AttentionCall
 
 CASES = {  # name: (batch, heads, sq, sk, causal, bias, dropout, saved mask)
@@ -30,6 +30,7 @@ CASES = {  # name: (batch, heads, sq, sk, causal, bias, dropout, saved mask)
     "vit": (128, 12, 197, 208, False, True, 0.1, True),
 }
 HEAD_DIM, SCALE, SITE = 64, 0.125, 3
+WARMUP = 3  # untimed runs before each timing
 
 
 def calls(name: str, dtype: str = "bfloat16", layout: str = "bhsd") -> tuple[AttentionCall, AttentionCall]:
@@ -38,22 +39,6 @@ def calls(name: str, dtype: str = "bfloat16", layout: str = "bhsd") -> tuple[Att
                   causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0, layout=layout)
     return (AttentionCall(symbol=f"bench_{name}_{layout}_fwd", backward=False, **common),
             AttentionCall(symbol=f"bench_{name}_{layout}_bwd", backward=True, **common))
-
-
-def _median_ms(fn, prepare, iters: int, warmup: int = 3) -> float:
-    import torch
-
-    times = []
-    for i in range(warmup + iters):
-        prepare()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str = "bhsd") -> dict:
@@ -94,8 +79,8 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str 
         entry(*[tvm.runtime.from_dlpack(x) for x in [t[n] for n in spec.inputs] + outs])
 
     fwd_outs = [o, lse] + ([t["mask"]] if "mask" in fwd.outputs else [])
-    ours_fwd = _median_ms(lambda: call(run_fwd, fwd, fwd_outs),
-                          lambda: (fresh(), o.fill_(float("nan")), lse.fill_(float("nan"))), iters)
+    ours_fwd = median_ms(lambda: call(run_fwd, fwd, fwd_outs),
+                         lambda: (fresh(), o.fill_(float("nan")), lse.fill_(float("nan"))), iters, WARMUP)
 
     def prepare_bwd():  # a forward on fresh inputs (untimed), then poisoned gradients
         fresh()
@@ -103,7 +88,7 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str 
         for x in (dq, dk, dv):
             x.fill_(float("nan"))
 
-    ours_bwd = _median_ms(lambda: call(run_bwd, bwd, [dq, dk, dv]), prepare_bwd, iters)
+    ours_bwd = median_ms(lambda: call(run_bwd, bwd, [dq, dk, dv]), prepare_bwd, iters, WARMUP)
     for what, x in (("O", o), ("LSE", lse), ("dQ", dq), ("dK", dk), ("dV", dv)):
         if not torch.isfinite(x).all():
             raise RuntimeError(f"{name}: {what} of the flash-attention kernels is not finite")
@@ -117,8 +102,8 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str 
         return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=SCALE)
 
     with torch.no_grad():
-        torch_f = _median_ms(torch_fwd, fresh, iters)
-    torch_fb = _median_ms(lambda: torch_fwd().backward(heads_major(do)), fresh, iters)
+        torch_f = median_ms(torch_fwd, fresh, iters, WARMUP)
+    torch_fb = median_ms(lambda: torch_fwd().backward(heads_major(do)), fresh, iters, WARMUP)
     return {"case": name, "layout": layout, "shape": [b, h, sq, sk], "causal": fwd.causal, "bias": fwd.has_bias,
             "dropout": fwd.dropout, "saved_mask": fwd.saved_mask,
             "ours_fwd_ms": ours_fwd, "ours_bwd_ms": ours_bwd, "ours_ms": ours_fwd + ours_bwd,
