@@ -25,6 +25,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
+from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import ImportedModel, from_torch
 from .pipeline import PIPELINE_NAME, enabled  # registers relax_pipeline="evt"
@@ -34,8 +36,6 @@ from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
 from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
-from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
-from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .relax_passes.fuse_attention import FuseAttention
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.pad_attention_keys import PadAttentionKeys
