@@ -1,5 +1,9 @@
 """DecomposeBatchNorm: batch statistics as the one-pass moments Σx and Σx².
 
+``tvm_evt.batch_norm`` calls (`FuseBatchNorm`, before ``Gradient``) become their plain ops here,
+already in this form (`batch_norm_op.decompose_batch_norm`); their gradients were written in plain
+ops by the op's gradient rule.
+
 Our frontend imports training-mode batch norm already decomposed by torch.export into
 ``mean(x, A)``, ``variance(x, A)`` and elementwise ops; ``variance`` is a two-pass reduction
 (it needs the mean first), which no GEMM / conv epilogue can produce.  This pass rewrites
@@ -20,15 +24,19 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from . import batch_norm_op
 from ._rewrite import mutate_relax_functions
 
 VARIANCE = tvm.ir.Op.get("relax.variance")
+BATCH_NORM = tvm.ir.Op.get(batch_norm_op.OP)
 
 
 @mutator
 class _VarianceDecomposer(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        if call.op == BATCH_NORM:
+            return batch_norm_op.decompose_batch_norm(self.builder_, call)
         if call.op != VARIANCE:
             return call
         x = call.args[0]
@@ -43,7 +51,8 @@ class _VarianceDecomposer(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="DecomposeBatchNorm")
 class DecomposeBatchNorm:
-    """Rewrite every ``relax.variance`` of every Relax function into Σx and Σx² moments."""
+    """Rewrite every ``relax.variance`` of every Relax function into Σx and Σx² moments, and every
+    ``tvm_evt.batch_norm`` call into plain ops."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return mutate_relax_functions(_VarianceDecomposer(mod), mod)

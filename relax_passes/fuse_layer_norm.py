@@ -16,7 +16,10 @@ into one ``call_tir`` whose outputs are the chain's values that something else r
 thread block per row, the row staged in shared memory, both sums as cross-thread reductions.
 Every element is computed with the graph's operations in the graph's order (the sums may
 associate differently).  The chain must be float32 over the last axis, in one dataflow block,
-and its values may only be read after its last op (the fused call sits there).  Row statistics
+and an ``x = astype(x16, float32)`` is read through (the kernel widens ``x16`` as it loads it:
+half the bytes, and the GEMM before it can store the narrow value; other readers of ``x`` keep
+it); its
+values may only be read after its last op (the fused call sits there).  Row statistics
 that are outputs (``rstd`` for the gradient) come from a second, small launch in the same
 function that sums the rows again: one more read of ``x``, where the alternative (writing them
 from the main nest) would need a block-wide barrier on global memory that TIR cannot express.
@@ -60,14 +63,22 @@ class LayerNormChain:
     low: str | None  # dtype of the absorbed casts of the result
     casts: tuple  # (cast var, reshape shape or None) for each absorbed cast
     absorbed: frozenset  # vars whose bindings the fused call replaces
+    source: relax.Expr | None = None  # the 16-bit x that x widens, read by the kernel instead
 
 
 def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_shape, outputs: tuple[str, ...],
-                        low: str | None, scheduled: bool = True) -> tirx.PrimFunc:
-    """The fused kernel for a float32 input of `shape`: parameters ``x[, gamma][, beta]``, then
-    the `outputs` (roles, stats first) and, with `low`, the result cast to `low`."""
+                        low: str | None, scheduled: bool = True, in_dtype: str = "float32") -> tirx.PrimFunc:
+    """The fused kernel for an input of `shape` (`in_dtype`, widened to float32 as it is read):
+    parameters ``x[, gamma][, beta]``, then the `outputs` (roles, stats first) and, with `low`,
+    the result cast to `low`."""
     *lead, n = shape
-    x = te.placeholder(shape, "float32", name="x")
+    x_in = te.placeholder(shape, in_dtype, name="x")
+
+    class _Widened:  # x[idx] in float32
+        def __getitem__(self, idx):
+            return x_in[idx] if in_dtype == "float32" else x_in[idx].astype("float32")
+
+    x = _Widened()
     gamma = te.placeholder(gamma_shape, "float32", name="gamma") if gamma_shape else None
     beta = te.placeholder(beta_shape, "float32", name="beta") if beta_shape else None
     inv_n = tirx.const(1.0 / n, "float32")  # TVM's mean: the sum times 1/n
@@ -110,7 +121,7 @@ def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_sh
         t1, t2 = row_sums("_stats")
         stat_tensors = _as_list(te.compute((*lead, 1), lambda *r: tuple(
             stat_values(t1, t2, r[:-1])[o] for o in stats), name="stats"))
-    params = [x] + [t for t in (gamma, beta) if t is not None]
+    params = [x_in] + [t for t in (gamma, beta) if t is not None]
     func = te.create_prim_func(params + stat_tensors + elem_tensors)  # outputs: stats first
     if not scheduled:
         return func
@@ -242,12 +253,19 @@ def find_chains(func: relax.Function) -> dict:
                 outputs.append(role)
                 ok &= all(i > index[last] for i in outside)
         members = set(chain) | cast_vars
+        # x = astype(x16, float32) read by the chain alone: the kernel reads x16 and widens it
+        widen, source = bound.get(x), None
+        if isinstance(widen, relax.Call) and widen.op == ASTYPE and str(widen.args[0].ty.dtype) in LOW:
+            source = widen.args[0]
+            if isinstance(x, relax.DataflowVar) and all(i < len(bindings) and bindings[i].var in chain
+                                                        for i in uses.get(x, [])):
+                members.add(x)  # read by the chain alone: its binding goes
         ok &= len({blocks.get(var) for var in members}) == 1 and blocks.get(last) is not None
         ok &= all(isinstance(var, relax.DataflowVar) for var in members)
         if not ok or not (outputs or casts):
             continue
         found[last] = LayerNormChain(x, float(eps), gamma, beta, v, tuple(outputs), low, tuple(casts),
-                                     frozenset(members) - {last})
+                                     frozenset(members) - {last}, source)
     return found
 
 
@@ -264,13 +282,17 @@ def _fuse(scheduled: bool):
         builder = mutator.builder_
         shape = static_shape(chain.x)
         vectors = [t for t in (chain.gamma, chain.beta) if t is not None]
-        gvar = add_function_once(builder, _name(shape, chain), lambda: layer_norm_primfunc(
+        x = chain.x if chain.source is None else chain.source
+        in_dtype = str(x.ty.dtype)
+        name = _name(shape, chain) + ("" if in_dtype == "float32" else f"_from_{in_dtype}")
+        gvar = add_function_once(builder, name, lambda: layer_norm_primfunc(
             shape, chain.eps, static_shape(chain.gamma) if chain.gamma is not None else None,
-            static_shape(chain.beta) if chain.beta is not None else None, chain.outputs, chain.low, scheduled))
+            static_shape(chain.beta) if chain.beta is not None else None, chain.outputs, chain.low, scheduled,
+            in_dtype))
         stat_shape = (*shape[:-1], 1)
         types = [relax.TensorType(stat_shape if o in STATS else shape, "float32") for o in chain.outputs]
         types += [relax.TensorType(shape, chain.low)] if chain.low else []
-        outs = emit_call_tir(builder, gvar, [mutator.visit_expr(a) for a in (chain.x, *vectors)], types)
+        outs = emit_call_tir(builder, gvar, [mutator.visit_expr(a) for a in (x, *vectors)], types)
         remaps = [(chain.values[role], out) for role, out in zip(chain.outputs, outs)]
         for cast_var, reshape in chain.casts if chain.low else ():
             out = outs[-1] if reshape is None else builder.emit(relax.op.reshape(outs[-1], reshape))

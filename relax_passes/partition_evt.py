@@ -369,13 +369,18 @@ def same_tile(shape: tuple | None, gemm: tuple) -> bool:
 
 def _cast_for_consumer(graph: OpGraph, node: OpNode) -> bool:
     """A widening ``astype`` read only by ops whose kernels take the narrow input and widen it
-    themselves (``evt_cost.WIDENING_CONSUMERS``): fused into the epilogue it would only double
-    the bytes the GEMM stores and the consumer reads."""
+    themselves (``evt_cost.WIDENING_CONSUMERS``), or read by a reduction that stays out of
+    epilogues (a batch norm's statistics and its gradient's sums, whose kernels read it anyway):
+    fused into the epilogue it would only double the bytes the GEMM stores and the consumers
+    read."""
     if node.op != "relax.astype" or not node.users or len(node.inputs) != 1:
         return False
     src = graph.nodes[node.inputs[0]].dtype
-    return (src is not None and node.dtype is not None and evt_cost.dtype_bytes(node.dtype) > evt_cost.dtype_bytes(src)
-            and all(graph.nodes[u].op in evt_cost.WIDENING_CONSUMERS for u in node.users))
+    if src is None or node.dtype is None or evt_cost.dtype_bytes(node.dtype) <= evt_cost.dtype_bytes(src):
+        return False
+    users = [graph.nodes[u].op for u in node.users]
+    return (all(op in evt_cost.WIDENING_CONSUMERS for op in users)
+            or (not evt_cost.FUSE_REDUCTIONS and any(op in evt_cost.TVM_REDUCTION_OPS for op in users)))
 
 
 def _feeds_only_reductions(graph: OpGraph, elementwise: set, fusable: set) -> set[int]:

@@ -11,16 +11,21 @@ CUDA = {"kind": "cuda", "arch": "sm_90a"}
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
-def _layer_norm(n=64, affine=True, stats_read=True, read_early=False, casts=True):
+def _layer_norm(n=64, affine=True, stats_read=True, read_early=False, casts=True, widened=None):
     """DecomposeLayerNorm's spelling, then what the training graph does with it: rstd and xhat
-    read by the gradient, the result cast to bf16 (directly and through a reshape)."""
+    read by the gradient, the result cast to bf16 (directly and through a reshape).  `widened`:
+    x is ``astype(x16, float32)`` of a bf16 parameter, read by the chain alone ("alone") or
+    also by a residual add ("shared")."""
     bb = relax.BlockBuilder()
+    x16 = relax.Var("x16", relax.TensorType((2, 5, n), "bfloat16")) if widened else None
     x = relax.Var("x", relax.TensorType((2, 5, n), "float32"))
     g = relax.Var("g", relax.TensorType((n,), "float32"))
     b = relax.Var("b", relax.TensorType((n,), "float32"))
-    with bb.function("main", [x, g, b]):
+    with bb.function("main", [x16 if widened else x, g, b]):
         with bb.dataflow():
             emit = bb.emit
+            if widened:
+                x = emit(relax.op.astype(x16, "float32"))
             mean = emit(relax.op.mean(x, [2], keepdims=True))
             centered = emit(relax.op.subtract(x, mean))
             var = emit(relax.op.mean(emit(relax.op.multiply(centered, centered)), [2], keepdims=True))
@@ -37,6 +42,7 @@ def _layer_norm(n=64, affine=True, stats_read=True, read_early=False, casts=True
             if stats_read:
                 outs += [emit(relax.op.multiply(xhat, rstd))]  # the gradient's reads
             outs += [early] if early is not None else []
+            outs += [emit(relax.op.add(x, x))] if widened == "shared" else []
             out = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(out)
     return bb.get()
@@ -78,12 +84,28 @@ def _run(mod, args, target="llvm", dev=None):
     return [x.numpy() for x in out]
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(affine=False), dict(casts=False), dict(n=1000)])
+@pytest.mark.parametrize("widened", ["alone", "shared"])
+def test_a_widened_input_is_read_narrow(widened):
+    """x = astype(x16, float32): the kernel reads x16 and widens it; the cast's binding goes when
+    only the chain read it, and stays for its other reader otherwise."""
+    after = FuseLayerNorm()(_layer_norm(widened=widened))
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint == "layer_norm_2x5x64_g_b_eps1em05_rstd_xhat_z_bfloat16_from_bfloat16"
+    assert fused.args[1].fields[0].same_as(after["main"].params[0])
+    casts = [c for c in _calls(after) if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.astype"]
+    assert len(casts) == (1 if widened == "shared" else 0)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(affine=False), dict(casts=False), dict(n=1000),
+                                     dict(widened="alone"), dict(widened="shared")])
 def test_fused_kernel_computes_what_the_ops_computed(variant):
     """The rewrite with unscheduled kernels, on the CPU: outputs equal the unfused graph's."""
     n = variant.get("n", 64)
     rng = np.random.default_rng()
-    args = [(rng.standard_normal((2, 5, n)) * 3 + 1).astype("float32"),
+    import ml_dtypes
+
+    x = (rng.standard_normal((2, 5, n)) * 3 + 1).astype(ml_dtypes.bfloat16 if variant.get("widened") else "float32")
+    args = [x,
             rng.standard_normal(n).astype("float32"), rng.standard_normal(n).astype("float32")]
     before = _layer_norm(**variant)
     want = _run(before, args)
@@ -95,10 +117,10 @@ def test_fused_kernel_computes_what_the_ops_computed(variant):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("n", [768, 1024])
-def test_scheduled_kernel_builds_for_cuda(n):
+@pytest.mark.parametrize("n, in_dtype", [(768, "float32"), (1024, "float32"), (1024, "bfloat16")])
+def test_scheduled_kernel_builds_for_cuda(n, in_dtype):
     """No GPU needed: the schedule lowers and the CUDA source has the row reductions."""
-    func = layer_norm_primfunc((4, 16, n), 1e-5, (n,), (1, 1, n), ("rstd", "xhat"), "bfloat16")
+    func = layer_norm_primfunc((4, 16, n), 1e-5, (n,), (1, 1, n), ("rstd", "xhat"), "bfloat16", in_dtype=in_dtype)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
     src = lib.mod.imports[0].inspect_source()
     assert "__shfl_down_sync" in src and "__shared__" in src

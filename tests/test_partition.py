@@ -57,14 +57,10 @@ def _fuse_ops(mod, name="train_step"):
 
 
 # ------------------------------------------------------------------------------------- zoo
-@pytest.mark.parametrize("name", ZOO_NAMES + [
-    pytest.param("resnet_bottleneck+nhwc", marks=pytest.mark.xfail(
-        strict=True, reason="known gap: with NHWC and fp32 batch statistics (399d20d) the partitions "
-        "model 1.3 % more bytes than FuseOps alone (1195272 vs 1179400)")),
-])
+@pytest.mark.parametrize("name", ZOO_NAMES + ["resnet_bottleneck+nhwc"])
 def test_zoo(name, monkeypatch):
     name, _, nhwc = name.partition("+")
-    # the default NHWC layout is judged by the strict xfail case above
+    # the default NHWC layout is judged by the '+nhwc' case
     monkeypatch.setenv(pipeline.DISABLE_ENV if not nhwc else pipeline.ENABLE_ENV, "nhwc")
     entry = models.ZOO[name]()
     no_dropout(entry.model)

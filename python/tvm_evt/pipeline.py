@@ -52,6 +52,7 @@ from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower_take_backward import LowerTakeBackward
 from .relax_passes.split_to_slices import SplitToSlices
 from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+from .relax_passes.recompute_elementwise import RecomputeElementwise
 from .relax_passes.split_reduction import SplitReduction
 
 PIPELINE_NAME = "evt"
@@ -84,6 +85,8 @@ OPTIONAL = {
                                "of bf16/fp16 steps with head dim 64 as one tvm_evt.attention op before Gradient, "
                                "run by flash-attention kernels on CUDA (H100 bf16: BERT-Large 5.77 -> 4.79, "
                                "GPT-2 medium 8.00 -> 4.98, ViT-B/16 7.12 -> 5.89 ms per step)"),
+    "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
+                          "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass"),
 }
 
 
@@ -159,6 +162,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
                 *([FuseLayerNorm(), FuseLayerNormBackward()] if enabled("layer_norm") else []),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
+                # casts and centrings read by several kernels: recomputed in each, not stored in float32
+                RecomputeElementwise(),
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),

@@ -37,6 +37,7 @@ from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
 from .relax_passes.fuse_attention import FuseAttention
+from .relax_passes.fuse_batch_norm import FuseBatchNorm
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.pad_attention_keys import PadAttentionKeys
 from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
@@ -149,6 +150,8 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         if low == "float16":
             loss_scale = DynamicLossScale()
             passes.append(ScaleLoss())
+    if enabled("batch_norm"):  # after the casts: the op reads the low-precision activation
+        passes.append(FuseBatchNorm())
     mod = tvm.transform.Sequential(passes)(imported.mod)
     main = mod["main"]
     n_in, n_p = len(imported.input_names), len(imported.param_names)

@@ -1,0 +1,122 @@
+"""RecomputeElementwise: cheap elementwise values recomputed inside each kernel that reads them.
+
+TVM's ``FuseOps`` puts an elementwise op into its reader's kernel only when it has one reader (or
+all its readers end in one kernel); with readers in several kernels the value is written to
+global memory once and read back by each.  For a widening cast or a centring ``x - mean`` that
+costs more than recomputing: a batch norm's gradient reads ``x32 = astype(x, float32)`` and
+``c = x32 - mean`` in two column sums and in the input-gradient pass, and ResNet-50's stage wrote
+and re-read them as float32 M×C tensors (206 MB each at 100352×512, against 103 MB for ``x``).
+
+Here a value ``v = op(args)`` with ``op`` in ``CHEAP`` is recomputed, one copy bound just before
+each reader that is a call of an op FuseOps fuses it into (``FUSABLE``: elementwise ops and the
+reductions), when
+
+* it has two or more such readers, or a reader that is itself recomputed (chains are copied whole:
+  each copy of ``c`` gets its own copy of ``x32``), and
+* its full-size operands (those with ``v``'s element count) hold no more bytes than ``v``: a copy
+  reads no more than reading ``v`` back would (the per-channel statistics it also reads are
+  small).
+
+Readers that are not such calls (evt partitions, ``call_tir`` kernels, the function's outputs)
+keep reading the original binding, which stays only for them.  CUDA route, after
+``SplitReduction`` and before ``LegalizeOps``; nothing after it may eliminate common
+subexpressions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._rewrite import flat_bindings, mutate_relax_functions, static_shape
+from .evt_cost import tensor_bytes
+
+CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
+                   "relax.negative"})
+FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
+                             "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
+MIN_ELEMENTS = 1 << 16  # smaller values cost nothing worth a copy
+
+
+def _op(value) -> str | None:
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    return None
+
+
+def _elements(expr) -> int | None:
+    shape = static_shape(expr)
+    return None if shape is None else math.prod(shape)
+
+
+def plan(func: relax.Function) -> tuple[dict, set]:
+    """(var -> its bound call, for every recomputed var; the recomputed vars whose original
+    binding stays for readers that cannot recompute them)."""
+    bindings, block_of = flat_bindings(func)
+    readers: dict = {}
+    for b in bindings:
+        relax.analysis.post_order_visit(
+            b.value, lambda e, b=b: readers.setdefault(e, set()).add(b.var) if isinstance(e, relax.Var) else None)
+    outputs = set()
+    relax.analysis.post_order_visit(func.body.body, lambda e: outputs.add(e) if isinstance(e, relax.Var) else None)
+    bound = {b.var: b.value for b in bindings}
+    recomputed: dict = {}
+    for b in reversed(bindings):  # readers first
+        v, value = b.var, b.value
+        if _op(value) not in CHEAP or block_of.get(v) is None:
+            continue
+        n = _elements(v)
+        if n is None or n < MIN_ELEMENTS:
+            continue
+        full = [a for a in value.args if _elements(a) == n]
+        if sum(tensor_bytes(a) for a in full) > tensor_bytes(v):
+            continue
+        fusable = [r for r in readers.get(v, ()) if _op(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
+        if len(fusable) >= 2 or any(r in recomputed for r in fusable):
+            recomputed[v] = value
+    kept = {v for v in recomputed
+            if v in outputs or any(_op(bound.get(r)) not in FUSABLE for r in readers.get(v, ()))}
+    return recomputed, kept
+
+
+@mutator
+class _Recomputer(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.recomputed: dict = {}
+        self.kept: set = set()
+
+    def prime(self, func: relax.Function) -> None:
+        self.recomputed, self.kept = plan(func)
+
+    def _copy(self, v: relax.Var, made: dict) -> relax.Var:
+        """A fresh binding of `v`'s value, its recomputed operands copied too (once per reader:
+        `made`)."""
+        if v not in made:
+            value = self.recomputed[v]
+            args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
+            made[v] = self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+        return made[v]
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        v, value = binding.var, binding.value
+        if v in self.recomputed and v not in self.kept:
+            return  # every reader recomputes it
+        if _op(value) in FUSABLE and any(a in self.recomputed for a in value.args):
+            made: dict = {}
+            args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
+            self.set_var_remap(v, self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args)))
+            return
+        super().visit_var_binding_(binding)
+
+
+@tvm.transform.module_pass(opt_level=0, name="RecomputeElementwise")
+class RecomputeElementwise:
+    """Give every reader of a cheap, multiply-read elementwise value its own copy (module docstring)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        recomputer = _Recomputer(mod)
+        return mutate_relax_functions(recomputer, mod, before_each=recomputer.prime)
