@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -57,7 +58,8 @@ def batch_norm(x, gamma, beta, eps: float, axes, out_dtype: str) -> relax.Call:
     """A ``tvm_evt.batch_norm`` call; its value is ``(y, mean, var)``."""
     if str(out_dtype) not in FLOATS:
         raise _fail(f"out_dtype {out_dtype} is not one of {', '.join(FLOATS)}")
-    prims = [relax.prim_value(float(eps), "float32"), relax.prim_value(FLOATS.index(str(out_dtype)), "int64")]
+    eps = float(np.float32(eps))  # the float32 the kernels compute with, however it was spelled
+    prims = [relax.prim_value(eps, "float32"), relax.prim_value(FLOATS.index(str(out_dtype)), "int64")]
     prims += [relax.prim_value(int(a), "int64") for a in sorted(int(a) for a in axes)]
     return relax.Call(tvm.ir.Op.get(OP), [x, gamma, beta, *prims])
 

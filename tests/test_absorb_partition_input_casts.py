@@ -19,8 +19,12 @@ def switched_on(monkeypatch):
     monkeypatch.delenv(pipeline.ENABLE_ENV, raising=False)
 
 
-def _graph(precision="bf16"):
-    entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)
+def _graph(precision="bf16", model="bert_layer"):
+    """bert_layer (small), or a scripts/bench.py model at its quick shapes."""
+    from tvm_evt import bench_e2e
+
+    entry = (models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4) if model == "bert_layer"
+             else bench_e2e.build_entry(model, True))
     return tuning.training_graph(entry, precision)[1].mod
 
 
@@ -79,11 +83,31 @@ def test_casts_feeding_only_an_epilogue_move_into_the_partition():
                and int(p.ty.shape.values[-2]) == 16 for gv in absorbed for p in parts[gv].params)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision):
+def test_relu_masks_feeding_only_an_epilogue_move_into_the_partition():
+    """ResNet-50's stage (quick shapes): the ReLU gradient's less(z, 0) masks are computed by the backward epilogues
+    from z, not written as bool tensors by kernels of their own."""
+    less = tvm.ir.Op.get("relax.less")
+    without, with_ = _front(_graph(model="resnet50"), absorb=False), _front(_graph(model="resnet50"))
+    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == less for _, vals in calls for v in vals)  # noqa: E731
+    assert masks(_partition_args(without)[1]) > 0
+    parts, calls = _partition_args(with_)
+    assert masks(calls) == 0
+    def compares(func):
+        found = []
+        relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call)
+                                        and e.op == less else None)
+        return found
+
+    absorbed = [f for f in parts.values() if compares(f)]
+    assert absorbed and all(legality(f).ok for f in absorbed)
+
+
+@pytest.mark.parametrize("precision, model", [("bf16", "bert_layer"), ("fp32", "bert_layer"),
+                                              ("bf16", "resnet50")])
+def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision, model):
     from tvm_evt.pipeline import InlineEVTPartitions
 
-    mod = _graph(precision)
+    mod = _graph(precision, model)
     ref = InlineEVTPartitions()(_front(mod, absorb=False))
     got = InlineEVTPartitions()(_front(mod))
     rng = np.random.default_rng()

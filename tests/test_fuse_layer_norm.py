@@ -127,20 +127,22 @@ def test_scheduled_kernel_builds_for_cuda(n, in_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [768, 1000, 1024])
-def test_scheduled_kernel_on_gpu_matches_torch(n):
+@pytest.mark.parametrize("n, in_dtype", [(768, "float32"), (1000, "float32"), (1024, "float32"),
+                                         (1024, "bfloat16"), (768, "bfloat16")])
+def test_scheduled_kernel_on_gpu_matches_torch(n, in_dtype):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     rows = 4096
-    func = layer_norm_primfunc((rows, n), 1e-5, (n,), (n,), ("rstd", "xhat", "z"), "bfloat16")
+    func = layer_norm_primfunc((rows, n), 1e-5, (n,), (n,), ("rstd", "xhat", "z"), "bfloat16", in_dtype=in_dtype)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
-    x = torch.randn(rows, n, device="cuda") * 3 + 1
+    x_in = (torch.randn(rows, n, device="cuda") * 3 + 1).to(getattr(torch, in_dtype))
+    x = x_in.float()  # what the kernel widens it to
     g, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     outs = [torch.full(shape, float("nan"), device="cuda", dtype=dt) for shape, dt in
             [((rows, 1), torch.float32), ((rows, n), torch.float32), ((rows, n), torch.float32),
              ((rows, n), torch.bfloat16)]]
-    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (x, g, b, *outs)])
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (x_in, g, b, *outs)])
     torch.cuda.synchronize()
     rstd, xhat, z, zl = outs
     xd = x.double()

@@ -21,6 +21,8 @@ One list of phases, in order (``phases(target)``):
                        vectorizing schedule rule and training.py's PadAttentionKeys can be
                        switched on or off: ``OPTIONAL``)
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
+    RecomputeElementwise  casts and centrings read by several kernels recomputed in each of them
+                       instead of written once in float32 (batch norm's x32 and x - mean)
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
@@ -86,7 +88,8 @@ OPTIONAL = {
                                "run by flash-attention kernels on CUDA (H100 bf16: BERT-Large 5.77 -> 4.79, "
                                "GPT-2 medium 8.00 -> 4.98, ViT-B/16 7.12 -> 5.89 ms per step)"),
     "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
-                          "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass"),
+                          "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass "
+                          "(H100 bf16, with RecomputeElementwise: ResNet-50 conv3_x 19.16 -> 12.03 ms per step)"),
 }
 
 
