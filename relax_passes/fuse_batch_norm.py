@@ -16,7 +16,8 @@ torch.export writes a training batch norm as statistics and elementwise ops, and
 ``Gradient`` then differentiates the op with its closed-form rule (`batch_norm_op`) instead of
 the ops above one by one.  The values from ``var + eps`` to ``z`` must be read by the next step
 only; ``mean`` and ``var`` may have other readers (the running statistics' updates).  The call
-goes before the first binding after its operands are bound, where none of those readers may be.
+goes before the first binding after its operands are bound, where none of those readers may be;
+all of it lies in one dataflow block.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _axes(call: relax.Call, ndim: int) -> tuple | None:
 
 def find_batch_norms(func: relax.Function) -> dict:
     """var of a binding -> the `BatchNormMatch`es whose calls go before it (module docstring)."""
-    bindings, _ = flat_bindings(func)
+    bindings, block_of = flat_bindings(func)
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
     uses = binding_uses(func)
@@ -128,6 +129,8 @@ def find_batch_norms(func: relax.Function) -> dict:
         others = [i for v in (mean_v, var_v, anchor) for i in readers(v) if i not in internal]
         if place >= len(bindings) or any(i < place for i in others):
             continue
+        if len({block_of[v] for v in (*absorbed, bindings[place].var)}) != 1 or block_of[anchor] is None:
+            continue  # one dataflow block
         found[bindings[place].var] = found.get(bindings[place].var, ()) + (BatchNormMatch(
             anchor, x, gamma, beta, eps, axes, out_dtype, mean_v, var_v, frozenset(absorbed)),)
     return found
