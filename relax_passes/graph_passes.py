@@ -19,6 +19,7 @@ from .eliminate_masked_fill_gradient import EliminateMaskedFillGradient
 from .eliminate_reduction import EliminateReduction
 from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
 from .fold_layout import FoldLayoutIntoMatmul
+from .narrow_before_layout import NarrowBeforeLayout
 from .save_softmax_low_precision import SaveSoftmaxLowPrecision
 
 
@@ -42,6 +43,7 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
             EliminateMaskedFillGradient(),  # causal masks: P is already 0 where dS was masked
             FoldLayoutIntoMatmul(),
+            NarrowBeforeLayout(),  # float32 inputs cast to bf16 before they are transposed
             relax.transform.FoldConstant(),
             # forward statistics shared with their backward recomputation, dead loss code gone
             relax.transform.EliminateCommonSubexpr(),

@@ -1,0 +1,69 @@
+"""NarrowBeforeLayout: casts to bf16 after layout ops move in front of them."""
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from tvm_evt.relax_passes.narrow_before_layout import NarrowBeforeLayout
+
+X = (2, 8, 6, 6)  # NCHW
+
+
+def _module(narrow_first: bool, other_reader: bool = False):
+    """ResNet's input: NHWC for a 1x1 convolution (reshape) and a stride-2 shortcut (slice,
+    reshape), each cast to bf16 (or, `narrow_first`, the expected form); `other_reader`: the
+    transpose is also returned in float32."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(X, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            emit = bb.emit
+            src = emit(relax.op.astype(x, "bfloat16")) if narrow_first else x
+            p = emit(relax.op.permute_dims(src, [0, 2, 3, 1]))
+            a = emit(relax.op.reshape(p, (72, 8)))
+            a = a if narrow_first else emit(relax.op.astype(a, "bfloat16"))
+            s = emit(relax.op.strided_slice(p, [1, 2], [0, 0], [6, 6], [2, 2]))
+            s = emit(relax.op.reshape(s, (18, 8)))
+            s = s if narrow_first else emit(relax.op.astype(s, "bfloat16"))
+            gv = bb.emit_output(relax.Tuple([a, s] + ([p] if other_reader else [])))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def _bindings(mod):
+    """(op, dtype, shape, the earlier bindings it reads by position) of each binding of main."""
+    out, pos = [], {}
+    for i, b in enumerate(mod["main"].body.blocks[0].bindings):
+        v = b.value
+        reads = [pos.get(a) for a in getattr(v, "args", getattr(v, "fields", []))
+                 if isinstance(a, relax.Var)]
+        op = v.op.name if isinstance(v, relax.Call) else type(v).__name__
+        ty = b.var.ty
+        out.append((op, str(getattr(ty, "dtype", "")), str(getattr(ty, "shape", "")), reads))
+        pos[b.var] = i
+    return out
+
+
+def test_cast_moves_in_front_of_every_layout_chain():
+    assert _bindings(NarrowBeforeLayout()(_module(False))) == _bindings(_module(True))
+
+
+def test_left_alone_when_the_float32_layout_value_is_read_otherwise():
+    before = _module(False, other_reader=True)
+    tvm.ir.assert_structural_equal(NarrowBeforeLayout()(before), before)
+
+
+def test_numbers_are_unchanged():
+    import ml_dtypes
+
+    x = np.random.default_rng().standard_normal(X).astype("float32")
+
+    def run(mod):
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        return [t.numpy().astype("float32") for t in vm["main"](tvm.runtime.tensor(x))]
+
+    want, got = run(_module(False)), run(NarrowBeforeLayout()(_module(False)))
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    nhwc = x.transpose(0, 2, 3, 1)
+    np.testing.assert_array_equal(got[0], nhwc.reshape(72, 8).astype(ml_dtypes.bfloat16).astype("float32"))
