@@ -2,10 +2,12 @@
 
 One list of phases, in order (``phases(target)``):
 
-    evt_graph_passes   loss elimination, decomposition, reduction elimination, layout folding
+    evt_graph_passes   loss elimination, decomposition, reduction elimination, layout folding,
+                       narrowing casts moved before layout ops
                        (relax_passes/graph_passes.py; skipped with a warning while it is absent)
     PartitionEVT       the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
-    AbsorbPartitionInputCasts  a cast that only feeds a partition's epilogue moves into it
+    AbsorbPartitionInputCasts  a cast (or a ReLU mask's compare) that only feeds a partition's
+                       epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
     -- CUDA --
     OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention;
