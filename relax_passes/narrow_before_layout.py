@@ -15,6 +15,9 @@ values, so casting first gives the same numbers while every copy moves half the 
     xl = astype(x, low); p = L(xl); a = p; q = L2(p); b = q
 
 All of it in one dataflow block; the casts' values are replaced by the narrow layout values.
+Left alone: a permute read by one cast directly.  FuseOps fuses that pair into one kernel
+anyway, and the moved cast would put the transpose into the cast's readers' kernel, where it
+breaks their vector loads (resnet_basic's first im2col gather).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ ASTYPE = tvm.ir.Op.get("relax.astype")
 LAYOUT = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("permute_dims", "reshape", "strided_slice"))
 HEADS = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("permute_dims", "reshape"))  # same size as their input
 NARROW = ("bfloat16", "float16")
+PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
 
 def _call(value, ops) -> bool:
@@ -65,7 +69,9 @@ def plan(func: relax.Function) -> tuple[dict, dict]:
                 break
             ends.append((r, src))
             low.add(cast_to(r))
-        if not ends or len(low) != 1 or next(iter(low)) not in NARROW \
+        direct = len(ends) == 1 and ends[0][1].same_as(b.var)
+        if not ends or (direct and b.value.op == PERMUTE) or len(low) != 1 \
+                or next(iter(low)) not in NARROW \
                 or any(block_of[c.var] != block_of[b.var] for c, _ in ends):
             continue
         first[b.var] = next(iter(low))

@@ -67,3 +67,17 @@ def test_numbers_are_unchanged():
         np.testing.assert_array_equal(g, w)
     nhwc = x.transpose(0, 2, 3, 1)
     np.testing.assert_array_equal(got[0], nhwc.reshape(72, 8).astype(ml_dtypes.bfloat16).astype("float32"))
+
+
+def test_a_transpose_read_by_one_cast_is_left_alone():
+    """FuseOps fuses transpose + cast into one kernel anyway; cast first, the transpose would move
+    into the cast's readers (an im2col gather) and break their vector loads."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(X, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            p = bb.emit(relax.op.permute_dims(x, [0, 2, 3, 1]))
+            gv = bb.emit_output(bb.emit(relax.op.astype(p, "bfloat16")))
+        bb.emit_func_output(gv)
+    before = bb.get()
+    tvm.ir.assert_structural_equal(NarrowBeforeLayout()(before), before)
