@@ -49,7 +49,7 @@ from tvm import relax
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
-from .gradient_rules import RULE_LEVEL
+from .gradient_rules import register_op
 from .lower_dropout import keep_mask_function
 
 FORWARD = "tvm_evt.attention"
@@ -330,28 +330,6 @@ def attention_grad(orig_var, orig_call, output_grad, ctx):
 # ------------------------------------------------------------------------------- registration
 
 
-def _set(op: tvm.ir.Op, key: str, value, level: int = 10) -> None:
-    if op.has_attr(key):  # a reload of this module: replace, not stack
-        op.reset_attr(key)
-    op.set_attr(key, value, level)
-
-
-def _register() -> None:
-    ops = {
-        FORWARD: ("fused training attention: (O, LSE) of softmax(scale * Q K^T [+ bias] [causal]) with dropout",
-                  _infer_forward, decompose_attention),
-        BACKWARD: ("gradient of tvm_evt.attention: (dQ, dK, dV)", _infer_backward, decompose_attention_backward),
-    }
-    registered = set(tvm.ir.Op.list_op_names())
-    for name, (description, infer, legalize) in ops.items():
-        if name not in registered:
-            tvm_ffi.get_global_func("ir.RegisterOp")(name, description)
-        op = tvm.ir.Op.get(name)
-        _set(op, "TScriptPrinterName", name)  # printed as T.<name>(...), without the printer's warning
-        _set(op, "FInferType", infer)
-        _set(op, "FPurity", True)
-        _set(op, "FLegalize", legalize)
-    _set(tvm.ir.Op.get(FORWARD), "FPrimalGradient", attention_grad, RULE_LEVEL)
-
-
-_register()
+register_op(FORWARD, "fused training attention: (O, LSE) of softmax(scale * Q K^T [+ bias] [causal]) with dropout",
+            _infer_forward, decompose_attention, attention_grad)
+register_op(BACKWARD, "gradient of tvm_evt.attention: (dQ, dK, dV)", _infer_backward, decompose_attention_backward)

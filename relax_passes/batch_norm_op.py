@@ -39,12 +39,12 @@ import math
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
-from .gradient_rules import RULE_LEVEL
+from ._rewrite import static_shape
+from .gradient_rules import register_op
 
 OP = "tvm_evt.batch_norm"
 FLOATS = ("float32", "float16", "bfloat16")
@@ -83,13 +83,10 @@ def attrs(call: relax.Call) -> tuple[float, str, list[int]]:
 
 
 def _static(expr: relax.Expr, what: str) -> list[int]:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        raise _fail(f"{what} must be a tensor of known shape, got {ty}")
-    try:
-        return [int(s) for s in ty.shape.values]
-    except TypeError as err:
-        raise _fail(f"{what} needs a static shape, got {ty.shape}") from err
+    shape = static_shape(expr)
+    if shape is None:
+        raise _fail(f"{what} must be a tensor of static shape, got {expr.ty}")
+    return list(shape)
 
 
 def _check(call: relax.Call) -> tuple[float, str, list[int], list[int]]:
@@ -120,15 +117,23 @@ def _f32(bb, x):
     return x if str(x.ty.dtype) == "float32" else bb.emit(R.astype(x, "float32"))
 
 
+def moments(bb: relax.BlockBuilder, x: relax.Expr, axes, keepdims: bool) -> tuple[relax.Var, relax.Call]:
+    """``mean(x)`` (bound in `bb`) and the biased ``var(x)`` over `axes` in one pass, as the call
+    ``mean(x * x) - mean(x) * mean(x)`` (its operands bound in `bb`, the call itself not)."""
+    emit = bb.emit
+    mean = emit(R.mean(x, axes, keepdims=keepdims))
+    mean_sq = emit(R.mean(emit(R.multiply(x, x)), axes, keepdims=keepdims))
+    return mean, R.subtract(mean_sq, emit(R.multiply(mean, mean)))
+
+
 def decompose_batch_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """``tvm_evt.batch_norm`` in plain Relax ops, bound in `bb`: the ``(y, mean, var)`` tuple."""
     eps, out_dtype, axes, _ = _check(call)
     x, gamma, beta = call.args[:3]
     emit = bb.emit
     x32 = _f32(bb, x)
-    mean = emit(R.mean(x32, axes, keepdims=True))
-    mean_sq = emit(R.mean(emit(R.multiply(x32, x32)), axes, keepdims=True))
-    var = emit(R.subtract(mean_sq, emit(R.multiply(mean, mean))))
+    mean, var = moments(bb, x32, axes, keepdims=True)
+    var = emit(var)
     std = emit(R.sqrt(emit(R.add(var, relax.const(eps, "float32")))))
     xhat = emit(R.divide(emit(R.subtract(x32, mean)), std))
     y = emit(R.add(emit(R.multiply(xhat, gamma)), beta))
@@ -194,21 +199,8 @@ def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dgamma, dbeta] + [no_grad(arg) for arg in orig_call.args[3:]]
 
 
-def _set(op: tvm.ir.Op, key: str, value, level: int = 10) -> None:
-    if op.has_attr(key):  # a reload of this module: replace, not stack
-        op.reset_attr(key)
-    op.set_attr(key, value, level)
+# ------------------------------------------------------------------------------- registration
 
 
-def _register() -> None:
-    if OP not in set(tvm.ir.Op.list_op_names()):
-        tvm_ffi.get_global_func("ir.RegisterOp")(OP, "training-mode batch norm: (y, batch mean, biased batch var)")
-    op = tvm.ir.Op.get(OP)
-    _set(op, "TScriptPrinterName", OP)
-    _set(op, "FInferType", _infer)
-    _set(op, "FPurity", True)
-    _set(op, "FLegalize", decompose_batch_norm)
-    _set(op, "FPrimalGradient", batch_norm_grad, RULE_LEVEL)
-
-
-_register()
+register_op(OP, "training-mode batch norm: (y, batch mean, biased batch var)", _infer, decompose_batch_norm,
+            batch_norm_grad)

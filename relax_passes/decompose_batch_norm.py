@@ -42,11 +42,7 @@ class _VarianceDecomposer(PyExprMutator):
         x = call.args[0]
         axis = call.attrs.axis
         axes = None if axis is None else [int(a) for a in axis]
-        keepdims = bool(call.attrs.keepdims)
-        emit = self.builder_.emit
-        mean = emit(relax.op.mean(x, axes, keepdims=keepdims))
-        mean_sq = emit(relax.op.mean(emit(relax.op.multiply(x, x)), axes, keepdims=keepdims))
-        return relax.op.subtract(mean_sq, emit(relax.op.multiply(mean, mean)))
+        return batch_norm_op.moments(self.builder_, x, axes, bool(call.attrs.keepdims))[1]
 
 
 @tvm.transform.module_pass(opt_level=0, name="DecomposeBatchNorm")

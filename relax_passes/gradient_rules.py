@@ -22,6 +22,7 @@ import operator
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir import Call, Op
 from tvm.relax import op as R
@@ -30,7 +31,7 @@ from tvm.relax.expr import Expr, Var
 from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad, take_backward
 
-__all__ = ["GRADIENT_RULES", "NO_GRAD_OPS", "RULE_LEVEL", "GradientRuleError"]
+__all__ = ["GRADIENT_RULES", "NO_GRAD_OPS", "RULE_LEVEL", "GradientRuleError", "register_op"]
 
 RULE_LEVEL = 20
 """Registration level; TVM registers its own rules at 10, higher levels win."""
@@ -747,6 +748,29 @@ NO_GRAD_OPS: tuple[str, ...] = (
     "relax.one_hot",
 )
 """Ops whose outputs are integer/boolean or piecewise constant: no gradient flows to inputs."""
+
+
+def _set_attr(op: Op, key: str, value, level: int = 10) -> None:
+    if op.has_attr(key):  # a reload of the defining module: replace, not stack
+        op.reset_attr(key)
+    op.set_attr(key, value, level)
+
+
+def register_op(name: str, description: str, infer: Callable, legalize: Callable,
+                gradient: GradientRule | None = None) -> Op:
+    """Register one of our own Relax ops (``tvm_evt.*``): pure, printed as ``T.<name>``, its type
+    inferred by `infer`, lowered by `legalize`, differentiated by `gradient` at `RULE_LEVEL`.
+    Registering again (a module reload) replaces the attributes."""
+    if name not in set(Op.list_op_names()):
+        tvm_ffi.get_global_func("ir.RegisterOp")(name, description)
+    op = Op.get(name)
+    _set_attr(op, "TScriptPrinterName", name)  # printed as T.<name>(...), without the printer's warning
+    _set_attr(op, "FInferType", infer)
+    _set_attr(op, "FPurity", True)
+    _set_attr(op, "FLegalize", legalize)
+    if gradient is not None:
+        _set_attr(op, "FPrimalGradient", gradient, RULE_LEVEL)
+    return op
 
 
 def _no_grad_rule(orig_var, orig_call, output_grad, ctx):

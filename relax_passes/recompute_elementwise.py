@@ -31,7 +31,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import flat_bindings, mutate_relax_functions, static_shape
+from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, static_shape
 from .evt_cost import tensor_bytes
 
 CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
@@ -56,12 +56,9 @@ def plan(func: relax.Function) -> tuple[dict, set]:
     """(var -> its bound call, for every recomputed var; the recomputed vars whose original
     binding stays for readers that cannot recompute them)."""
     bindings, block_of = flat_bindings(func)
-    readers: dict = {}
-    for b in bindings:
-        relax.analysis.post_order_visit(
-            b.value, lambda e, b=b: readers.setdefault(e, set()).add(b.var) if isinstance(e, relax.Var) else None)
-    outputs = set()
-    relax.analysis.post_order_visit(func.body.body, lambda e: outputs.add(e) if isinstance(e, relax.Var) else None)
+    uses = binding_uses(func)  # index len(bindings): the function's result
+    readers = {v: {bindings[i].var for i in idx if i < len(bindings)} for v, idx in uses.items()}
+    outputs = {v for v, idx in uses.items() if len(bindings) in idx}
     bound = {b.var: b.value for b in bindings}
     recomputed: dict = {}
     for b in reversed(bindings):  # readers first
@@ -92,13 +89,14 @@ class _Recomputer(PyExprMutator):
     def prime(self, func: relax.Function) -> None:
         self.recomputed, self.kept = plan(func)
 
+    def _rebuilt(self, value: relax.Call, made: dict) -> relax.Var:
+        """`value` bound afresh, its recomputed operands copied (each once: `made`)."""
+        args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
+        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+
     def _copy(self, v: relax.Var, made: dict) -> relax.Var:
-        """A fresh binding of `v`'s value, its recomputed operands copied too (once per reader:
-        `made`)."""
         if v not in made:
-            value = self.recomputed[v]
-            args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
-            made[v] = self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+            made[v] = self._rebuilt(self.recomputed[v], made)
         return made[v]
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -106,9 +104,7 @@ class _Recomputer(PyExprMutator):
         if v in self.recomputed and v not in self.kept:
             return  # every reader recomputes it
         if _op(value) in FUSABLE and any(a in self.recomputed for a in value.args):
-            made: dict = {}
-            args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
-            self.set_var_remap(v, self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args)))
+            self.set_var_remap(v, self._rebuilt(value, {}))  # one copy per reader
             return
         super().visit_var_binding_(binding)
 
