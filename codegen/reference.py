@@ -61,6 +61,18 @@ def _gelu(x):
     return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
 
 
+def _gelu_grad(x):
+    return 0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+_TANH_C, _TANH_A = math.sqrt(2.0 / math.pi), 0.044715
+
+
+def _gelu_tanh_grad(x):
+    t = np.tanh(_TANH_C * (x + _TANH_A * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _TANH_C * (1.0 + 3.0 * _TANH_A * x * x)
+
+
 def _sigmoid(x):
     with np.errstate(over="ignore"):
         return 1.0 / (1.0 + np.exp(-x))
@@ -75,7 +87,9 @@ UNARY = {
     OpKind.SIGMOID: _sigmoid,
     OpKind.RELU: lambda x: np.maximum(x, 0.0),
     OpKind.GELU: _gelu,
-    OpKind.GELU_TANH: lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
+    OpKind.GELU_TANH: lambda x: 0.5 * x * (1.0 + np.tanh(_TANH_C * (x + _TANH_A * x**3))),
+    OpKind.GELU_GRAD: _gelu_grad,
+    OpKind.GELU_TANH_GRAD: _gelu_tanh_grad,
     OpKind.SILU: lambda x: x * _sigmoid(x),
     OpKind.CAST: lambda x: x,
 }
@@ -88,8 +102,7 @@ BINARY = {
     OpKind.MAX: np.maximum,
     OpKind.MIN: np.minimum,
     OpKind.RELU_BACKWARD: lambda g, x: np.where(x > 0, g, 0.0),
-    OpKind.GELU_BACKWARD: lambda g, x: g
-    * (0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)),
+    OpKind.GELU_BACKWARD: lambda g, x: g * _gelu_grad(x),
     OpKind.GT: lambda a, b: (a > b).astype(np.float64),
     OpKind.GE: lambda a, b: (a >= b).astype(np.float64),
     OpKind.LT: lambda a, b: (a < b).astype(np.float64),

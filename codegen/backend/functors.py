@@ -19,6 +19,8 @@ FUNCTOR = {
     OpKind.GELU_TANH: "tvm_evt::GeluTanh",
     OpKind.SILU: "tvm_evt::Silu",
     OpKind.CAST: "tvm_evt::Identity",
+    OpKind.GELU_GRAD: "tvm_evt::GeluGrad",
+    OpKind.GELU_TANH_GRAD: "tvm_evt::GeluTanhGrad",
     OpKind.RELU_BACKWARD: "tvm_evt::ReluBackward",
     OpKind.GELU_BACKWARD: "tvm_evt::GeluBackward",
     OpKind.GT: "tvm_evt::Gt",

@@ -72,6 +72,14 @@ template <class F, class T, int N> struct Ternary<F, Array<T, N>> {
   struct NAME##Fn { CUTLASS_HOST_DEVICE float operator()(float a, float b) const { return EXPR; } }; \\
   template <class T> using NAME = Binary<NAME##Fn, T>;
 
+// The erf and tanh terms of GELU and of its derivative, one expression each: an epilogue that
+// stores both (the forward pass saving gelu'(x) for the backward) computes the term once, as
+// nvcc merges the identical inlined calls.
+CUTLASS_HOST_DEVICE float gelu_erf_term(float x) { return erff(x * 0.70710678118654752f); }
+CUTLASS_HOST_DEVICE float gelu_tanh_term(float x) {
+  return tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x));
+}
+
 // max/min propagate NaN (numpy.maximum semantics)
 TVM_EVT_BINARY(Add, a + b)
 TVM_EVT_BINARY(Sub, a - b)
@@ -81,8 +89,7 @@ TVM_EVT_BINARY(Max, (a != a || a > b) ? a : b)
 TVM_EVT_BINARY(Min, (a != a || a < b) ? a : b)
 TVM_EVT_BINARY(ReluBackward, b > 0.0f ? a : 0.0f)
 TVM_EVT_BINARY(GeluBackward,
-               a * (0.5f * (1.0f + erff(b * 0.70710678118654752f)) +
-                    b * expf(-0.5f * b * b) * 0.39894228040143268f))
+               a * (0.5f * (1.0f + gelu_erf_term(b)) + b * expf(-0.5f * b * b) * 0.39894228040143268f))
 TVM_EVT_BINARY(Gt, a > b ? 1.0f : 0.0f)
 TVM_EVT_BINARY(Ge, a >= b ? 1.0f : 0.0f)
 TVM_EVT_BINARY(Lt, a < b ? 1.0f : 0.0f)
@@ -97,8 +104,12 @@ TVM_EVT_UNARY(Tanh, tanhf(x))
 TVM_EVT_UNARY(Erf, erff(x))
 TVM_EVT_UNARY(Sigmoid, 1.0f / (1.0f + expf(-x)))
 TVM_EVT_UNARY(Relu, (x != x || x > 0.0f) ? x : 0.0f)
-TVM_EVT_UNARY(Gelu, 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)))
-TVM_EVT_UNARY(GeluTanh, 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x))))
+TVM_EVT_UNARY(Gelu, 0.5f * x * (1.0f + gelu_erf_term(x)))
+TVM_EVT_UNARY(GeluTanh, 0.5f * x * (1.0f + gelu_tanh_term(x)))
+TVM_EVT_UNARY(GeluGrad, 0.5f * (1.0f + gelu_erf_term(x)) + x * expf(-0.5f * x * x) * 0.39894228040143268f)
+TVM_EVT_UNARY(GeluTanhGrad, 0.5f * (1.0f + gelu_tanh_term(x)) +
+                                0.5f * x * (1.0f - gelu_tanh_term(x) * gelu_tanh_term(x)) * 0.79788456080286536f *
+                                    (1.0f + 0.134145f * x * x))
 TVM_EVT_UNARY(Silu, x / (1.0f + expf(-x)))
 struct WhereFn {
   CUTLASS_HOST_DEVICE float operator()(float c, float a, float b) const { return c != 0.0f ? a : b; }

@@ -30,6 +30,9 @@ class OpKind(enum.Enum):
     GELU_TANH = "gelu_tanh"  # tanh approximation
     SILU = "silu"
     CAST = "cast"  # conversion to the node's dtype
+    # derivatives of the activations (what their gradients multiply the incoming gradient by)
+    GELU_GRAD = "gelu_grad"  # d/dx gelu(x) = Phi(x) + x phi(x), erf form
+    GELU_TANH_GRAD = "gelu_tanh_grad"  # d/dx of the tanh approximation
     # backward forms, operands (grad, x)
     RELU_BACKWARD = "relu_backward"  # grad * (x > 0)
     GELU_BACKWARD = "gelu_backward"  # grad * d/dx gelu(x), erf form
@@ -48,6 +51,7 @@ _ARITY = {
     **{k: 2 for k in ("ADD", "SUB", "MUL", "DIV", "MAX", "MIN", "RELU_BACKWARD", "GELU_BACKWARD")},
     **{k: 2 for k in ("GT", "GE", "LT", "LE", "EQ", "NE")},
     **{k: 1 for k in ("NEG", "EXP", "LOG", "TANH", "ERF", "SIGMOID", "RELU", "GELU", "GELU_TANH")},
+    **{k: 1 for k in ("GELU_GRAD", "GELU_TANH_GRAD")},
     "SILU": 1,
     "CAST": 1,
     "WHERE": 3,

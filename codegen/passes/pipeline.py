@@ -5,6 +5,7 @@ from ..ir import Partition
 from .base import EpiloguePass
 from .dag_to_tree import DagToTree
 from .eliminate_layout import EliminateLayout
+from .fold_activation_gradient import FoldActivationGradient
 from .inline_stores import InlineStores
 from .propagate_shape_dtype import PropagateShapeDtype
 
@@ -12,6 +13,7 @@ PIPELINE: tuple[type[EpiloguePass], ...] = (
     PropagateShapeDtype,  # every node gets its logical shape and dtype
     EliminateLayout,  # transposes/reshapes of inputs become load strides and load kinds
     PropagateShapeDtype,  # re-check after the rewrite
+    FoldActivationGradient,  # gelu'(x) spelled out by the gradient rules becomes one node
     InlineStores,  # stores pass their value on, so stored values have one reader
     DagToTree,  # multi-reader regions become topological visitors; builds partition.visitor
 )
