@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 from tvm_evt.codegen.bench import load_library  # noqa: E402
 from tvm_evt.codegen.frontend import GELU_BACKWARD_EXTERN, RELU_BACKWARD_EXTERN  # noqa: E402
 from tvm_evt.codegen.relax_ext import build_kernels, generate_kernels  # noqa: E402
+from tvm_evt.relax_passes import gradient_rules  # noqa: E402
 
 M, N, K, BATCH = 256, 192, 128, 3
 TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-3}
@@ -72,6 +73,16 @@ class RelaxOps:
     def gelu_bwd(self, grad, x):
         return self._extern(GELU_BACKWARD_EXTERN, grad, x)
 
+    def gelu_grad(self, x):  # gelu'(x) as the training graph's gradient rule spells it
+        return self._rule(gradient_rules.gelu_grad, relax.op.nn.gelu, x)
+
+    def gelu_tanh_grad(self, x):
+        return self._rule(gradient_rules.gelu_tanh_grad, relax.op.nn.gelu_tanh, x)
+
+    def _rule(self, rule, op, x):
+        (grad,) = rule(None, op(x), self.const(1.0), None)
+        return self._e(grad)
+
     def _extern(self, name, grad, x):
         return self._e(relax.call_pure_packed(name, grad, x, ty_args=grad.ty))
 
@@ -117,6 +128,12 @@ class TorchOps:
 
     def gelu_bwd(self, grad, x):
         return self._round(torch.ops.aten.gelu_backward(grad, x))
+
+    def gelu_grad(self, x):
+        return self._round(torch.ops.aten.gelu_backward(torch.ones_like(x), x))
+
+    def gelu_tanh_grad(self, x):
+        return self._round(torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate="tanh"))
 
     def __getattr__(self, name):
         F = torch.nn.functional
@@ -198,6 +215,10 @@ def _activations(ops, y):
     return [ops.sigmoid(y), ops.relu(y), ops.silu(y), ops.gelu(y), ops.gelu_tanh(y)]
 
 
+def _activation_grads(ops, y):  # FoldActivationGradient's nodes, next to the activations they share a term with
+    return [ops.gelu(y), ops.gelu_grad(y), ops.gelu_tanh(y), ops.gelu_tanh_grad(y)]
+
+
 def _backward(ops, y, c):
     return [ops.relu_bwd(y, c), ops.gelu_bwd(y, c)]
 
@@ -233,6 +254,7 @@ CASES = (
        Case("unary", _unary),
        Case("unary", _unary, dtype="float16", layout="NN"),
        Case("activations", _activations, layout="TN"),
+       Case("activation_grads", _activation_grads, layout="NT"),
        Case("backward", _backward, layout="NN", extras=("c",)),
        Case("select", _select, extras=("c",)),
        Case("casts", _casts, extras=("bias",)),
