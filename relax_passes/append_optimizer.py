@@ -14,7 +14,8 @@ where ``slots`` are the optimizer's state tensors (slot-major: all ``exp_avg`` f
 counts updates (fp32 scalar), and ``scale``/``tracker`` are the dynamic loss scaler's state.
 A graph with dropout (`LowerDropout`'s ``rng_seed = (seed, counter)``) also returns the next
 step's seed, counter + 1: the state stays on the device, so a step never waits on a host copy.
-The adjoint is inlined, so forward, backward and update form one dataflow graph.
+The adjoint is inlined, so forward, backward and update form one dataflow graph; the update of
+every parameter is one kernel (``optimizer_update``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tvm import relax
 from tvm.relax import op as R
 
 from .lower_dropout import SEED_PARAM
+from .optimizer_update import emit_update
 from .optimizers import DynamicLossScale
 
 LOSS_SCALE_PARAM = "loss_scale"
@@ -112,14 +114,8 @@ class AppendOptimizer:
                     inv = bb.emit(R.divide(_c(1.0), scaler[0]))
                     loss = bb.emit(R.multiply(loss, inv))
                     grads = [bb.emit(R.multiply(g, inv)) for g in grads]
-                new_params, new_slots = [], {s: [] for s in slots}
                 p_vars = step_args[n_in : n_in + n_p]
-                for i, (p, g) in enumerate(zip(p_vars, grads)):
-                    state = {s: slot_vars[s][i] for s in slots}
-                    new_p, new_state = self.optimizer.update(bb, p, g, state, new_step)
-                    new_params.append(new_p)
-                    for s in slots:
-                        new_slots[s].append(new_state[s])
+                new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step)
                 new_slot_list = [v for s in slots for v in new_slots[s]]
                 extra = []
                 if scaled:

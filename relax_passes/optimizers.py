@@ -1,21 +1,22 @@
-"""Optimizers whose update is emitted as Relax ops inside the training step.
+"""Optimizers of the training step: the per-element update formula of each parameter.
 
 Each optimizer is a frozen dataclass with the hyper-parameters of its torch.optim twin and
-two methods: `slots` (per-parameter state tensors, zero-initialised) and `update`, which
-emits the new parameter and state for one parameter.  Semantics follow torch.optim
-(``foreach``-free reference formulas) so a compiled step tracks torch's trajectory.
+two methods: `slots` (per-parameter state tensors, zero-initialised) and `elementwise`, which
+gives one element's new parameter and state as float32 TIR expressions of the old ones, the
+gradient and the step count.  ``optimizer_update`` builds every parameter's update into one
+kernel from it.  Semantics follow torch.optim (``foreach``-free reference formulas) so a
+compiled step tracks torch's trajectory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from tvm import relax
-from tvm.relax import op as R
+from tvm import tirx
 
 
-def _c(value: float, dtype: str = "float32") -> relax.Constant:
-    return relax.const(value, dtype)
+def _c(value: float) -> tirx.PrimExpr:
+    return tirx.const(value, "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,19 +32,18 @@ class SGD:
     def slots(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.momentum else ()
 
-    def update(self, bb: relax.BlockBuilder, p, g, state: dict, step) -> tuple:
+    def elementwise(self, p, g, state: dict, step) -> tuple:
         if self.weight_decay:
-            g = bb.emit(R.add(g, R.multiply(p, _c(self.weight_decay))))
+            g = g + p * _c(self.weight_decay)
         new_state = {}
         if self.momentum:
-            buf = state["momentum_buffer"]
-            damped = R.multiply(g, _c(1.0 - self.dampening)) if self.dampening else g
-            buf = bb.emit(R.add(R.multiply(buf, _c(self.momentum)), damped))
+            damped = g * _c(1.0 - self.dampening) if self.dampening else g
+            buf = state["momentum_buffer"] * _c(self.momentum) + damped
             if self.dampening:  # torch starts the buffer at g itself, undamped
-                buf = bb.emit(R.where(R.equal(step, _c(1.0)), g, buf))
+                buf = tirx.Select(step == _c(1.0), g, buf)
             new_state["momentum_buffer"] = buf
-            g = bb.emit(R.add(g, R.multiply(buf, _c(self.momentum)))) if self.nesterov else buf
-        return bb.emit(R.subtract(p, R.multiply(g, _c(self.lr)))), new_state
+            g = g + buf * _c(self.momentum) if self.nesterov else buf
+        return p - g * _c(self.lr), new_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +58,16 @@ class AdamW:
     def slots(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def update(self, bb: relax.BlockBuilder, p, g, state: dict, step) -> tuple:
+    def elementwise(self, p, g, state: dict, step) -> tuple:
         b1, b2 = self.betas
         if self.weight_decay:
-            p = bb.emit(R.multiply(p, _c(1.0 - self.lr * self.weight_decay)))
-        m = bb.emit(R.add(R.multiply(state["exp_avg"], _c(b1)), R.multiply(g, _c(1.0 - b1))))
-        v = bb.emit(
-            R.add(R.multiply(state["exp_avg_sq"], _c(b2)), R.multiply(R.multiply(g, g), _c(1.0 - b2)))
-        )
-        bc1 = R.subtract(_c(1.0), R.power(_c(b1), step))
-        bc2 = R.subtract(_c(1.0), R.power(_c(b2), step))
-        step_size = bb.emit(R.divide(_c(self.lr), bc1))
-        denom = bb.emit(R.add(R.divide(R.sqrt(v), R.sqrt(bc2)), _c(self.eps)))
-        new_p = bb.emit(R.subtract(p, R.multiply(step_size, R.divide(m, denom))))
-        return new_p, {"exp_avg": m, "exp_avg_sq": v}
+            p = p * _c(1.0 - self.lr * self.weight_decay)
+        m = state["exp_avg"] * _c(b1) + g * _c(1.0 - b1)
+        v = state["exp_avg_sq"] * _c(b2) + g * g * _c(1.0 - b2)
+        bc1 = _c(1.0) - tirx.power(_c(b1), step)
+        bc2 = _c(1.0) - tirx.power(_c(b2), step)
+        denom = tirx.sqrt(v) / tirx.sqrt(bc2) + _c(self.eps)
+        return p - _c(self.lr) / bc1 * (m / denom), {"exp_avg": m, "exp_avg_sq": v}
 
 
 @dataclasses.dataclass(frozen=True)

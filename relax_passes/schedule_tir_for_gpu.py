@@ -1,7 +1,7 @@
 """ScheduleTIRForGPU: DLight's default GPU schedules, applied rule by rule per function.
 
-Functions that bring their own GPU form (``philox.gpu_variant``: the dropout masks, one thread
-per Philox draw) take it.  With ``vectorize``, injective kernels with a contiguous innermost
+Functions that bring their own GPU form (``OWN_GPU_FORMS``: the dropout masks, one thread per
+Philox draw; the optimizer update, one kernel for every parameter) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
 element to a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
 Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
@@ -20,7 +20,10 @@ import warnings
 
 from tvm import tirx
 
-from .philox import gpu_variant
+from . import optimizer_update, philox
+
+# Kernels that bring their own GPU form: each hook returns it for the functions it built, else None.
+OWN_GPU_FORMS = (philox.gpu_variant, optimizer_update.gpu_variant)
 
 
 def _rules(vectorize: bool = False):
@@ -61,7 +64,7 @@ class ScheduleTIRForGPU:
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or _scheduled(func):
                 continue
-            own = gpu_variant(func)  # kernels that bring their own GPU form (the dropout masks)
+            own = next((o for o in (v(func) for v in OWN_GPU_FORMS) if o is not None), None)
             if own is not None:
                 updates[gv] = own
                 continue

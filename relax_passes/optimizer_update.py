@@ -1,0 +1,177 @@
+"""Every parameter's optimizer update as one kernel (torch's "multi-tensor apply", fused).
+
+An optimizer's update is elementwise per parameter (``optimizers.*.elementwise``).  Emitted as
+Relax ops it became three kernels per parameter under AdamW: ``FuseOps`` cannot fuse the new
+moments into the parameter's update because they are step outputs too, so the parameter kernel
+read them back (10 tensors of traffic where 7 suffice), and a model with n parameters spent 3n
+launches, most on biases and norm weights of a few thousand elements: on BERT-Large's layer the
+GPU sat idle between those small kernels while the host launched the next one.
+
+``emit_update`` emits one ``call_tir`` of one PrimFunc over all parameters:
+
+* the portable form (``update_primfunc``) is a TE multi-output compute per parameter, for any
+  target;
+* on CUDA, ``ScheduleTIRForGPU`` swaps in ``gpu_primfunc``: ONE kernel whose blocks are dealt
+  out to the parameters (``ELEMS_PER_BLOCK`` elements a block, each thread's loads coalesced),
+  each thread reading p, g and the slots of an element once and writing the new ones once.
+
+The PrimFunc's attributes carry the optimizer and the shapes, so the GPU form is rebuilt from the
+portable one (``gpu_variant``) as ``philox.gpu_variant`` does for the dropout masks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import tvm
+from tvm import relax, te, tirx
+
+from . import optimizers
+
+OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
+PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype], ...]
+THREADS = 256
+PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
+ELEMS_PER_BLOCK = THREADS * PER_THREAD
+FLOAT32 = "float32"
+
+
+def _to_attr(optimizer) -> str:
+    return json.dumps({"type": type(optimizer).__name__, "fields": dataclasses.asdict(optimizer)}, sort_keys=True)
+
+
+def _from_attr(text: str):
+    spec = json.loads(text)
+    cls = getattr(optimizers, spec["type"])
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["fields"].items()}
+    return cls(**fields)
+
+
+def _f32(x, dtype: str):
+    return x if dtype == FLOAT32 else tirx.Cast(FLOAT32, x)
+
+
+def _as(x, dtype: str):
+    return x if dtype == FLOAT32 else tirx.Cast(dtype, x)
+
+
+def _element(optimizer, slots, p, g, state, step, dtype: str, grad_dtype: str):
+    """(new p, [new slots]) of one element, in ``dtype`` (the parameter's and its slots'),
+    computed in float32."""
+    new_p, new_state = optimizer.elementwise(_f32(p, dtype), _f32(g, grad_dtype),
+                                             {s: _f32(state[s], dtype) for s in slots}, step)
+    return _as(new_p, dtype), [_as(new_state[s], dtype) for s in slots]
+
+
+def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:
+    """Arguments ``(*p, *g, *slots (slot-major), step, *new_p, *new_slots (slot-major))``; params
+    are (shape, dtype); a gradient has its parameter's shape and dtype unless ``grad_dtypes`` says."""
+    slots = optimizer.slots()
+    n = len(params)
+    grad_dtypes = list(grad_dtypes or [dtype for _, dtype in params])
+    ps = [te.placeholder(shape, dtype, f"p{i}") for i, (shape, dtype) in enumerate(params)]
+    gs = [te.placeholder(shape, gd, f"g{i}") for i, ((shape, _), gd) in enumerate(zip(params, grad_dtypes))]
+    states = {s: [te.placeholder(shape, dtype, f"{s}{i}") for i, (shape, dtype) in enumerate(params)]
+              for s in slots}
+    step = te.placeholder((), FLOAT32, "step")
+    new_p, new_slots = [], {s: [] for s in slots}
+    def element(i, dtype):
+        def fcompute(*idx):
+            p, state = _element(optimizer, slots, ps[i](*idx), gs[i](*idx), {s: states[s][i](*idx) for s in slots},
+                                step(), dtype, grad_dtypes[i])
+            return [p, *state]
+
+        return fcompute
+
+    for i, (shape, dtype) in enumerate(params):
+        outs = te.compute(shape, element(i, dtype), name=f"update{i}")
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        new_p.append(outs[0])
+        for s, out in zip(slots, outs[1:]):
+            new_slots[s].append(out)
+    args = ps + gs + [t for s in slots for t in states[s]] + [step] + new_p + [t for s in slots for t in new_slots[s]]
+    func = te.create_prim_func(args).without_attr("global_symbol")  # the module names it
+    func = func.with_attr(OPTIMIZER_ATTR, _to_attr(optimizer))
+    return func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd] for (shape, dtype), gd in zip(params, grad_dtypes)]))
+
+
+def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:
+    """``update_primfunc``'s arguments, scheduled for CUDA as one kernel: parameter i owns
+    blocks [start_i, start_i + ceil(numel_i / ELEMS_PER_BLOCK)); thread t of a block updates its
+    elements t, t + THREADS, ... (PER_THREAD of them)."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    slots = optimizer.slots()
+    grad_dtypes = list(grad_dtypes or [dtype for _, dtype in params])
+    numels = [math.prod(shape) for shape, _ in params]
+    blocks = [(m + ELEMS_PER_BLOCK - 1) // ELEMS_PER_BLOCK for m in numels]
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    idx = "int64" if max(numels) >= 2**31 - ELEMS_PER_BLOCK else "int32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("optimizer_update")
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+
+            def args(prefix, dtypes=None):
+                dtypes = dtypes or [dtype for _, dtype in params]
+                return [T.arg(f"{prefix}{i}", T.buffer(shape, dt)) for i, ((shape, _), dt) in enumerate(zip(params, dtypes))]
+
+            ps, gs = args("p"), args("g", grad_dtypes)
+            states = {s: args(s) for s in slots}
+            step = T.arg("step", T.buffer((), FLOAT32))
+            new_p = args("new_p")
+            new_states = {s: args(f"new_{s}") for s in slots}
+            with T.thread_binding(tirx.const(sum(blocks), idx), thread="blockIdx.x") as bx:
+                with T.thread_binding(tirx.const(THREADS, idx), thread="threadIdx.x") as tx:
+                    for i, ((_shape, dtype), numel) in enumerate(zip(params, numels)):
+                        flat = lambda buf, numel=numel: T.decl_buffer((numel,), buf.dtype, data=buf.data)
+                        p, g, out_p = flat(ps[i]), flat(gs[i]), flat(new_p[i])
+                        state = {s: flat(states[s][i]) for s in slots}
+                        out_state = {s: flat(new_states[s][i]) for s in slots}
+                        lo, hi = tirx.const(starts[i], idx), tirx.const(starts[i] + blocks[i], idx)
+                        with T.If(tirx.all(lo <= bx, bx < hi)):
+                            with T.Then():
+                                for j in range(PER_THREAD):
+                                    e = (bx - lo) * ELEMS_PER_BLOCK + j * THREADS + tx
+                                    with T.If(e < numel):
+                                        with T.Then():
+                                            load = lambda buf, e=e: tirx.BufferLoad(buf, [e])
+                                            value, values = _element(optimizer, slots, load(p), load(g),
+                                                                     {s: load(state[s]) for s in slots},
+                                                                     tirx.BufferLoad(step, []), dtype, grad_dtypes[i])
+                                            T.buffer_store(out_p, value, [e])
+                                            for s, v in zip(slots, values):
+                                                T.buffer_store(out_state[s], v, [e])
+    return ib.get()
+
+
+def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The one-kernel CUDA form of an ``update_primfunc`` (same symbol), else None."""
+    attrs = func.attrs
+    if not attrs or OPTIMIZER_ATTR not in attrs:
+        return None
+    specs = json.loads(str(attrs[PARAMS_ATTR]))
+    out = gpu_primfunc(_from_attr(str(attrs[OPTIMIZER_ATTR])), [(tuple(shape), dtype) for shape, dtype, _ in specs],
+                       [gd for _, _, gd in specs])
+    return out.with_attr("global_symbol", attrs["global_symbol"]) if "global_symbol" in attrs else out
+
+
+def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step) -> tuple[list, dict]:
+    """Emit the update of every parameter as one ``call_tir``: (new params, {slot: new tensors})."""
+    slots = optimizer.slots()
+    specs = []
+    for p, g in zip(params, grads):
+        shape = tuple(int(d) for d in p.ty.shape.values)
+        if tuple(int(d) for d in g.ty.shape.values) != shape:
+            raise ValueError(f"optimizer update: the gradient of {p.name} has shape {g.ty}, its parameter {p.ty}")
+        specs.append((shape, str(p.ty.dtype)))
+    func = update_primfunc(optimizer, specs, [str(g.ty.dtype) for g in grads])
+    gv = bb.add_func(func, "optimizer_update")
+    out_ty = [p.ty for p in params] * (1 + len(slots))
+    args = list(params) + list(grads) + [t for s in slots for t in state[s]] + [step]
+    res = bb.emit(relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0]))
+    n = len(params)
+    outs = [bb.emit(relax.TupleGetItem(res, k)) for k in range(len(out_ty))] if len(out_ty) > 1 else [res]
+    return outs[:n], {s: outs[n * (1 + k): n * (2 + k)] for k, s in enumerate(slots)}

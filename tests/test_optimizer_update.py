@@ -1,0 +1,128 @@
+"""optimizer_update: every parameter's update in one PrimFunc (portable form on llvm, one-kernel
+form on CUDA), against torch.optim on the same tensors; AppendOptimizer emits one call of it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from tvm_evt.relax_passes import optimizer_update, optimizers
+from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+
+torch = pytest.importorskip("torch")
+
+SHAPES = [(3, 700), (5,), (2, 3, 4)]  # 2100 elements: three blocks of the GPU form
+CASES = {
+    "adamw": (optimizers.AdamW(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)),
+    "sgd_nesterov": (optimizers.SGD(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+                     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)),
+    "sgd_dampening": (optimizers.SGD(lr=0.1, momentum=0.9, dampening=0.5),
+                      lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5)),
+    "sgd": (optimizers.SGD(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
+}
+STEPS = 3
+
+
+def _torch_trajectory(make, params, grads):
+    ps = [torch.nn.Parameter(torch.tensor(p)) for p in params]
+    opt = make(ps)
+    for step in range(STEPS):
+        for p, g in zip(ps, grads[step]):
+            p.grad = torch.tensor(g)
+        opt.step()
+    return [p.detach().numpy() for p in ps]
+
+
+def _ours(optimizer, params, grads, run):
+    slots = optimizer.slots()
+    state = {s: [np.zeros_like(p) for p in params] for s in slots}
+    for step in range(STEPS):
+        outs = run(params + grads[step] + [t for s in slots for t in state[s]] + [np.float32(step + 1)])
+        n = len(params)
+        params = outs[:n]
+        state = {s: outs[n * (1 + k): n * (2 + k)] for k, s in enumerate(slots)}
+    return params
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    params = [rng.normal(size=s).astype("float32") for s in SHAPES]
+    grads = [[rng.normal(size=s).astype("float32") for s in SHAPES] for _ in range(STEPS)]
+    return params, grads
+
+
+def _runner(func, target, device, optimizer):
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    out_shapes = SHAPES * (1 + len(optimizer.slots()))
+
+    def run(arrays):
+        outs = [tvm.runtime.empty(s, "float32", device) for s in out_shapes]
+        lib["main"](*[tvm.runtime.tensor(np.asarray(a, dtype="float32"), device) for a in arrays], *outs)
+        return [o.numpy() for o in outs]
+
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_portable_form_tracks_torch(name):
+    optimizer, make = CASES[name]
+    params, grads = _inputs()
+    func = optimizer_update.update_primfunc(optimizer, [(s, "float32") for s in SHAPES])
+    got = _ours(optimizer, params, grads, _runner(func, tvm.target.Target({"kind": "llvm"}), tvm.cpu(), optimizer))
+    for g, w in zip(got, _torch_trajectory(make, params, grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_form_is_one_kernel_over_every_parameter():
+    optimizer = CASES["adamw"][0]
+    func = optimizer_update.update_primfunc(optimizer, [(s, "float32") for s in SHAPES])
+    mod = tvm.IRModule({"optimizer_update": func.with_attr("global_symbol", "optimizer_update")})
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        gpu = ScheduleTIRForGPU()(mod)["optimizer_update"]
+    assert int(gpu.attrs["tirx.is_scheduled"]) == 1 and str(gpu.attrs["global_symbol"]) == "optimizer_update"
+    blocks = sum((int(np.prod(s)) + optimizer_update.ELEMS_PER_BLOCK - 1) // optimizer_update.ELEMS_PER_BLOCK
+                 for s in SHAPES)
+    text = gpu.script()
+    assert text.count('thread="blockIdx.x"') == 1 and text.count('thread="threadIdx.x"') == 1
+    assert f'T.thread_binding({blocks}, thread="blockIdx.x")' in text
+    assert f'T.thread_binding({optimizer_update.THREADS}, thread="threadIdx.x")' in text
+    assert len(gpu.params) == len(func.params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_form_tracks_torch(name):
+    if not tvm.cuda(0).exist:
+        pytest.skip("no CUDA device")
+    optimizer, make = CASES[name]
+    params, grads = _inputs()
+    func = optimizer_update.gpu_primfunc(optimizer, [(s, "float32") for s in SHAPES])
+    got = _ours(optimizer, params, grads,
+                _runner(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}), tvm.cuda(0), optimizer))
+    for g, w in zip(got, _torch_trajectory(make, params, grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_append_optimizer_emits_one_update_call():
+    from tvm_evt.relax_passes.append_optimizer import AppendOptimizer
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    ws = [relax.Var("w", relax.TensorType((8, 8), "float32")), relax.Var("b", relax.TensorType((8,), "float32"))]
+    with bb.function("main", [x, *ws], attrs={"num_input": 1}):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(relax.op.matmul(x, ws[0]), ws[1]))
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, y)))
+        bb.emit_func_output(relax.Tuple([loss]))
+    mod = relax.transform.Gradient("main", require_grads=ws)(bb.get())
+    mod = AppendOptimizer(optimizers.AdamW(), num_params=2)(mod)
+    calls = []
+    relax.analysis.post_order_visit(
+        mod["train_step"].body,
+        lambda e: calls.append(e.args[0].name_hint) if isinstance(e, relax.Call) and e.op == tvm.ir.Op.get(
+            "relax.call_tir") else None)
+    assert calls == ["optimizer_update"]
+    func = mod["optimizer_update"]
+    assert optimizer_update.OPTIMIZER_ATTR in func.attrs
