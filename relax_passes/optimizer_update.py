@@ -35,6 +35,7 @@ THREADS = 256
 PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
 ELEMS_PER_BLOCK = THREADS * PER_THREAD
 FLOAT32 = "float32"
+OPAQUE = 8  # relax.OpPatternKind.kOpaque
 
 
 def _to_attr(optimizer) -> str:
@@ -92,6 +93,9 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
             new_slots[s].append(out)
     args = ps + gs + [t for s in slots for t in states[s]] + [step] + new_p + [t for s in slots for t in new_slots[s]]
     func = te.create_prim_func(args).without_attr("global_symbol")  # the module names it
+    # opaque to FuseOps: a producer fused into it would make a new PrimFunc without the attributes
+    # the GPU form is rebuilt from (and AnnotateTIROpPattern keeps a pattern already set)
+    func = func.with_attr("op_pattern", OPAQUE)
     func = func.with_attr(OPTIMIZER_ATTR, _to_attr(optimizer))
     return func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd] for (shape, dtype), gd in zip(params, grad_dtypes)]))
 

@@ -113,7 +113,7 @@ def test_append_optimizer_emits_one_update_call():
     ws = [relax.Var("w", relax.TensorType((8, 8), "float32")), relax.Var("b", relax.TensorType((8,), "float32"))]
     with bb.function("main", [x, *ws], attrs={"num_input": 1}):
         with bb.dataflow():
-            y = bb.emit(relax.op.add(relax.op.matmul(x, ws[0]), ws[1]))
+            y = bb.emit(relax.op.add(relax.op.matmul(x, relax.op.permute_dims(ws[0])), ws[1]))  # dW: a transpose
             loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, y)))
         bb.emit_func_output(relax.Tuple([loss]))
     mod = relax.transform.Gradient("main", require_grads=ws)(bb.get())
@@ -126,3 +126,6 @@ def test_append_optimizer_emits_one_update_call():
     assert calls == ["optimizer_update"]
     func = mod["optimizer_update"]
     assert optimizer_update.OPTIMIZER_ATTR in func.attrs
+    # opaque to FuseOps (BERT's transposed weight gradients were fused into it, dropping its attributes)
+    annotated = relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(mod))
+    assert int(annotated["optimizer_update"].attrs["op_pattern"]) == optimizer_update.OPAQUE
