@@ -21,6 +21,7 @@ from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduct
 from .fold_layout import FoldLayoutIntoMatmul
 from .narrow_before_layout import NarrowBeforeLayout
 from .save_softmax_low_precision import SaveSoftmaxLowPrecision
+from .swap_transposed_matmul import SwapTransposedMatmul
 
 
 def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.Sequential:
@@ -42,6 +43,7 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             AccumulateInFloat32(),  # the backward's bf16 sums (bias, batch norm) add in fp32
             *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
             EliminateMaskedFillGradient(),  # causal masks: P is already 0 where dS was masked
+            SwapTransposedMatmul(),  # (x^T dy)^T -> dy^T x: weight gradients need no transpose
             FoldLayoutIntoMatmul(),
             NarrowBeforeLayout(),  # float32 inputs cast to bf16 before they are transposed
             relax.transform.FoldConstant(),

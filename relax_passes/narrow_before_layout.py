@@ -15,9 +15,13 @@ values, so casting first gives the same numbers while every copy moves half the 
     xl = astype(x, low); p = L(xl); a = p; q = L2(p); b = q
 
 All of it in one dataflow block; the casts' values are replaced by the narrow layout values.
-Left alone: a permute read by one cast directly.  FuseOps fuses that pair into one kernel
-anyway, and the moved cast would put the transpose into the cast's readers' kernel, where it
-breaks their vector loads (resnet_basic's first im2col gather).
+Left alone: a permute read by one cast directly, unless the permute swaps the last two axes and
+only matmuls read the cast (directly, or through such a transpose: the backward's ``dy W``).  FuseOps fuses such a pair into one kernel anyway, and the moved
+cast would put the transpose into the cast's readers' kernel, where it breaks their vector loads
+(resnet_basic's first im2col gather).  A matmul instead reads the transposed operand as a layout
+(the EVT codegen's K-major B), so the transpose disappears: a linear layer's float32 weight
+``W [out, in]`` is cast as it is, where the cast kernel wrote bf16 ``W^T`` at a quarter of the
+bandwidth (DLight's transpose schedule does not coalesce: 0.11 ms a step on BERT-Large's six).
 """
 
 from __future__ import annotations
@@ -33,10 +37,19 @@ LAYOUT = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("permute_dims", "reshap
 HEADS = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("permute_dims", "reshape"))  # same size as their input
 NARROW = ("bfloat16", "float16")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+MATMUL = tvm.ir.Op.get("relax.matmul")
 
 
 def _call(value, ops) -> bool:
     return isinstance(value, relax.Call) and value.op in ops
+
+
+def _swaps_last_two(call) -> bool:
+    if not _call(call, {PERMUTE}):
+        return False
+    ndim = call.args[0].ty.ndim
+    axes = list(range(ndim))[::-1] if call.attrs.axes is None else [int(a) % ndim for a in call.attrs.axes]
+    return ndim >= 2 and axes == list(range(ndim - 2)) + [ndim - 1, ndim - 2]
 
 
 def plan(func: relax.Function) -> tuple[dict, dict]:
@@ -70,7 +83,13 @@ def plan(func: relax.Function) -> tuple[dict, dict]:
             ends.append((r, src))
             low.add(cast_to(r))
         direct = len(ends) == 1 and ends[0][1].same_as(b.var)
-        if not ends or (direct and b.value.op == PERMUTE) or len(low) != 1 \
+        def operand_of_matmuls(v, through_transpose=True):  # only matmuls read v (or its transposes)
+            rs = readers(v)
+            return bool(rs) and all(r is not None and (_call(r.value, {MATMUL}) or (
+                through_transpose and _swaps_last_two(r.value) and operand_of_matmuls(r.var, False))) for r in rs)
+
+        operand = direct and _swaps_last_two(b.value) and operand_of_matmuls(ends[0][0].var)
+        if not ends or (direct and b.value.op == PERMUTE and not operand) or len(low) != 1 \
                 or next(iter(low)) not in NARROW \
                 or any(block_of[c.var] != block_of[b.var] for c, _ in ends):
             continue

@@ -81,3 +81,32 @@ def test_a_transpose_read_by_one_cast_is_left_alone():
         bb.emit_func_output(gv)
     before = bb.get()
     tvm.ir.assert_structural_equal(NarrowBeforeLayout()(before), before)
+
+
+def _linear(cast_first: bool, other_reader: bool = False):
+    """A linear layer's float32 weight W [out, in], transposed and cast for the matmul (or,
+    `cast_first`, the expected form); `other_reader`: the bf16 W^T is also returned."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "bfloat16"))
+    w = relax.Var("w", relax.TensorType((8, 16), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            if cast_first:
+                wt = bb.emit(relax.op.permute_dims(bb.emit(relax.op.astype(w, "bfloat16")), [1, 0]))
+            else:
+                wt = bb.emit(relax.op.astype(bb.emit(relax.op.permute_dims(w, [1, 0])), "bfloat16"))
+            y = bb.emit(relax.op.matmul(x, wt))
+            gv = bb.emit_output(relax.Tuple([y, wt]) if other_reader else y)
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_a_weight_transpose_read_by_matmuls_is_cast_first():
+    """Only matmuls read the cast: the transpose then sits right before them, where the EVT
+    codegen reads it as the operand's layout, and the cast kernel writes W as it is."""
+    tvm.ir.assert_structural_equal(NarrowBeforeLayout()(_linear(False)), _linear(True))
+
+
+def test_a_weight_transpose_read_by_something_else_is_left_alone():
+    before = _linear(False, other_reader=True)
+    tvm.ir.assert_structural_equal(NarrowBeforeLayout()(before), before)
