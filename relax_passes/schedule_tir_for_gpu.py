@@ -22,8 +22,15 @@ from tvm import tirx
 
 from . import optimizer_update, philox
 
-# Kernels that bring their own GPU form: each hook returns it for the functions it built, else None.
+# Kernels that bring their own GPU form: each hook returns it for the functions it built, else None;
+# the attribute that marks those functions.
 OWN_GPU_FORMS = (philox.gpu_variant, optimizer_update.gpu_variant)
+OWN_GPU_FORM_ATTRS = (philox.KEEP_RATE_ATTR, optimizer_update.OPTIMIZER_ATTR)
+
+
+def has_own_gpu_form(func) -> bool:
+    """Does ``ScheduleTIRForGPU`` swap in a form of its own for `func` (so there is nothing to tune)?"""
+    return bool(func.attrs) and any(a in func.attrs for a in OWN_GPU_FORM_ATTRS)
 
 
 def _rules(vectorize: bool = False):

@@ -105,7 +105,8 @@ def test_gpu_form_tracks_torch(name):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_append_optimizer_emits_one_update_call():
+def _train_step():
+    """A linear layer's loss, its gradient and an AdamW step (AppendOptimizer)."""
     from tvm_evt.relax_passes.append_optimizer import AppendOptimizer
 
     bb = relax.BlockBuilder()
@@ -117,7 +118,11 @@ def test_append_optimizer_emits_one_update_call():
             loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, y)))
         bb.emit_func_output(relax.Tuple([loss]))
     mod = relax.transform.Gradient("main", require_grads=ws)(bb.get())
-    mod = AppendOptimizer(optimizers.AdamW(), num_params=2)(mod)
+    return AppendOptimizer(optimizers.AdamW(), num_params=2)(mod)
+
+
+def test_append_optimizer_emits_one_update_call():
+    mod = _train_step()
     calls = []
     relax.analysis.post_order_visit(
         mod["train_step"].body,
@@ -129,3 +134,14 @@ def test_append_optimizer_emits_one_update_call():
     # opaque to FuseOps (BERT's transposed weight gradients were fused into it, dropping its attributes)
     annotated = relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(mod))
     assert int(annotated["optimizer_update"].attrs["op_pattern"]) == optimizer_update.OPAQUE
+
+
+def test_cuda_tuning_leaves_the_update_to_its_own_form():
+    """MetaSchedule would tune the portable form (a loop nest a parameter) into several kernels:
+    on CUDA the update is no tuning task (ScheduleTIRForGPU swaps in its one kernel); on llvm it is."""
+    from tvm_evt import tuning
+
+    mod = relax.transform.LegalizeOps()(_train_step())
+    names = lambda target: {t.task_name for t in tuning.extract_tasks(mod, tvm.target.Target(target))}
+    assert any("optimizer_update" in n for n in names({"kind": "llvm"}))
+    assert not any("optimizer_update" in n for n in names({"kind": "cuda", "arch": "sm_90a"}))

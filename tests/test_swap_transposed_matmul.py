@@ -9,19 +9,22 @@ from tvm_evt.relax_passes.swap_transposed_matmul import SwapTransposedMatmul
 T, IN, OUT = 12, 16, 8
 
 
-def _weight_grad(swapped: bool, other_reader: bool = False):
-    """dW of y = x W^T as autodiff writes it, (x^T dy)^T (or, `swapped`, dy^T x)."""
+def _weight_grad(swapped: bool, other_reader: bool = False, widen: bool = False):
+    """dW of y = x W^T as autodiff writes it, (x^T dy)^T (or, `swapped`, dy^T x); `widen`: in
+    bf16, cast to float32 before the transpose (mixed precision)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((T, IN), "bfloat16"))
     dy = relax.Var("dy", relax.TensorType((T, OUT), "bfloat16"))
+    out_dtype = None if widen else "float32"
+    cast = (lambda v: bb.emit(relax.op.astype(v, "float32"))) if widen else (lambda v: v)
     with bb.function("main", [x, dy]):
         with bb.dataflow():
             if swapped:
-                dw = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(dy, [1, 0])), x, out_dtype="float32"))
+                dw = cast(bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(dy, [1, 0])), x, out_dtype=out_dtype)))
                 out = dw
             else:
                 xt = bb.emit(relax.op.permute_dims(x, [1, 0]))
-                dwt = bb.emit(relax.op.matmul(xt, dy, out_dtype="float32"))
+                dwt = cast(bb.emit(relax.op.matmul(xt, dy, out_dtype=out_dtype)))
                 dw = bb.emit(relax.op.permute_dims(dwt, [1, 0]))
                 out = relax.Tuple([dw, dwt]) if other_reader else dw
             gv = bb.emit_output(out)
@@ -62,20 +65,4 @@ def test_numbers_are_unchanged():
 
 def test_through_the_widening_cast():
     """Mixed precision: the bf16 product is cast to float32 before the transpose."""
-    def build(swapped):
-        bb = relax.BlockBuilder()
-        x = relax.Var("x", relax.TensorType((T, IN), "bfloat16"))
-        dy = relax.Var("dy", relax.TensorType((T, OUT), "bfloat16"))
-        with bb.function("main", [x, dy]):
-            with bb.dataflow():
-                if swapped:
-                    dw = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(dy, [1, 0])), x))
-                    dw = bb.emit(relax.op.astype(dw, "float32"))
-                else:
-                    dwt = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(x, [1, 0])), dy))
-                    dw = bb.emit(relax.op.permute_dims(bb.emit(relax.op.astype(dwt, "float32")), [1, 0]))
-                gv = bb.emit_output(dw)
-            bb.emit_func_output(gv)
-        return bb.get()
-
-    tvm.ir.assert_structural_equal(_passes(build(False)), _passes(build(True)))
+    tvm.ir.assert_structural_equal(_passes(_weight_grad(False, widen=True)), _passes(_weight_grad(True, widen=True)))

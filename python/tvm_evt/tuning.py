@@ -534,8 +534,15 @@ def extract_tasks(fused: tvm.IRModule, target: tvm.target.Target) -> list:
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 
+    from .relax_passes.schedule_tir_for_gpu import has_own_gpu_form
+
+    def func(task):  # the task's PrimFunc (its module's one function)
+        return task.dispatched[0].functions_items()[0][1]
+
     tasks = ms.relax_integration.extract_tasks(fused, target)
-    tasks = [t for t in tasks if not (t.dispatched[0].attrs or {}).get("tirx.is_scheduled", False)]
+    tasks = [t for t in tasks if not int((func(t).attrs or {}).get("tirx.is_scheduled", 0))]
+    if target.kind.name == "cuda":  # the dropout masks and the optimizer update: ScheduleTIRForGPU's own forms
+        tasks = [t for t in tasks if not has_own_gpu_form(func(t))]
 
     def cost(task):
         try:
