@@ -9,8 +9,8 @@ GPU sat idle between those small kernels while the host launched the next one.
 
 ``emit_update`` emits one ``call_tir`` of one PrimFunc over all parameters:
 
-* the portable form (``update_primfunc``) is a TE multi-output compute per parameter, for any
-  target;
+* the portable form (``update_primfunc``) is one TE compute per output, for any target (a plain
+  TVM CUDA build schedules each as a kernel of its own);
 * on CUDA, ``ScheduleTIRForGPU`` swaps in ``gpu_primfunc``: ONE kernel whose blocks are dealt
   out to the parameters (``ELEMS_PER_BLOCK`` elements a block, each thread's loads coalesced),
   each thread reading p, g and the slots of an element once and writing the new ones once.
@@ -77,20 +77,20 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
               for s in slots}
     step = te.placeholder((), FLOAT32, "step")
     new_p, new_slots = [], {s: [] for s in slots}
-    def element(i, dtype):
+    def output(i, dtype, k):  # output k (0: the parameter, then the slots) of parameter i
         def fcompute(*idx):
             p, state = _element(optimizer, slots, ps[i](*idx), gs[i](*idx), {s: states[s][i](*idx) for s in slots},
                                 step(), dtype, grad_dtypes[i])
-            return [p, *state]
+            return [p, *state][k]
 
         return fcompute
 
+    # one compute (one loop nest of one block) an output: DLight's default GPU schedule, which
+    # a plain TVM CUDA build applies, takes that and not a nest of several blocks
     for i, (shape, dtype) in enumerate(params):
-        outs = te.compute(shape, element(i, dtype), name=f"update{i}")
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        new_p.append(outs[0])
-        for s, out in zip(slots, outs[1:]):
-            new_slots[s].append(out)
+        new_p.append(te.compute(shape, output(i, dtype, 0), name=f"new_p{i}"))
+        for k, s in enumerate(slots):
+            new_slots[s].append(te.compute(shape, output(i, dtype, k + 1), name=f"new_{s}{i}"))
     args = ps + gs + [t for s in slots for t in states[s]] + [step] + new_p + [t for s in slots for t in new_slots[s]]
     func = te.create_prim_func(args).without_attr("global_symbol")  # the module names it
     # opaque to FuseOps: a producer fused into it would make a new PrimFunc without the attributes
@@ -165,6 +165,8 @@ def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step) -> tuple[list, dict]:
     """Emit the update of every parameter as one ``call_tir``: (new params, {slot: new tensors})."""
     slots = optimizer.slots()
+    if not params:
+        return [], {s: [] for s in slots}
     specs = []
     for p, g in zip(params, grads):
         shape = tuple(int(d) for d in p.ty.shape.values)

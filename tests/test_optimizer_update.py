@@ -145,3 +145,15 @@ def test_cuda_tuning_leaves_the_update_to_its_own_form():
     names = lambda target: {t.task_name for t in tuning.extract_tasks(mod, tvm.target.Target(target))}
     assert any("optimizer_update" in n for n in names({"kind": "llvm"}))
     assert not any("optimizer_update" in n for n in names({"kind": "cuda", "arch": "sm_90a"}))
+
+
+def test_plain_tvm_cuda_schedule_takes_the_portable_form():
+    """A train step built with TVM's own CUDA pipeline: DLight's default rules schedule the
+    portable form (a kernel an output) where a nest of several blocks made them raise."""
+    from tvm.s_tir import dlight as dl
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        mod = relax.transform.LegalizeOps()(_train_step())
+        mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                      dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+    assert int(mod["optimizer_update"].attrs["tirx.is_scheduled"]) == 1
