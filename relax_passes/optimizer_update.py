@@ -24,13 +24,12 @@ import dataclasses
 import json
 import math
 
-import tvm
 from tvm import relax, te, tirx
 
 from . import optimizers
 
 OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
-PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype], ...]
+PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype], ...]
 THREADS = 256
 PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
 ELEMS_PER_BLOCK = THREADS * PER_THREAD
@@ -69,7 +68,6 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
     """Arguments ``(*p, *g, *slots (slot-major), step, *new_p, *new_slots (slot-major))``; params
     are (shape, dtype); a gradient has its parameter's shape and dtype unless ``grad_dtypes`` says."""
     slots = optimizer.slots()
-    n = len(params)
     grad_dtypes = list(grad_dtypes or [dtype for _, dtype in params])
     ps = [te.placeholder(shape, dtype, f"p{i}") for i, (shape, dtype) in enumerate(params)]
     gs = [te.placeholder(shape, gd, f"g{i}") for i, ((shape, _), gd) in enumerate(zip(params, grad_dtypes))]
@@ -77,6 +75,7 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
               for s in slots}
     step = te.placeholder((), FLOAT32, "step")
     new_p, new_slots = [], {s: [] for s in slots}
+
     def output(i, dtype, k):  # output k (0: the parameter, then the slots) of parameter i
         def fcompute(*idx):
             p, state = _element(optimizer, slots, ps[i](*idx), gs[i](*idx), {s: states[s][i](*idx) for s in slots},

@@ -4,13 +4,15 @@ TVM's own lowering of the same Relax function computes, and the emitted kernel s
 erf / tanh term between the two nodes."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 from tvm_evt.codegen import emit, from_function, lower, reference
-from tvm_evt.codegen.ir import Compute, OpKind
+from tvm_evt.codegen.ir import Compute, OpKind, ScalarBroadcast, canonicalize
 from tvm_evt.codegen.passes import FoldActivationGradient, PIPELINE
 from tvm_evt.relax_passes import gradient_rules
 
@@ -61,10 +63,6 @@ def test_unmatched_constant_is_left_alone():
     func = forward_saving_derivative("gelu", "float32")
     parsed = from_function(func)
     nodes = list(parsed.epilogue.nodes)
-    from dataclasses import replace
-
-    from tvm_evt.codegen.ir import ScalarBroadcast, canonicalize
-
     halves = [i for i, n in enumerate(nodes) if isinstance(n, ScalarBroadcast) and n.value == 0.5]
     assert halves
     nodes[halves[0]] = replace(nodes[halves[0]], value=1.0 / 3.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, tirx
+from tvm import relax
 
 from tvm_evt.relax_passes import optimizer_update, optimizers
 from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
