@@ -21,6 +21,21 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
         return None
 
 
+def permute_axes(call: relax.Call) -> list[int]:
+    """The axes of a ``permute_dims`` call, non-negative (``None``: all of them reversed)."""
+    ndim = call.args[0].ty.ndim
+    axes = call.attrs.axes
+    return list(range(ndim))[::-1] if axes is None else [int(a) % ndim for a in axes]
+
+
+def swaps_last_two(value) -> bool:
+    """Is `value` a ``permute_dims`` that swaps the last two axes only (a matmul operand's layout)?"""
+    if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.permute_dims")):
+        return False
+    ndim = value.args[0].ty.ndim
+    return ndim >= 2 and permute_axes(value) == list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+
+
 def substitute(expr: relax.Expr, vmap: dict) -> relax.Expr:
     """`expr` (a var, tuple, tuple item or call, as a binding's value) with the vars in `vmap`
     replaced, one level of calls deep (what a binding of a flat dataflow block holds)."""

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, producer, static_shape as _shape
+from ._rewrite import mutate_relax_functions, permute_axes, producer, static_shape as _shape
 
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
@@ -33,11 +33,6 @@ IMPLICIT_BROADCAST = frozenset(
     tvm.ir.Op.get(f"relax.{name}")
     for name in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 )
-
-
-def _axes(call: relax.Call, ndim: int) -> list[int]:
-    axes = call.attrs.axes
-    return list(range(ndim))[::-1] if axes is None else [int(a) % ndim for a in axes]
 
 
 @mutator
@@ -61,11 +56,11 @@ class _LayoutFolder(PyExprMutator):
     def _permute(self, call: relax.Call) -> relax.Expr:
         x = call.args[0]
         ndim = x.ty.ndim
-        axes = _axes(call, ndim)
+        axes = permute_axes(call)
         inner = self._producer(x, PERMUTE)
         if inner is not None:
             x = inner.args[0]
-            first = _axes(inner, ndim)
+            first = permute_axes(inner)
             axes = [first[a] for a in axes]
         if axes == list(range(ndim)):
             return x

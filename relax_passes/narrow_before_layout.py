@@ -30,7 +30,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions
+from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, swaps_last_two
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 LAYOUT = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("permute_dims", "reshape", "strided_slice"))
@@ -44,14 +44,6 @@ def _call(value, ops) -> bool:
     return isinstance(value, relax.Call) and value.op in ops
 
 
-def _swaps_last_two(call) -> bool:
-    if not _call(call, {PERMUTE}):
-        return False
-    ndim = call.args[0].ty.ndim
-    axes = list(range(ndim))[::-1] if call.attrs.axes is None else [int(a) % ndim for a in call.attrs.axes]
-    return ndim >= 2 and axes == list(range(ndim - 2)) + [ndim - 1, ndim - 2]
-
-
 def plan(func: relax.Function) -> tuple[dict, dict]:
     """(var of a layout op -> the dtype its input is cast to first; cast var -> the var whose
     narrow value replaces it)."""
@@ -61,6 +53,11 @@ def plan(func: relax.Function) -> tuple[dict, dict]:
 
     def readers(v):
         return [at.get(i) for i in uses.get(v, [])]
+
+    def operand_of_matmuls(v, through_transpose=True) -> bool:  # only matmuls read v (or its transposes)
+        rs = readers(v)
+        return bool(rs) and all(r is not None and (_call(r.value, {MATMUL}) or (
+            through_transpose and swaps_last_two(r.value) and operand_of_matmuls(r.var, False))) for r in rs)
 
     def cast_to(b):
         return str(b.value.attrs.dtype) if b is not None and _call(b.value, {ASTYPE}) else None
@@ -83,12 +80,7 @@ def plan(func: relax.Function) -> tuple[dict, dict]:
             ends.append((r, src))
             low.add(cast_to(r))
         direct = len(ends) == 1 and ends[0][1].same_as(b.var)
-        def operand_of_matmuls(v, through_transpose=True):  # only matmuls read v (or its transposes)
-            rs = readers(v)
-            return bool(rs) and all(r is not None and (_call(r.value, {MATMUL}) or (
-                through_transpose and _swaps_last_two(r.value) and operand_of_matmuls(r.var, False))) for r in rs)
-
-        operand = direct and _swaps_last_two(b.value) and operand_of_matmuls(ends[0][0].var)
+        operand = direct and swaps_last_two(b.value) and operand_of_matmuls(ends[0][0].var)
         if not ends or (direct and b.value.op == PERMUTE and not operand) or len(low) != 1 \
                 or next(iter(low)) not in NARROW \
                 or any(block_of[c.var] != block_of[b.var] for c, _ in ends):

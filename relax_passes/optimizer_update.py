@@ -27,6 +27,7 @@ import math
 from tvm import relax, te, tirx
 
 from . import optimizers
+from ._rewrite import emit_call_tir
 
 OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
 PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype], ...]
@@ -176,7 +177,6 @@ def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, s
     gv = bb.add_func(func, "optimizer_update")
     out_ty = [p.ty for p in params] * (1 + len(slots))
     args = list(params) + list(grads) + [t for s in slots for t in state[s]] + [step]
-    res = bb.emit(relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0]))
+    outs = emit_call_tir(bb, gv, args, out_ty)
     n = len(params)
-    outs = [bb.emit(relax.TupleGetItem(res, k)) for k in range(len(out_ty))] if len(out_ty) > 1 else [res]
     return outs[:n], {s: outs[n * (1 + k): n * (2 + k)] for k, s in enumerate(slots)}

@@ -22,15 +22,19 @@ from tvm import tirx
 
 from . import optimizer_update, philox
 
-# Kernels that bring their own GPU form: each hook returns it for the functions it built, else None;
-# the attribute that marks those functions.
-OWN_GPU_FORMS = (philox.gpu_variant, optimizer_update.gpu_variant)
-OWN_GPU_FORM_ATTRS = (philox.KEEP_RATE_ATTR, optimizer_update.OPTIMIZER_ATTR)
+# Kernels that bring their own GPU form: (the attribute that marks the functions, the hook that
+# builds their GPU form).
+OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
+                 (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant))
+
+
+def _own_gpu_form_hook(func):
+    return next((hook for attr, hook in OWN_GPU_FORMS if func.attrs and attr in func.attrs), None)
 
 
 def has_own_gpu_form(func) -> bool:
     """Does ``ScheduleTIRForGPU`` swap in a form of its own for `func` (so there is nothing to tune)?"""
-    return bool(func.attrs) and any(a in func.attrs for a in OWN_GPU_FORM_ATTRS)
+    return _own_gpu_form_hook(func) is not None
 
 
 def _rules(vectorize: bool = False):
@@ -71,9 +75,9 @@ class ScheduleTIRForGPU:
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or _scheduled(func):
                 continue
-            own = next((o for o in (v(func) for v in OWN_GPU_FORMS) if o is not None), None)
-            if own is not None:
-                updates[gv] = own
+            hook = _own_gpu_form_hook(func)
+            if hook is not None:
+                updates[gv] = hook(func)
                 continue
             single = tvm.IRModule({gv: func})
             for rule in rules:

@@ -18,10 +18,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions
+from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, swaps_last_two
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
-PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 ASTYPE = tvm.ir.Op.get("relax.astype")
 
 
@@ -30,10 +29,9 @@ def _matrix(expr) -> bool:
     return isinstance(ty, relax.TensorType) and ty.ndim == 2
 
 
-def _transpose(call: relax.Call) -> bool:
+def _transpose(value) -> bool:
     """A permute_dims of a matrix that swaps its axes."""
-    return call.op == PERMUTE and _matrix(call.args[0]) and (
-        call.attrs.axes is None or [int(a) % 2 for a in call.attrs.axes] == [1, 0])
+    return swaps_last_two(value) and _matrix(value.args[0])
 
 
 def plan(func: relax.Function) -> set:
@@ -49,7 +47,7 @@ def plan(func: relax.Function) -> set:
     out = set()
     for b in bindings:
         v = b.value
-        if not (isinstance(v, relax.Call) and _transpose(v)):
+        if not _transpose(v):
             continue
         src = v.args[0]
         value = bound.get(src)

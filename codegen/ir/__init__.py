@@ -1,5 +1,5 @@
 """Epilogue IR: node kinds, the DAG, the partition, the visitor tree.  Knows nothing of C++ or Relax."""
-from .graph import EpilogueGraph, GemmSpec, Partition, TensorDesc, canonicalize
+from .graph import EpilogueGraph, GemmSpec, Partition, TensorDesc, canonicalize, keep_nodes
 from .nodes import (
     AccFetch,
     AuxLoad,
@@ -26,5 +26,5 @@ __all__ = [
     "EpilogueGraph", "GemmSpec", "LAYOUT_KINDS", "LOAD_KINDS", "Node", "OpKind", "Partition",
     "Permute", "Reduction", "ReduceAxis", "ReduceFn", "Reshape", "RowBroadcast", "STORE_KINDS",
     "ScalarBroadcast", "TensorDesc", "TensorInput", "TopoVisitor", "Visitor", "COMPARISONS",
-    "arity", "canonicalize", "tree_nodes",
+    "arity", "canonicalize", "keep_nodes", "tree_nodes",
 ]

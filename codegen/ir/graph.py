@@ -96,6 +96,13 @@ def canonicalize(nodes) -> EpilogueGraph:
     )
 
 
+def keep_nodes(nodes, keep) -> EpilogueGraph:
+    """The nodes at indices ``keep`` (which hold the inputs of each), renumbered, in canonical order."""
+    keep = sorted(keep)
+    index = {old: new for new, old in enumerate(keep)}
+    return canonicalize([_with_inputs(nodes[i], tuple(index[j] for j in nodes[i].inputs)) for i in keep])
+
+
 def _with_inputs(node: Node, inputs: tuple[int, ...]) -> Node:
     from dataclasses import replace
 

@@ -18,7 +18,7 @@ from ..ir import (
     RowBroadcast,
     ScalarBroadcast,
     TensorInput,
-    canonicalize,
+    keep_nodes,
 )
 from ..ir.views import View, mnl_strides
 from .base import EpiloguePass, InvariantError
@@ -79,9 +79,7 @@ class EliminateLayout(EpiloguePass):
             nodes[i] = replace(node, inputs=tuple(new_inputs))
         # drop layout nodes (now unused) and renumber
         keep = [i for i, n in enumerate(nodes) if not isinstance(n, LAYOUT_KINDS)]
-        index = {old: new for new, old in enumerate(keep)}
-        kept = [replace(nodes[i], inputs=tuple(index[j] for j in nodes[i].inputs)) for i in keep]
-        return replace(p, epilogue=canonicalize(kept))
+        return replace(p, epilogue=keep_nodes(nodes, keep))
 
     def ensures(self, p: Partition) -> None:
         for i, node in enumerate(p.epilogue.nodes):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..ir import AccFetch, AuxStore, Compute, OpKind, Partition, Reduction, ScalarBroadcast, canonicalize
+from ..ir import AccFetch, AuxStore, Compute, OpKind, Partition, Reduction, ScalarBroadcast, keep_nodes
 from .base import EpiloguePass, InvariantError
 from .eliminate_layout import EliminateLayout
 
@@ -68,9 +68,7 @@ def match(nodes, i: int, pattern, bound: dict) -> bool:
     """Does node ``i`` compute ``pattern``?  ``bound`` collects (and checks) the binding of ``X``."""
     node = nodes[i]
     if pattern == X:
-        if bound.setdefault(X, i) != i:
-            return False
-        return True
+        return bound.setdefault(X, i) == i
     if isinstance(pattern, Const):
         return (isinstance(node, ScalarBroadcast) and node.param is None and node.value is not None
                 and node.dtype is not None and float(node.value) == _rounded(pattern.value, node.dtype))
@@ -112,10 +110,7 @@ class FoldActivationGradient(EpiloguePass):
                     break
         if not folded:
             return p
-        keep = live(nodes)
-        index = {old: new for new, old in enumerate(keep)}
-        kept = [replace(nodes[i], inputs=tuple(index[j] for j in nodes[i].inputs)) for i in keep]
-        return replace(p, epilogue=canonicalize(kept))
+        return replace(p, epilogue=keep_nodes(nodes, live(nodes)))
 
     def ensures(self, p: Partition) -> None:
         nodes = p.epilogue.nodes
