@@ -575,8 +575,44 @@ def _avg_pool_divisor(size, out, kernel, stride, pad_before, pad_after, include_
     return div
 
 
+def _tiled_max_pool_grad(x: Expr, y: Expr, grad: Expr, spatial: list[int], kernel: list[int],
+                         in_shape: list[int], out_shape: list[int]) -> Expr:
+    """Max pooling whose windows tile the input (kernel = stride, no padding or dilation), as one
+    argmax over each window: the gradient goes to the window's first maximum, as torch routes it.
+
+    Each spatial axis of length ``o * k`` is split into ``(o, k)`` (unit ``k`` dropped), the window
+    axes moved last and flattened to one axis of ``prod(kernel)``; the non-window axes are then
+    exactly the output's.  A few kernels whatever the window size, where the general rule below
+    emits some per kernel offset (XML-CNN's adaptive pooling of 499 positions into 8 windows of 63
+    made ~500 kernels of it).
+    """
+    split, window_axes = [], []
+    for a, n in enumerate(in_shape):
+        if a in spatial and kernel[spatial.index(a)] > 1:
+            k = kernel[spatial.index(a)]
+            split += [n // k, k]
+            window_axes.append(len(split) - 1)
+        else:
+            split.append(n)
+    perm = [a for a in range(len(split)) if a not in window_axes] + window_axes
+    inverse = [perm.index(a) for a in range(len(split))]
+    size = _prod(kernel)
+    windows = R.reshape(x, split)
+    if perm != sorted(perm):
+        windows = R.permute_dims(windows, perm)
+    windows = R.reshape(windows, [*out_shape, size])
+    first = R.argmax(windows, axis=-1, keepdims=True)
+    at_first = R.equal(first, relax.const(np.arange(size, dtype="int64")))
+    routed = R.where(at_first, R.reshape(grad, [*out_shape, 1]), _const(0.0, x))
+    routed = R.reshape(routed, [split[a] for a in perm])
+    if perm != sorted(perm):
+        routed = R.permute_dims(routed, inverse)
+    return R.reshape(routed, in_shape)
+
+
 def _pool_grad(kind: str) -> GradientRule:
-    """max/avg pooling of any rank, written as one strided window per kernel offset.
+    """max/avg pooling of any rank, written as one strided window per kernel offset (max pooling
+    over windows that tile the input: one argmax, ``_tiled_max_pool_grad``).
 
     For kernel offset r the window values are xw_r = x_padded[r*dilation :: stride]. Max pooling
     routes the gradient to the first offset (in scan order, as torch does) whose value equals the
@@ -610,6 +646,9 @@ def _pool_grad(kind: str) -> GradientRule:
         for a, b, n, c in zip(spatial, before, sizes, canvas):
             pad_width[2 * a], pad_width[2 * a + 1] = b, c - b - n
 
+        if kind == "max" and not any(padding) and all(d == 1 for d in dilation) and kernel == strides \
+                and all(n == o * k for n, o, k in zip(sizes, outs, kernel)):
+            return [_tiled_max_pool_grad(x, orig_var, output_grad, spatial, kernel, in_shape, out_shape)]
         if kind == "max":
             lowest = _lowest(_dtype(x))
             x_padded = ctx.normalize(R.nn.pad(x, pad_width, "constant", lowest))

@@ -397,6 +397,35 @@ def test_max_pool(rng, ndim, ties):
     check(rng, lambda v: relax_fn(v, *args, ceil_mode=ceil), lambda t: torch_fn(t, *args, ceil_mode=ceil), x)
 
 
+def _calls(func) -> list[relax.Call]:
+    found = []
+    relax.analysis.post_order_visit(
+        func.body, lambda e: found.append(e) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+    return found
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("ties", [False, True])
+def test_max_pool_tiled_windows(rng, ndim, ties):
+    """kernel = stride over an input the windows tile (adaptive max pooling after its take): one
+    argmax a window, the gradient to its first maximum as torch routes it, ties included."""
+    kernel = [5] if ndim == 1 else [2, 3]
+    shape = [2, 3] + [k * int(o) for k, o in zip(kernel, rng.integers(2, 4, size=ndim))]
+    x = (rng.integers(-1, 1, size=shape) if ties else rng.standard_normal(shape)).astype("float32")
+    relax_fn, torch_fn = (R.nn.max_pool1d, F.max_pool1d) if ndim == 1 else (R.nn.max_pool2d, F.max_pool2d)
+    check(rng, lambda v: relax_fn(v, kernel, kernel), lambda t: torch_fn(t, kernel, kernel), x)
+
+    var = relax.Var("x", relax.TensorType(shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [var]):
+        with bb.dataflow():
+            loss = bb.emit_output(bb.emit(R.sum(relax_fn(var, kernel, kernel))))
+        bb.emit_func_output(loss)
+    adjoint = relax.transform.Gradient("main")(bb.get())["main_adjoint"]
+    ops = [c.op.name for c in _calls(adjoint)]
+    assert ops.count("relax.argmax") == 1 and "relax.strided_slice" not in ops, ops
+
+
 @pytest.mark.parametrize("ndim", [1, 2])
 def test_avg_pool(rng, ndim):
     x = randn(rng, *([2, 3] + [int(d) for d in rng.integers(5, 10, size=ndim)]))
