@@ -58,21 +58,26 @@ def test_conv2d_becomes_one_matmul_with_the_same_result(case, nhwc):
     np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("from_nwc", [False, True])
 @pytest.mark.parametrize("k,stride,padding,dilation", [(2, 1, 0, 1), (8, 1, 0, 1), (3, 2, (1, 2), 2)])
-def test_conv1d_becomes_one_matmul_with_the_same_result(k, stride, padding, dilation):
+def test_conv1d_becomes_one_matmul_with_the_same_result(k, stride, padding, dilation, from_nwc):
+    """Gathered channels-last; with `from_nwc` the input is an NWC tensor's transpose (XML-CNN's
+    embedding), read as that tensor: the only transposes left are the weight's and the result's."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((2, 6, 20), "float32"))
+    x = relax.Var("x", relax.TensorType((2, 20, 6) if from_nwc else (2, 6, 20), "float32"))
     w = relax.Var("w", relax.TensorType((5, 6, k), "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            y = bb.emit_output(relax.op.nn.conv1d(x, w, strides=stride, padding=padding, dilation=dilation))
+            ncw = bb.emit(relax.op.permute_dims(x, [0, 2, 1])) if from_nwc else x
+            y = bb.emit_output(relax.op.nn.conv1d(ncw, w, strides=stride, padding=padding, dilation=dilation))
         bb.emit_func_output(y)
     before = bb.get()
-    after = Conv2dToMatmul()(before)
+    after = relax.transform.DeadCodeElimination()(Conv2dToMatmul()(before))
     ops = _ops(after)
     assert "relax.nn.conv1d" not in ops and ops.count("relax.matmul") == 1, ops
+    assert ops.count("relax.permute_dims") == 4 - from_nwc, ops  # (input,) weight OIW->OWI, its ᵀ, result
     rng = np.random.default_rng()
-    args = [rng.standard_normal((2, 6, 20)).astype("float32"), rng.standard_normal((5, 6, k)).astype("float32")]
+    args = [rng.standard_normal([int(d) for d in p.ty.shape.values]).astype("float32") for p in before["main"].params]
     np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-4)
 
 
