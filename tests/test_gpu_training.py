@@ -31,6 +31,8 @@ SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, o
     "gpt2_block_d64": dict(batch=2, seq=96, hidden=256, heads=4),
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
     "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
+    # conv1d outputs of 63, 61 and 57 positions into 4 adaptive max-pool windows
+    "xml_cnn": dict(batch=8, seq=64, vocab=500, embed=64, filters=16, pool_chunks=4, bottleneck=64, labels=128),
 }
 AMP_SLACK = 1.5  # our bf16 gradients may be this much further from fp32 than autocast's
 CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and each opt-in where it acts
@@ -38,6 +40,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("resnet_basic", "disable=nhwc"),
     ("vit", "default"),  # without pad_keys the 17-key attention GEMMs are left to TVM (misaligned)
     ("bert_layer_d64", "default"), ("gpt2_block_d64", "default"),  # flash attention (head dim 64)
+    ("xml_cnn", "default"),
 ]
 
 

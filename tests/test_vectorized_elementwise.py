@@ -29,12 +29,17 @@ def _kernels():
         # NCHW batch norm: a per-channel scalar along the whole vector (a broadcast, not a gather)
         "channel_bcast": ([nchw, s, te.compute((4, 16, 392), lambda n, c, i: nchw[n, c, i] / s[c], name="y")], 8),
         "fp32_add": ([xf, te.compute((32, 256), lambda i, j: xf[i, j] + tirx.const(1.0, "float32"), name="y")], 4),
-        # a bool mask read along the vector: no boolxN type in TVM's CUDA codegen
+        # staged (no boolxN type in TVM's CUDA codegen): a bool mask read along the vector
         "mask": ([x, m, te.compute((32, 256), lambda i, j: tirx.Select(m[i, j], x[i, j], tirx.const(0, "bfloat16")),
-                                   name="y")], 0),
-        # a comparison along the vector (ReLU's backward): it would be a boolxN value
+                                   name="y")], 8),
+        # staged: a comparison along the vector (ReLU's backward), x read twice at one place
         "relu_bwd": ([x, te.compute((32, 256), lambda i, j: tirx.Select(x[i, j] > tirx.const(0, "bfloat16"), x[i, j],
-                                                                           tirx.const(0, "bfloat16")), name="y")], 0),
+                                                                           tirx.const(0, "bfloat16")), name="y")], 8),
+        # staged, with x under a padding guard (read element by element) and the mask's fp32 scale
+        # as the widest type (4 lanes)
+        "mask_pad": ([x, m, xf, te.compute(
+            (32, 256), lambda i, j: tirx.Select(m[i, j], xf[i, j], tirx.const(0, "float32")) + tirx.if_then_else(
+                i > 0, x[i - 1, j], tirx.const(0, "bfloat16")).astype("float32"), name="y")], 4),
         # a transpose that moves the innermost axis
         "transpose": ([x, te.compute((256, 32), lambda i, j: x[j, i], name="y")], 0),
         # a shifted window: vectors would start misaligned
@@ -61,16 +66,32 @@ def test_takes_contiguous_injective_kernels_and_declines_the_rest(name):
         assert "T.vectorized" in script and f"T.vectorized({lanes})" in script.replace("T.int64(", "(")
 
 
+STAGED = {"mask": ("x", "m"), "relu_bwd": ("x", None), "mask_pad": ("xf", "x")}  # (a vector load, a scalar one)
+
+
+@pytest.mark.parametrize("name", list(STAGED))
+def test_bool_kernels_are_staged_through_registers(name):
+    """Bool data along the vector: vector loads into registers and a vector store around an
+    unrolled scalar loop; bool buffers and guarded reads stay element loads."""
+    tensors, lanes = _kernels()[name]
+    script = _schedule(tensors)["main"].script()
+    vector, scalar = STAGED[name]
+    assert f"T.unroll({lanes})" in script.replace("T.int64(", "(")
+    assert f"{vector}_local" in script and "y_local" in script
+    if scalar:
+        assert f"{scalar}_local" not in script
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("name", ["mask", "relu_bwd"])
-def test_declined_bool_kernels_build_for_cuda(name):
-    """What the rule leaves to DLight's other rules builds (a vectorized compare did not:
-    'Cannot convert type T.boolx8 to CUDA type', ResNet's ReLU backward in NHWC)."""
+@pytest.mark.parametrize("name", list(STAGED))
+def test_staged_bool_kernels_compile_with_nvcc(name):
+    """A vectorized compare did not build ('Cannot convert type T.boolx8 to CUDA type', ResNet's
+    ReLU backward in NHWC); the staged form does, with 16-byte accesses for the non-bool data."""
     tensors, _ = _kernels()[name]
+    src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert "uint4" in src or "float4" in src
     with tvm.target.Target(CUDA):
-        mod = dl.ApplyDefaultSchedule(VectorizedElementwise(), dl.gpu.Fallback())(
-            tvm.IRModule({"main": te.create_prim_func(tensors)}))
-    assert tvm.compile(mod, target=tvm.target.Target(CUDA))
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
@@ -93,7 +114,7 @@ def test_vectorized_kernels_compile_with_nvcc(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast", "fp32_add"])
+@pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast", "fp32_add", *STAGED])
 def test_vectorized_kernels_on_gpu_match_numpy(name):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -102,7 +123,8 @@ def test_vectorized_kernels_on_gpu_match_numpy(name):
     lib = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA))
     ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    ins = [torch.randn([int(s) for s in t.shape], dtype=torch_dtype[str(t.dtype)]) for t in tensors[:-1]]
+    ins = [torch.rand([int(s) for s in t.shape]) < 0.5 if str(t.dtype) == "bool" else
+           torch.randn([int(s) for s in t.shape], dtype=torch_dtype[str(t.dtype)]) for t in tensors[:-1]]
     out = tensors[-1]
     shape, dtype = [int(s) for s in out.shape], torch_dtype[str(out.dtype)]
     got = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
