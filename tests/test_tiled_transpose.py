@@ -1,0 +1,86 @@
+"""TiledTranspose: injective kernels with one transposed operand, through shared-memory tiles."""
+import shutil
+
+import pytest
+import tvm
+from tvm import te, tirx
+from tvm.s_tir import dlight as dl
+from tvm.support import nvcc
+
+from tvm_evt.relax_passes.tiled_transpose import TiledTranspose
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _kernels():
+    """name -> (te tensors, expected (tj, tk) tile; None: declined)."""
+    nchw = te.placeholder((2, 64, 14, 56), "float32", name="nchw")
+    nhwc = te.placeholder((2, 14, 56, 64), "bfloat16", name="nhwc")
+    nchw28 = te.placeholder((2, 64, 4, 28), "float32", name="nchw28")
+    x = te.placeholder((96, 40), "float32", name="x")
+    odd = te.placeholder((6, 35), "float32", name="odd")
+    return {
+        # ResNet's input: fp32 NCHW -> bf16 NHWC
+        "cast_to_nhwc": ([nchw, te.compute((2, 14, 56, 64), lambda n, h, w, c: nchw[n, c, h, w].astype("bfloat16"),
+                                           name="y")], (8, 64)),
+        # ResNet's loss: an NHWC activation minus an NCHW target, the activation read in order
+        "nhwc_minus_nchw": ([nhwc, nchw, te.compute(
+            (2, 14, 56, 64), lambda n, h, w, c: nhwc[n, h, w, c].astype("float32") - nchw[n, c, h, w], name="y")],
+            (8, 64)),
+        # ResNet's 28-wide target rows: no tile divides 28, the whole row is one
+        "rows_of_28": ([nchw28, te.compute((2, 4, 28, 64), lambda n, h, w, c: nchw28[n, c, h, w], name="y")], (28, 64)),
+        "matrix": ([x, te.compute((40, 96), lambda i, j: x[j, i] * tirx.const(2.0, "float32"), name="y")], (8, 32)),
+        # in order: nothing to tile
+        "copy": ([x, te.compute((96, 40), lambda i, j: x[i, j], name="y")], None),
+        # no tile divides 35
+        "odd": ([odd, te.compute((35, 6), lambda i, j: odd[j, i], name="y")], None),
+    }
+
+
+def _schedule(tensors):
+    mod = tvm.IRModule({"main": te.create_prim_func(tensors)})
+    with tvm.target.Target(CUDA):
+        return dl.ApplyDefaultSchedule(TiledTranspose())(mod)
+
+
+@pytest.mark.parametrize("name", list(_kernels()))
+def test_tiles_transposed_reads_and_declines_the_rest(name):
+    tensors, tile = _kernels()[name]
+    out = _schedule(tensors)["main"]
+    assert (bool(out.attrs) and "tirx.is_scheduled" in out.attrs) == (tile is not None)
+    if tile:
+        script = out.script()
+        assert 'scope="shared"' in script
+        tj, _ = tile
+        assert f", {tj}, 1]]" in script  # the tile's rows padded to tj + 1 (buffer_dim_align)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("name", ["cast_to_nhwc", "nhwc_minus_nchw", "rows_of_28", "matrix"])
+def test_tiled_kernels_compile_with_nvcc(name):
+    tensors, (tj, _) = _kernels()[name]
+    src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert "__shared__" in src and "__syncthreads" in src
+    with tvm.target.Target(CUDA):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cast_to_nhwc", "nhwc_minus_nchw", "rows_of_28", "matrix"])
+def test_tiled_kernels_on_gpu_match_the_cpu(name):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    tensors, _ = _kernels()[name]
+    lib = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA))
+    ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    ins = [torch.randn([int(s) for s in t.shape], dtype=torch_dtype[str(t.dtype)]) for t in tensors[:-1]]
+    out = tensors[-1]
+    shape, dtype = [int(s) for s in out.shape], torch_dtype[str(out.dtype)]
+    got = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    lib["main"](*[tvm.runtime.from_dlpack(t.cuda()) for t in ins], tvm.runtime.from_dlpack(got))
+    want = torch.full(shape, float("nan"), dtype=dtype)
+    ref["main"](*[tvm.runtime.from_dlpack(t) for t in ins], tvm.runtime.from_dlpack(want))
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
