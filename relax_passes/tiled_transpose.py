@@ -25,12 +25,10 @@ Everything else is declined and goes to the next rule.
 from __future__ import annotations
 
 import tvm
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import try_inline
+from tvm import tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
-from .vectorized_elementwise import _accesses
+from .vectorized_elementwise import _accesses, single_spatial_block
 
 THREADS = 256
 TILES = (64, 32, 16, 8)  # tile edges tried, largest first
@@ -75,20 +73,11 @@ class TiledTranspose(GPUScheduleRule):
     """Injective kernels with one transposed operand: shared-memory tiles (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        found = single_spatial_block(self, func, target)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline(sch, infos)
-        if len(infos) != 1 or any(k != "S" for k in infos[0].dom_kind()):
-            return None
-        block_rv = infos[0].block_rv
+        sch, block_rv, loops = found
         block = sch.get(block_rv)
-        loops = sch.get_loops(block_rv)
-        if len(loops) != len(block.iter_vars):
-            return None
         found = transposed_read(block)
         if found is None:
             return None

@@ -160,27 +160,38 @@ def _friendly(buf, indices, var, lanes: int, analyzer) -> bool:
     return analyzer.can_prove(tirx.floormod(rest, lanes) == 0)
 
 
+def single_spatial_block(rule: GPUScheduleRule, func, target):
+    """(schedule, block, its loops) where `func` is a PrimFunc for a target `rule` takes and is,
+    after inlining, one all-spatial block with one loop per iterator, in iterator order; else
+    None.  What the injective rules here start from."""
+    if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
+        return None
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return None
+    infos = try_inline(sch, infos)
+    if len(infos) != 1 or any(k != "S" for k in infos[0].dom_kind()):
+        return None
+    block_rv = infos[0].block_rv
+    loops = sch.get_loops(block_rv)
+    iters = infos[0].iters  # normalized: one loop per iterator, in order
+    if not loops or len(iters) != len(loops) or len(sch.get(block_rv).iter_vars) != len(loops) or \
+            any(not sch.get(i.loop_rv).same_as(sch.get(lp)) for i, lp in zip(iters, loops)):
+        return None
+    return sch, block_rv, loops
+
+
 class VectorizedElementwise(GPUScheduleRule):
     """Injective kernels with a contiguous innermost axis: ``THREADS`` threads a block, each
     thread one aligned vector of up to 16 bytes (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        found = single_spatial_block(self, func, target)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline(sch, infos)
-        if len(infos) != 1 or any(k != "S" for k in infos[0].dom_kind()):
-            return None
-        block_rv = infos[0].block_rv
+        sch, block_rv, loops = found
         block = sch.get(block_rv)
-        loops = sch.get_loops(block_rv)
-        iters = infos[0].iters  # normalized: one loop per iterator, in order
-        if not loops or len(iters) != len(loops) or len(block.iter_vars) != len(loops) or \
-                any(not sch.get(i.loop_rv).same_as(sch.get(lp)) for i, lp in zip(iters, loops)):
-            return None
         how = plan(block)
         lanes = how.lanes
         if lanes == 1:

@@ -4,12 +4,11 @@ import shutil
 import pytest
 import tvm
 from tvm import te, tirx
-from tvm.s_tir import dlight as dl
 from tvm.support import nvcc
 
-from tvm_evt.relax_passes.tiled_transpose import TiledTranspose
+from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
 
-CUDA = {"kind": "cuda", "arch": "sm_90a"}
+from tvm_evt.relax_passes.tiled_transpose import TiledTranspose
 
 
 def _kernels():
@@ -38,9 +37,7 @@ def _kernels():
 
 
 def _schedule(tensors):
-    mod = tvm.IRModule({"main": te.create_prim_func(tensors)})
-    with tvm.target.Target(CUDA):
-        return dl.ApplyDefaultSchedule(TiledTranspose())(mod)
+    return schedule(tensors, TiledTranspose())
 
 
 @pytest.mark.parametrize("name", list(_kernels()))
@@ -68,19 +65,5 @@ def test_tiled_kernels_compile_with_nvcc(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["cast_to_nhwc", "nhwc_minus_nchw", "rows_of_28", "matrix"])
 def test_tiled_kernels_on_gpu_match_the_cpu(name):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
     tensors, _ = _kernels()[name]
-    lib = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA))
-    ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    ins = [torch.randn([int(s) for s in t.shape], dtype=torch_dtype[str(t.dtype)]) for t in tensors[:-1]]
-    out = tensors[-1]
-    shape, dtype = [int(s) for s in out.shape], torch_dtype[str(out.dtype)]
-    got = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    lib["main"](*[tvm.runtime.from_dlpack(t.cuda()) for t in ins], tvm.runtime.from_dlpack(got))
-    want = torch.full(shape, float("nan"), dtype=dtype)
-    ref["main"](*[tvm.runtime.from_dlpack(t) for t in ins], tvm.runtime.from_dlpack(want))
-    torch.cuda.synchronize()
-    assert torch.equal(got.cpu(), want)
+    assert_matches_llvm_on_gpu(_schedule(tensors), tensors)

@@ -1,0 +1,40 @@
+"""Helpers shared by the tests of our DLight rules: schedule a TE kernel with one rule, and run
+the scheduled kernel on the GPU against TVM's own llvm build of the same kernel."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import te
+from tvm.s_tir import dlight as dl
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def schedule(tensors, rule) -> tvm.IRModule:
+    """`tensors` (inputs, then the output) as one PrimFunc, scheduled by `rule` alone."""
+    mod = tvm.IRModule({"main": te.create_prim_func(tensors)})
+    with tvm.target.Target(CUDA):
+        return dl.ApplyDefaultSchedule(rule)(mod)
+
+
+def assert_matches_llvm_on_gpu(scheduled: tvm.IRModule, tensors) -> None:
+    """The scheduled CUDA kernel's output equals the llvm build's, bit for bit, on fresh random
+    inputs (bool inputs: fair coins), with both outputs poisoned with NaN first."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    lib = tvm.compile(scheduled, target=tvm.target.Target(CUDA))
+    ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    ins = [torch.rand([int(s) for s in t.shape]) < 0.5 if str(t.dtype) == "bool" else
+           torch.randn([int(s) for s in t.shape], dtype=torch_dtype[str(t.dtype)]) for t in tensors[:-1]]
+    out = tensors[-1]
+    shape, dtype = [int(s) for s in out.shape], torch_dtype[str(out.dtype)]
+    got = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    lib["main"](*[tvm.runtime.from_dlpack(t.cuda()) for t in ins], tvm.runtime.from_dlpack(got))
+    want = torch.full(shape, float("nan"), dtype=dtype)
+    ref["main"](*[tvm.runtime.from_dlpack(t) for t in ins], tvm.runtime.from_dlpack(want))
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
