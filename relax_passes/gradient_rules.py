@@ -601,6 +601,8 @@ def _tiled_max_pool_grad(x: Expr, y: Expr, grad: Expr, spatial: list[int], kerne
     if perm != sorted(perm):
         windows = R.permute_dims(windows, perm)
     windows = R.reshape(windows, [*out_shape, size])
+    if _dtype(x) in ("bfloat16", "float16"):  # exact; TVM 0.27's llvm build fails a bf16 argmax
+        windows = R.astype(windows, "float32")
     first = R.argmax(windows, axis=-1, keepdims=True)
     at_first = R.equal(first, relax.const(np.arange(size, dtype="int64")))
     routed = R.where(at_first, R.reshape(grad, [*out_shape, 1]), _const(0.0, x))
