@@ -3,8 +3,8 @@
 Functions that bring their own GPU form (``OWN_GPU_FORMS``: the dropout masks, one thread per
 Philox draw; the optimizer update, one kernel for every parameter) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
-element to a thread), and those that read an operand transposed to ``TiledTranspose`` (through
-shared-memory tiles).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
+element to a thread), those that read an operand transposed to ``TiledTranspose`` (through
+shared-memory tiles), and column sums to ``ColumnReduction`` (a vector of columns a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
 Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
 trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled
 PrimFunc is tried with each rule in that order, alone; a rule that raises or declines hands the
@@ -41,10 +41,11 @@ def has_own_gpu_form(func) -> bool:
 def _rules(vectorize: bool = False):
     from tvm.s_tir import dlight as dl
 
+    from .column_reduction import ColumnReduction
     from .tiled_transpose import TiledTranspose
     from .vectorized_elementwise import VectorizedElementwise
 
-    return ((VectorizedElementwise(), TiledTranspose()) if vectorize else ()) + (
+    return ((VectorizedElementwise(), TiledTranspose(), ColumnReduction()) if vectorize else ()) + (
         dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
@@ -64,7 +65,7 @@ def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
 @tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
 class ScheduleTIRForGPU:
     """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it
-    (`vectorize`: try ``VectorizedElementwise`` and ``TiledTranspose`` first)."""
+    (`vectorize`: try ``VectorizedElementwise``, ``TiledTranspose`` and ``ColumnReduction`` first)."""
 
     def __init__(self, vectorize: bool = False):
         self.vectorize = vectorize

@@ -1,0 +1,118 @@
+"""ColumnReduction: a DLight GPU rule for sums over a non-innermost axis (column sums), each
+thread a 16-byte vector of columns.
+
+Batch-norm statistics and gradients, bias gradients and split reductions are column sums: an
+``[..., R, N]`` input (after inlining its elementwise producers) summed over ``R`` into
+``[..., N]``, ``N`` innermost in both.  DLight's ``Reduction`` gives each thread one column
+(16 x 16 threads, one bf16 element a load): on H100 ResNet-50's batch-norm sums ran at about
+2 TB/s (2.2 ms a step) and BERT-Large's bias-gradient sums at 1.5 TB/s.
+
+This rule gives each thread ``v`` consecutive columns (16 bytes of the widest type read along
+``N`` or accumulated: 4 columns for a float32 sum) and ``TY`` threads of a block the rows, split so:
+
+1. ``rfactor`` over the ``TY`` row groups: every thread sums its rows of its ``v`` columns in
+   float registers, the ``v`` loads one vector;
+2. the ``TY`` partial sums of each column are added across ``threadIdx.y`` and written once.
+
+It takes a function that is, after inlining, one block with spatial iterators ``[..., n]`` and
+one reduction iterator ``r``, summing into ``out[..., n]``, where every load uses ``n`` only in
+its last index, as ``n`` itself (or not at all: a per-column vector such as a batch-norm mean),
+and ``r`` never in the last index, with at least ``MIN_BLOCKS`` thread blocks unless the sum is
+small.  Anything else is declined and goes to the next rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+
+from .vectorized_elementwise import VECTOR_BYTES, _accesses, _uses_var
+
+TX = 32  # column vectors a block
+TY = 8  # row groups a block
+MIN_BLOCKS = 66  # half of H100's SMs ...
+SMALL_ELEMENTS = 1 << 22  # ... unless the sum is small enough that launch latency dominates
+
+
+def column_lanes(block) -> int:
+    """The columns a thread takes in `block` (1: the rule does not apply)."""
+    kinds = [iv.iter_type for iv in block.iter_vars]
+    if len(kinds) < 2 or kinds[-1] != tirx.IterVar.CommReduce or \
+            any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
+        return 1
+    n, r = block.iter_vars[-2].var, block.iter_vars[-1].var
+    body = block.body
+    if not isinstance(body, tirx.BufferStore) or not body.indices or not body.indices[-1].same_as(n) or \
+            not isinstance(body.value, tirx.Add):
+        return 1
+    widest = 8
+    for buf, idx in _accesses(block):
+        if not idx:  # (the accumulator counts too: its register vector is as wide, and TVM 0.27's
+            continue  # CUDA codegen has no 8-lane float: make_ulonglong4 with 8 arguments)
+        if any(_uses_var(i, n) for i in idx[:-1]) or _uses_var(idx[-1], r):
+            return 1
+        if _uses_var(idx[-1], n):
+            if not idx[-1].same_as(n):
+                return 1
+            widest = max(widest, tvm.DataType(str(buf.dtype)).bits)
+    extent = block.iter_vars[-2].dom.extent
+    if not isinstance(extent, tirx.IntImm):
+        return 1
+    lanes = VECTOR_BYTES * 8 // widest
+    while lanes > 1 and int(extent) % (lanes * TX):
+        lanes //= 2
+    return lanes if int(extent) % (lanes * TX) == 0 else 1
+
+
+class ColumnReduction(GPUScheduleRule):
+    """Column sums, ``v`` columns a thread and ``TY`` row groups a block (module docstring)."""
+
+    def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        if len(infos) != 1 or "".join(infos[0].dom_kind()).rstrip("R") == "".join(infos[0].dom_kind()) or \
+                "".join(infos[0].dom_kind()).count("R") != 1:
+            return None
+        block_rv = infos[0].block_rv
+        loops = sch.get_loops(block_rv)
+        if len(loops) != len(sch.get(block_rv).iter_vars):
+            return None
+        lanes = column_lanes(sch.get(block_rv))
+        if lanes == 1:
+            return None
+        extents = [int(sch.get(lp).extent) for lp in loops]
+        blocks = math.prod(extents[:-1]) // (TX * lanes)
+        if blocks < MIN_BLOCKS and math.prod(extents) > SMALL_ELEMENTS:
+            return None  # a long sum over few columns: too few blocks to keep the GPU's memory busy
+        *outer, n, r = loops
+        ro, ry = sch.split(r, [None, TY])
+        nb, nx, nv = sch.split(n, [None, TX, lanes])
+        sch.reorder(*outer, nb, nx, ry, ro, nv)
+        rf = sch.rfactor(ry, 0)  # [TY, ..., N] partial sums, summed over ro
+        *rf_outer, rf_nb, rf_nx, rf_ry, rf_ro, rf_nv = sch.get_loops(rf)
+        bx = sch.fuse(*rf_outer, rf_nb)
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(rf_nx, "threadIdx.x")
+        sch.bind(rf_ry, "threadIdx.y")
+        sch.set_scope(rf, 0, "local")
+        sch.vectorize(rf_nv)  # before the init is split off: a vectorized loop needs a reduction block
+        sch.decompose_reduction(rf, rf_ro)
+
+        # the TY partial sums of each column, added across threadIdx.y
+        sch.reverse_compute_at(block_rv, bx, preserve_unit_loops=True)
+        _, w_ry, *_, w_n = sch.get_loops(block_rv)  # the block's iterators: ry, then [..., n]
+        w_nx, w_nv = sch.split(w_n, [TX, lanes])
+        sch.reorder(w_nx, w_nv, w_ry)
+        sch.bind(w_nx, "threadIdx.x")
+        sch.bind(w_ry, "threadIdx.y")
+        return sch

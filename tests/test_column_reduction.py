@@ -1,0 +1,70 @@
+"""ColumnReduction: sums over a non-innermost axis, a 16-byte vector of columns a thread."""
+import shutil
+
+import pytest
+import tvm
+from tvm import te
+from tvm.support import nvcc
+
+from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
+
+from tvm_evt.relax_passes.column_reduction import ColumnReduction
+
+
+def _kernels():
+    """name -> (te tensors, expected columns a thread; 0: declined)."""
+    x3 = te.placeholder((4, 40, 512), "bfloat16", name="x3")
+    mean = te.placeholder((1, 1, 512), "float32", name="mean")
+    x2 = te.placeholder((96, 1024), "bfloat16", name="x2")
+    xf = te.placeholder((64, 256), "float32", name="xf")
+    k40, k96, k64 = te.reduce_axis((0, 40), "k"), te.reduce_axis((0, 96), "k"), te.reduce_axis((0, 64), "k")
+    kr = te.reduce_axis((0, 1024), "k")
+    xl = te.placeholder((65536, 128), "float32", name="xl")
+    kl = te.reduce_axis((0, 65536), "k")
+    return {
+        # batch norm's Σ(x - mean)·dy over a split reduction's groups: fp32 mean -> 4 columns
+        "batch_norm": ([x3, mean, te.compute((4, 512), lambda g, n: te.sum(
+            x3[g, k40, n].astype("float32") * (x3[g, k40, n].astype("float32") - mean[0, 0, n]), axis=k40),
+            name="y")], 4),
+        # a bias gradient: bf16 rows summed in fp32, 4 columns (as many as a float32x4 accumulator)
+        "bias_grad": ([x2, te.compute((1024,), lambda n: te.sum(x2[k96, n].astype("float32"), axis=k96),
+                                      name="y")], 4),
+        "fp32": ([xf, te.compute((256,), lambda n: te.sum(xf[k64, n], axis=k64), name="y")], 4),
+        # a row sum (the reduced axis innermost) is DLight Reduction's
+        "row_sum": ([x2, te.compute((96,), lambda m: te.sum(x2[m, kr].astype("float32"), axis=kr), name="y")], 0),
+        # 128 columns of 64K rows: one thread block would do it all (DLight's rule spreads it)
+        "few_columns": ([xl, te.compute((128,), lambda n: te.sum(xl[kl, n], axis=kl), name="y")], 0),
+        # the column read transposed
+        "transposed": ([x2, te.compute((96,), lambda m: te.sum(x2[k96, m].astype("float32"), axis=k96),
+                                       name="y")], 0),
+    }
+
+
+def _schedule(tensors):
+    return schedule(tensors, ColumnReduction())
+
+
+@pytest.mark.parametrize("name", list(_kernels()))
+def test_takes_column_sums_and_declines_the_rest(name):
+    tensors, lanes = _kernels()[name]
+    out = _schedule(tensors)["main"]
+    assert (bool(out.attrs) and "tirx.is_scheduled" in out.attrs) == bool(lanes)
+    if lanes:
+        assert f"T.vectorized({lanes})" in out.script().replace("T.int64(", "(")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32"])
+def test_column_sums_compile_with_nvcc(name):
+    tensors, _ = _kernels()[name]
+    src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert "float4" in src  # the accumulator (and fp32 loads) as 16-byte vectors
+    with tvm.target.Target(CUDA):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32"])
+def test_column_sums_on_gpu_match_llvm(name):
+    tensors, _ = _kernels()[name]
+    assert_matches_llvm_on_gpu(_schedule(tensors), tensors, rtol=1e-5)
