@@ -13,26 +13,26 @@ from tvm_evt.relax_passes.column_reduction import ColumnReduction
 
 def _kernels():
     """name -> (te tensors, expected columns a thread; 0: declined)."""
-    x3 = te.placeholder((4, 40, 512), "bfloat16", name="x3")
+    x3 = te.placeholder((32, 40, 512), "bfloat16", name="x3")  # 32 x 4 thread blocks
     mean = te.placeholder((1, 1, 512), "float32", name="mean")
-    x2 = te.placeholder((96, 1024), "bfloat16", name="x2")
-    xf = te.placeholder((64, 256), "float32", name="xf")
+    x2 = te.placeholder((96, 16384), "bfloat16", name="x2")  # 128 thread blocks
+    xf = te.placeholder((64, 16384), "float32", name="xf")
     k40, k96, k64 = te.reduce_axis((0, 40), "k"), te.reduce_axis((0, 96), "k"), te.reduce_axis((0, 64), "k")
-    kr = te.reduce_axis((0, 1024), "k")
+    kr = te.reduce_axis((0, 16384), "k")
     xl = te.placeholder((65536, 128), "float32", name="xl")
     kl = te.reduce_axis((0, 65536), "k")
     return {
         # batch norm's Σ(x - mean)·dy over a split reduction's groups: fp32 mean -> 4 columns
-        "batch_norm": ([x3, mean, te.compute((4, 512), lambda g, n: te.sum(
+        "batch_norm": ([x3, mean, te.compute((32, 512), lambda g, n: te.sum(
             x3[g, k40, n].astype("float32") * (x3[g, k40, n].astype("float32") - mean[0, 0, n]), axis=k40),
             name="y")], 4),
         # a bias gradient: bf16 rows summed in fp32, 4 columns (as many as a float32x4 accumulator)
-        "bias_grad": ([x2, te.compute((1024,), lambda n: te.sum(x2[k96, n].astype("float32"), axis=k96),
+        "bias_grad": ([x2, te.compute((16384,), lambda n: te.sum(x2[k96, n].astype("float32"), axis=k96),
                                       name="y")], 4),
-        "fp32": ([xf, te.compute((256,), lambda n: te.sum(xf[k64, n], axis=k64), name="y")], 4),
+        "fp32": ([xf, te.compute((16384,), lambda n: te.sum(xf[k64, n], axis=k64), name="y")], 4),
         # a row sum (the reduced axis innermost) is DLight Reduction's
         "row_sum": ([x2, te.compute((96,), lambda m: te.sum(x2[m, kr].astype("float32"), axis=kr), name="y")], 0),
-        # 128 columns of 64K rows: one thread block would do it all (DLight's rule spreads it)
+        # 128 columns: one thread block would do it all (DLight's rule spreads it)
         "few_columns": ([xl, te.compute((128,), lambda n: te.sum(xl[kl, n], axis=kl), name="y")], 0),
         # the column read transposed
         "transposed": ([x2, te.compute((96,), lambda m: te.sum(x2[k96, m].astype("float32"), axis=k96),
