@@ -5,7 +5,8 @@ Batch-norm statistics and gradients, bias gradients and split reductions are col
 ``[..., R, N]`` input (after inlining its elementwise producers) summed over ``R`` into
 ``[..., N]``, ``N`` innermost in both.  DLight's ``Reduction`` gives each thread one column
 (16 x 16 threads, one bf16 element a load): on H100 ResNet-50's batch-norm sums ran at about
-2 TB/s (2.2 ms a step) and BERT-Large's bias-gradient sums at 1.5 TB/s.
+2 TB/s (2.2 ms a step) and BERT-Large's bias-gradient sums at 1.5 TB/s.  With this rule
+ResNet-50's largest went 0.454 -> 0.368 ms and 0.288 -> 0.139 ms (5 and 7 calls a step).
 
 This rule gives each thread ``v`` consecutive columns (16 bytes of the widest type read along
 ``N`` or accumulated: 4 columns for a float32 sum) and ``TY`` threads of a block the rows, split so:
@@ -50,10 +51,12 @@ def column_lanes(block) -> int:
     if not isinstance(body, tirx.BufferStore) or not body.indices or not body.indices[-1].same_as(n) or \
             not isinstance(body.value, tirx.Add):
         return 1
+    # the widest type along n sets the lanes; the accumulator counts too: its register vector is
+    # as wide, and TVM 0.27's CUDA codegen has no 8-lane float (make_ulonglong4 of 8 arguments)
     widest = 8
     for buf, idx in _accesses(block):
-        if not idx:  # (the accumulator counts too: its register vector is as wide, and TVM 0.27's
-            continue  # CUDA codegen has no 8-lane float: make_ulonglong4 with 8 arguments)
+        if not idx:
+            continue
         if any(_uses_var(i, n) for i in idx[:-1]) or _uses_var(idx[-1], r):
             return 1
         if _uses_var(idx[-1], n):
@@ -80,8 +83,7 @@ class ColumnReduction(GPUScheduleRule):
         if infos is None:
             return None
         infos = try_inline_contiguous_spatial(sch, infos)
-        if len(infos) != 1 or "".join(infos[0].dom_kind()).rstrip("R") == "".join(infos[0].dom_kind()) or \
-                "".join(infos[0].dom_kind()).count("R") != 1:
+        if len(infos) != 1:  # (column_lanes checks the iterators: spatial ones, then one reduction)
             return None
         block_rv = infos[0].block_rv
         loops = sch.get_loops(block_rv)
