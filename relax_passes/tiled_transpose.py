@@ -19,7 +19,8 @@ it is short), one thread block a tile:
    (padded by one element, so the column reads do not conflict on banks) and every other operand
    from global memory, as the output, along ``vk``.
 
-Everything else is declined and goes to the next rule.
+On H100 the ResNet input's cast and transpose went from 0.563 to 0.271 ms.  Everything else is
+declined and goes to the next rule.
 """
 
 from __future__ import annotations

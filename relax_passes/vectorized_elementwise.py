@@ -21,7 +21,8 @@ buffers are loaded into registers and the results stored from them as 16-byte ve
 (one 8-byte span a thread, which the L1 serves after the first of its loads).  A buffer read at
 several places, or under an ``if_then_else`` (padding: its region is only valid where the guard
 holds), is read the same way, element by element.  Before, these kernels ran one element a thread
-(BERT-Large's dropout backward, a bf16 [16384, 1024] where/multiply: 0.084 ms for 84 MB, 1 TB/s).
+(BERT-Large's dropout backward, a bf16 [16384, 1024] where/multiply: 0.084 ms for 84 MB, 1 TB/s;
+staged, 0.025 ms on H100).
 
 Anything else (true transposes that move the innermost axis, strided slices, reductions) is
 declined and goes to the next rule.
