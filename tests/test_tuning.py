@@ -94,6 +94,20 @@ def test_kernel_traffic_counts_flash_attention_kernels():
     assert flash[1]["bytes_per_call"] == 8 * qkv + lse + mask  # q, k, v, O, dO, LSE, bits -> dQ, dK, dV
 
 
+def test_xml_cnn_step_is_a_few_dozen_kernels():
+    """XML-CNN's adaptive max pooling (63-wide windows) differentiates as one argmax a window,
+    and its conv1d gathers read the NWC embedding: before, the pooling gradient alone was ~500
+    kernels a step (667 launches on H100), and the step read the embedding transposed."""
+    from tvm_evt import bench_e2e
+
+    _imported, graph = tuning.training_graph(bench_e2e.build_entry("xml_cnn", False), "bf16")
+    rows = tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    tir = [r for r in rows if r["kind"] == "tir"]
+    assert sum(r["calls"] for r in tir) <= 100, len(tir)
+    assert sum(r["calls"] for r in tir if r["kernel"].startswith("argmax")) == 3  # one a pool
+    assert not any("transpose" in r["kernel"] and r["bytes_per_call"] > 50e6 for r in tir)
+
+
 def test_load_model_specs():
     assert "MLP" in tuning.load_model("mlp", batch=3).description
     assert tuning.load_model("tvm_evt.models:mlp").model is not None
