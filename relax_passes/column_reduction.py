@@ -18,7 +18,8 @@ This rule gives each thread ``v`` consecutive columns (16 bytes of the widest ty
 It takes a function that is, after inlining, one block with spatial iterators ``[..., n]`` and
 one reduction iterator ``r``, summing into ``out[..., n]``, where every load uses ``n`` only in
 its last index, as ``n`` itself (or not at all: a per-column vector such as a batch-norm mean),
-and ``r`` never in the last index, with at least ``MIN_BLOCKS`` thread blocks.  Anything else is declined and goes to the next rule.
+and ``r`` never in the last index, with at least ``MIN_BLOCKS`` thread blocks.  Anything else is
+declined and goes to the next rule.
 """
 
 from __future__ import annotations

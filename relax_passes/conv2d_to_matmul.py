@@ -17,12 +17,12 @@ gradient) are GEMMs the EVT partitioner offloads.  ``windows`` is chosen by the 
 * otherwise, at most ``MAX_WINDOW`` kernel taps: pad, one strided slice per tap, stacked.
 
 Only ``groups == 1`` NCHW/OIHW convolutions with static shapes are rewritten (and NCW/OIW
-``conv1d``: XML-CNN); the rest stay as they are.  A ``conv1d`` goes channels-last first: its input
-transposed to NWC (where it came from an NWC tensor, as XML-CNN's embedding, the two transposes
-cancel), its weight to OWI (an input that is itself a transpose of an NWC tensor is read as that tensor,
-so that the gradient stays NWC as well), then gathered as an NHWC conv2d of height 1 (below).  Gathered
-channel-major from NCW, each of XML-CNN's 8-tap windows read 8 neighbours 500 elements apart per
-output row: 0.33 ms for an 85 MB gather on H100.  The gathered columns
+``conv1d``: XML-CNN); the rest stay as they are.  A ``conv1d`` goes channels-last first: its
+input transposed to NWC (an input that is itself the transpose of an NWC tensor, as XML-CNN's
+embedding, is read as that tensor, so the gradient stays NWC too), its weight to OWI, then
+gathered as an NHWC conv2d of height 1 (below).  Gathered channel-major from NCW, each of
+XML-CNN's 8-tap windows read 8 neighbours 500 elements apart per output row: 0.33 ms for an
+85 MB gather on H100.  The gathered columns
 are KH*KW times the input (3x3: 9x) in memory.
 
 NHWC/OHWI convolutions (``relax.transform.ConvertLayout`` makes them, with the layout carried
@@ -83,26 +83,17 @@ class _Rewriter(PyExprMutator):
         emit = self.builder_.emit
         out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
         if nhwc:  # channels innermost: the windows are channel-contiguous and the output needs no transpose
-            (n, _, _, c), (o, kh, kw, _), (_, oh, ow, _) = xs, ws, ys
-            cols = self._windows_nhwc(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)
-            if cols is None:
-                return call
-            w2 = emit(relax.op.permute_dims(emit(relax.op.reshape(w, [o, kh * kw * c])), [1, 0]))
-            y = emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
-            return relax.op.reshape(y, [n, oh, ow, o])
+            y = self._nhwc_gemm(x, xs, w, ws, ys, stride, dilation, pad, out_dtype)
+            return call if y is None else relax.op.reshape(y, [xs[0], *ys[1:3], ws[0]])
         if call.op == CONV1D:  # an NHWC conv2d of height 1 between NCW <-> NWC transposes
             (n, c, wd), (o, _, k), (_, _, ow) = xs, ws, ys
             nwc = producer(self, x, PERMUTE)  # x = NWC^T (XML-CNN's embedding): read the NWC tensor
             nwc = nwc.args[0] if nwc is not None and permute_axes(nwc) == [0, 2, 1] else \
                 emit(relax.op.permute_dims(x, [0, 2, 1]))
-            x = emit(relax.op.reshape(nwc, [n, 1, wd, c]))
-            cols = self._windows_nhwc(x, (n, 1, wd, c), (1, k), (1, ow), [1, *stride], [1, *dilation],
-                                      [0, pad[0], 0, pad[1]])
-            if cols is None:
-                return call
-            w2 = emit(relax.op.reshape(emit(relax.op.permute_dims(w, [0, 2, 1])), [o, k * c]))
-            y = emit(relax.op.matmul(cols, emit(relax.op.permute_dims(w2, [1, 0])), out_dtype=out_dtype))
-            return relax.op.permute_dims(emit(relax.op.reshape(y, [n, ow, o])), [0, 2, 1])
+            owi = emit(relax.op.reshape(emit(relax.op.permute_dims(w, [0, 2, 1])), [o, 1, k, c]))
+            y = self._nhwc_gemm(emit(relax.op.reshape(nwc, [n, 1, wd, c])), (n, 1, wd, c), owi, (o, 1, k, c),
+                                (n, 1, ow, o), [1, *stride], [1, *dilation], [0, pad[0], 0, pad[1]], out_dtype)
+            return call if y is None else relax.op.permute_dims(emit(relax.op.reshape(y, [n, ow, o])), [0, 2, 1])
         (n, c, h, wd), (o, _, kh, kw), (_, _, oh, ow) = xs, ws, ys
         cols = self._windows(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)  # pad: top, left, bottom, right
         if cols is None:
@@ -111,6 +102,17 @@ class _Rewriter(PyExprMutator):
         y = emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
         y = emit(relax.op.reshape(y, [n, oh, ow, o]))
         return relax.op.permute_dims(y, [0, 3, 1, 2])
+
+    def _nhwc_gemm(self, x, xs, w, ws, ys, stride, dilation, pad, out_dtype):
+        """An NHWC/OHWI convolution as one GEMM, its ``[N*OH*OW, O]`` result, or None (windows
+        too large)."""
+        emit = self.builder_.emit
+        (_, _, _, c), (o, kh, kw, _), (_, oh, ow, _) = xs, ws, ys
+        cols = self._windows_nhwc(x, xs, (kh, kw), (oh, ow), stride, dilation, pad)
+        if cols is None:
+            return None
+        w2 = emit(relax.op.permute_dims(emit(relax.op.reshape(w, [o, kh * kw * c])), [1, 0]))
+        return emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
 
     def _windows(self, x, xs, kernel, out, stride, dilation, pad):
         """``[N*OH*OW, C*KH*KW]`` columns (channel-major, then kernel row, column), or None."""

@@ -10,10 +10,10 @@ Fixed after it: TVM 0.27's ``ConvertLayout`` also wraps 0-d tensors (a loss comp
 values) in ``permute_dims``, whose gradient then fails ("Index -2 out of bounds"): such identity
 permutes are dropped; and the per-channel vectors of batch norm, ``[1, C, 1, 1]`` <->
 ``[1, 1, 1, C]``, are permuted where only unit axes move: those become reshapes, which move no
-data and fuse with their neighbours; and a loss reduced over every axis of an NHWC value (ResNet's
-MSE against an NCHW target) was transposed back to NCHW first (0.36 ms for 411 MB on H100): a
-reduction over every axis reads the untransposed value.  The pass runs only where there is a convolution to
-convert, so other models keep their graph untouched.
+data and fuse with their neighbours; and a loss reduced over every axis of an NHWC value
+(ResNet's MSE against an NCHW target) was transposed back to NCHW first (0.36 ms for 411 MB on
+H100): a reduction over every axis reads the untransposed value.  The pass runs only where there
+is a convolution to convert, so other models keep their graph untouched.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class _SimplifyPermutes(PyExprMutator):
         if shape is not None and moved == sorted(moved):  # only unit axes move: a reshape, no data movement
             return relax.op.reshape(x, [shape[a] for a in axes])
         return call
-
 
     def _reduce_unpermuted(self, call: relax.Call) -> relax.Expr:
         """A reduction over every axis reads its operand in any order: skip a transpose before it."""

@@ -575,7 +575,7 @@ def _avg_pool_divisor(size, out, kernel, stride, pad_before, pad_after, include_
     return div
 
 
-def _tiled_max_pool_grad(x: Expr, y: Expr, grad: Expr, spatial: list[int], kernel: list[int],
+def _tiled_max_pool_grad(x: Expr, grad: Expr, spatial: list[int], kernel: list[int],
                          in_shape: list[int], out_shape: list[int]) -> Expr:
     """Max pooling whose windows tile the input (kernel = stride, no padding or dilation), as one
     argmax over each window: the gradient goes to the window's first maximum, as torch routes it.
@@ -650,7 +650,7 @@ def _pool_grad(kind: str) -> GradientRule:
 
         if kind == "max" and not any(padding) and all(d == 1 for d in dilation) and kernel == strides \
                 and all(n == o * k for n, o, k in zip(sizes, outs, kernel)):
-            return [_tiled_max_pool_grad(x, orig_var, output_grad, spatial, kernel, in_shape, out_shape)]
+            return [_tiled_max_pool_grad(x, output_grad, spatial, kernel, in_shape, out_shape)]
         if kind == "max":
             lowest = _lowest(_dtype(x))
             x_padded = ctx.normalize(R.nn.pad(x, pad_width, "constant", lowest))

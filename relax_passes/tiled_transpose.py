@@ -57,13 +57,14 @@ def transposed_read(block) -> tuple[tirx.Buffer, int, int] | None:
     k = len(ivars) - 1
     best = None
     for buf, idx in _accesses(block):
-        if buf.same_as(body.buffer) or len(idx) != len(ivars) or \
-                any(not any(i.same_as(v) for v in ivars) for i in idx):
+        if buf.same_as(body.buffer):
             continue
-        j = next(a for a, v in enumerate(ivars) if v.same_as(idx[-1]))
+        order = [next((a for a, v in enumerate(ivars) if v.same_as(i)), None) for i in idx]
+        if None in order or sorted(order) != list(range(len(ivars))):
+            continue  # not the iterators permuted (a broadcast, a diagonal, an offset)
+        j, position = order[-1], order.index(k)
         if j == k:
             continue
-        position = next(p for p, i in enumerate(idx) if i.same_as(ivars[k]))
         size = tvm.DataType(str(buf.dtype)).bits * len(idx)
         if best is None or size > best[0]:
             best = (size, buf, j, position)

@@ -31,6 +31,8 @@ def _kernels():
         "matrix": ([x, te.compute((40, 96), lambda i, j: x[j, i] * tirx.const(2.0, "float32"), name="y")], (8, 32)),
         # in order: nothing to tile
         "copy": ([x, te.compute((96, 40), lambda i, j: x[i, j], name="y")], None),
+        # a diagonal is not a permutation of the iterators
+        "diagonal": ([x, te.compute((40, 40), lambda i, j: x[i, i], name="y")], None),
         # no tile divides 35
         "odd": ([odd, te.compute((35, 6), lambda i, j: odd[j, i], name="y")], None),
     }
