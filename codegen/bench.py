@@ -313,8 +313,7 @@ class Torch:
             return math.nan
         rng = np.random.default_rng(0)
         idx = np.unique(rng.integers(0, m * n, size=1 << 20, dtype=np.int64))
-        keep = (philox.word(idx.astype(np.uint64), DROPOUT_SEED, DROPOUT_SITE) >> np.uint32(8)) >= np.uint32(
-            philox.keep_threshold(DROPOUT_P))
+        keep = philox.keep(idx.astype(np.uint64), DROPOUT_SEED, DROPOUT_SITE, DROPOUT_P)
         tidx = t.from_numpy(idx).to(self.device)
         tkeep = t.from_numpy(keep).to(self.device)
         hb = h.to(t.bfloat16).float().flatten()[tidx]  # the epilogue adds the bias in bf16 precision

@@ -4,11 +4,11 @@ Convention (shared by every dropout site of a training graph, and by any kernel 
 regenerates a mask, e.g. an EVT epilogue):
 
 * key     = (seed[0], seed[1]), the step's 64-bit seed as two uint32 words;
-* element ``i`` (the row-major element index of the tensor being masked) takes word ``i mod 4``
-  of the Philox4x32-10 draw with counter = (d mod 2^32, d div 2^32, site, 0), d = i div 4, where
-  ``site`` numbers the dropout op in the graph: four consecutive elements share one draw;
-* keep iff ``(word >> 8) >= round(p * 2^24)``, so an element is kept with probability 1 - p
-  (to 2^-24);
+* element ``i`` (the row-major element index of the tensor being masked) takes the 16 bits
+  ``u = word[(i mod 8) div 2] >> 16 (i mod 2)`` of the Philox4x32-10 draw with counter
+  (d mod 2^32, d div 2^32, site, 0), d = i div 8, where ``site`` numbers the dropout op in the
+  graph: eight consecutive elements share one draw;
+* keep iff ``u >= round(p * 2^16)``, so an element is kept with probability 1 - p (to 2^-17);
 * kept elements are scaled by 1 / (1 - p) (by the graph, not by the mask kernel).
 
 Because the mask is a pure function of (seed, site, index), forward and backward (and any
@@ -26,7 +26,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ..codegen import philox as codegen_philox
-from ..codegen.philox import PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, ROUNDS, keep_threshold
+from ..codegen.philox import BITS, PER_DRAW, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, ROUNDS, keep_threshold
 
 
 KEEP_RATE_ATTR = "tvm_evt.dropout_keep"  # a keep-mask PrimFunc's dropout rate
@@ -84,7 +84,7 @@ def dropout_keep_primfunc(shape, rate: float):
         idx = tirx.const(0, "uint64")
         for i, stride in zip(index, strides):
             idx = idx + tirx.Cast("uint64", i) * tirx.const(stride, "uint64")
-        draw = idx >> tirx.const(2, "uint64")
+        draw = idx >> tirx.const(3, "uint64")
         counter = [
             tirx.Cast("uint32", draw & tirx.const(0xFFFFFFFF, "uint64")),
             tirx.Cast("uint32", draw >> tirx.const(32, "uint64")),
@@ -92,10 +92,12 @@ def dropout_keep_primfunc(shape, rate: float):
             _u32(0),
         ]
         words, lets = philox_words(counter, (seed[0], seed[1]))
-        j = tirx.Cast("uint32", idx & tirx.const(3, "uint64"))
+        lane = tirx.Cast("uint32", idx & tirx.const(PER_DRAW - 1, "uint64"))
+        j = lane >> _u32(1)
         word = tirx.Select(j == _u32(0), words[0], tirx.Select(j == _u32(1), words[1],
                            tirx.Select(j == _u32(2), words[2], words[3])))
-        body = (word >> _u32(8)) >= _u32(threshold)
+        u = (word >> ((lane & _u32(1)) * _u32(BITS))) & _u32(0xFFFF)
+        body = u >= _u32(threshold)
         for var, value in reversed(lets):
             body = tirx.Let(var, value, body)
         return body
@@ -113,16 +115,16 @@ U32, BOOL = "uint32", "bool"
 
 
 def dropout_keep_gpu_primfunc(shape, rate: float):
-    """``dropout_keep_primfunc`` scheduled for CUDA: one thread per Philox draw writes four
-    consecutive mask elements (the tail of a tensor whose size is not a multiple of 4 is
-    guarded), a quarter of the integer work of one draw per element.
+    """``dropout_keep_primfunc`` scheduled for CUDA: one thread per Philox draw writes eight
+    consecutive mask elements (the tail of a tensor whose size is not a multiple of 8 is
+    guarded), an eighth of the integer work of one draw per element.
 
     CUDA only: the same loop built by LLVM for x86 returned wrong masks (with and without
     ``tirx.noalias``, depending on the loop's size), so the CPU keeps the per-element form."""
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
-    draws = (numel + 3) // 4
-    idx = "int64" if numel >= 2**31 - 4 * THREADS else "int32"
+    draws = (numel + PER_DRAW - 1) // PER_DRAW
+    idx = "int64" if numel >= 2**31 - PER_DRAW * THREADS else "int32"
     threshold = keep_threshold(rate)
     blocks, threads = (draws + THREADS - 1) // THREADS, THREADS
     m0, m1, w0, w1, mask32 = PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, 0xFFFFFFFF
@@ -152,9 +154,9 @@ def dropout_keep_gpu_primfunc(shape, rate: float):
                         c[3] = T.Cast("uint32", prod[0] & T.uint64(mask32))
                         c[4] = c[4] + T.uint32(w0)  # the bump after the last round is unused
                         c[5] = c[5] + T.uint32(w1)
-                    for j in T.unroll(4):
-                        if d * 4 + j < numel:
-                            flat[d * 4 + j] = (c[j] >> T.uint32(8)) >= T.uint32(threshold)
+                    for j in T.unroll(PER_DRAW):
+                        if d * PER_DRAW + j < numel:
+                            flat[d * PER_DRAW + j] = ((c[j // 2] >> T.uint32(BITS * (j % 2))) & T.uint32(0xFFFF)) >= T.uint32(threshold)
 
     return dropout_keep
 

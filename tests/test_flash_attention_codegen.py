@@ -30,7 +30,7 @@ def test_forward_entry_bakes_in_shapes_flags_and_dropout_constants():
     assert "flash_fwd<true, false, true, true><<<grid, kThreads, 0, stream>>>(p);" in src
     assert "dim3 grid((197 + kBlock - 1) / kBlock, 6);" in src
     # the Philox threshold and scale of p = 0.1 (codegen/philox.py's convention), the site
-    assert "p.threshold = 1677722u;" in src and "p.drop_scale = 1.1111111640930176f;" in src
+    assert "p.threshold = 6554u;" in src and "p.drop_scale = 1.1111111640930176f;" in src
     assert "p.site = 3u;" in src
     # every argument is checked: q [2,3,197,64] bf16 ... seed uint32[2], bias f32[208], lse f32
     assert 'check(q, kKernel, "q", {2, 3, 197, 64}, kDLBfloat, 16, device)' in src

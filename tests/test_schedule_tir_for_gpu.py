@@ -82,12 +82,12 @@ def _dropout_module(shape=(3, 5, 70)):
 
 
 def test_dropout_masks_take_their_own_gpu_form():
-    """One thread per Philox draw (four mask elements), not DLight's one thread per element."""
+    """One thread per Philox draw (eight mask elements), not DLight's one thread per element."""
     with CUDA:
         mod = ScheduleTIRForGPU()(_dropout_module())
     (keep,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("dropout_keep")]
     assert int(keep.attrs["tirx.is_scheduled"]) == 1 and 'thread="threadIdx.x"' in keep.script()
-    assert "T.thread_binding(2, thread=\"blockIdx.x\")" in keep.script()  # 1050 elements / 4 / 256 threads
+    assert "T.thread_binding(1, thread=\"blockIdx.x\")" in keep.script()  # 1050 elements / 8 / 256 threads
     prim = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint.startswith("dropout_keep")})
     source = tvm.tirx.build(prim, target=CUDA).imports[0].inspect_source()
     assert "threadIdx.x" in source and source.count("3528531795") == 10  # ten unrolled rounds

@@ -73,13 +73,13 @@ struct Params {
   float scale;           // softmax scale
   float scale_log2;      // scale * log2(e)
   float drop_scale;      // 1 / (1 - p)
-  uint32_t threshold;    // keep iff (philox word >> 8) >= threshold = round(p * 2^24)
+  uint32_t threshold;    // keep iff its 16 philox bits >= threshold = round(p * 2^16)
   uint32_t site;
 };
 
-// ---- Philox4x32-10, the convention of tvm_evt/codegen/philox.py: element i takes word i % 4 of
-// the draw with counter (lo32(i / 4), hi32(i / 4), site, 0) under key (seed[0], seed[1]); kept iff
-// (word >> 8) >= threshold.
+// ---- Philox4x32-10, the convention of tvm_evt/codegen/philox.py: element i takes the 16 bits
+// i % 2 of word (i % 8) / 2 of the draw with counter (lo32(i / 8), hi32(i / 8), site, 0) under key
+// (seed[0], seed[1]); kept iff those bits >= threshold.
 __device__ __forceinline__ uint4 philox_draw(uint64_t draw, uint32_t site, uint32_t k0, uint32_t k1) {
   uint32_t c0 = uint32_t(draw), c1 = uint32_t(draw >> 32), c2 = site, c3 = 0;
 #pragma unroll
@@ -92,26 +92,29 @@ __device__ __forceinline__ uint4 philox_draw(uint64_t draw, uint32_t site, uint3
   return make_uint4(c0, c1, c2, c3);
 }
 
-// keep bits (bit e for element first + e) of ``count`` <= 32 consecutive elements: the 8 draws
-// covering them (9 when ``first`` is not a multiple of 4), 4 bits each, then shifted into place
+__device__ __forceinline__ uint32_t keep2(uint32_t word, uint32_t threshold) {  // bits of its two halves
+  return uint32_t((word & 0xffffu) >= threshold) | uint32_t((word >> 16) >= threshold) << 1;
+}
+// keep bits (bit e for element first + e) of ``count`` <= 32 consecutive elements: the 4 draws
+// covering them (5 when ``first`` is not a multiple of 8), 8 bits each, then shifted into place
 __device__ __forceinline__ uint32_t keep_bits(uint64_t first, int count, uint32_t site, uint32_t k0, uint32_t k1,
                                               uint32_t threshold) {
-  const uint64_t draw = first >> 2;
-  const int skip = int(first & 3);
+  const uint64_t draw = first >> 3;
+  const int skip = int(first & 7);
   uint64_t bits = 0;
 #pragma unroll
-  for (int d = 0; d < 9; ++d) {
-    if (d == 8 && skip == 0) break;
+  for (int d = 0; d < 5; ++d) {
+    if (d == 4 && skip == 0) break;
     const uint4 w = philox_draw(draw + d, site, k0, k1);
-    bits |= uint64_t(uint32_t((w.x >> 8) >= threshold) | uint32_t((w.y >> 8) >= threshold) << 1 |
-                     uint32_t((w.z >> 8) >= threshold) << 2 | uint32_t((w.w >> 8) >= threshold) << 3) << (4 * d);
+    bits |= uint64_t(keep2(w.x, threshold) | keep2(w.y, threshold) << 2 | keep2(w.z, threshold) << 4 |
+                     keep2(w.w, threshold) << 6) << (8 * d);
   }
   const uint32_t word = uint32_t(bits >> skip);
   return count >= 32 ? word : word & ((1u << count) - 1u);
 }
 
 // The keep mask of one 64 x 64 tile (queries m0.., keys n0..) as bits in shared memory,
-// ``bits[2 * query + key / 32] >> key % 32``: each thread draws the 8 (or 9) Philox words of 32
+// ``bits[2 * query + key / 32] >> key % 32``: each thread draws the 4 (or 5) Philox draws of 32
 // consecutive elements of one row, so a tile costs the minimum number of draws whatever the
 // fragment layout of the kernel that reads it.  The forward pass can save the bits (128 words a
 // tile, [B*H, q_blocks, k_blocks, 128]) and the backward kernels read them instead of drawing.

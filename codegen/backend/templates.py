@@ -300,7 +300,8 @@ namespace tvm_evt {
 using cutlass::Array;
 
 // Philox4x32-10 draw ``draw`` = (lo32, hi32, site, 0) under key (k0, k1): all four words.  Element
-// i uses word i % 4 of draw i / 4 (the convention is documented in tvm_evt/codegen/philox.py).
+// i uses the 16 bits i % 2 of word (i % 8) / 2 of draw i / 8 (the convention is documented in
+// tvm_evt/codegen/philox.py).
 struct PhiloxWords { uint32_t w[4]; };
 CUTLASS_DEVICE PhiloxWords philox_draw(uint64_t draw, uint32_t site, uint32_t k0, uint32_t k1) {
   uint32_t c0 = uint32_t(draw), c1 = uint32_t(draw >> 32), c2 = site, c3 = 0;
@@ -314,11 +315,13 @@ CUTLASS_DEVICE PhiloxWords philox_draw(uint64_t draw, uint32_t site, uint32_t k0
   }
   return {{c0, c1, c2, c3}};
 }
-CUTLASS_DEVICE uint32_t philox_pick(PhiloxWords const& r, uint32_t j) {
-  return j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];  // selects, no local memory
+CUTLASS_DEVICE uint32_t philox_pick16(PhiloxWords const& r, uint32_t lane) {  // lane = i % 8
+  const uint32_t j = lane >> 1;
+  const uint32_t w = j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];  // selects, no local memory
+  return (w >> ((lane & 1u) * 16u)) & 0xffffu;
 }
 
-// keep ? x * scale : 0 with keep = (philox word of i >> 8) >= threshold, i = (l * M + m) * N + n.
+// keep ? x * scale : 0 with keep = (16 philox bits of i) >= threshold, i = (l * M + m) * N + n.
 // A thread's fragment holds adjacent columns in pairs, so consecutive elements usually share a
 // draw: the last draw is kept and reused.
 template <class ElementOutput, class ElementCompute = float>
@@ -327,7 +330,7 @@ struct Sm90PhiloxDropout {
   struct Arguments {
     uint32_t const* seed_ptr = nullptr;  // uint32[2]: the key
     uint32_t site = 0;
-    uint32_t threshold = 0;               // round(p * 2^24)
+    uint32_t threshold = 0;               // round(p * 2^16)
     float scale = 1.0f;                   // 1 / (1 - p)
   };
   using Params = Arguments;
@@ -383,11 +386,11 @@ struct Sm90PhiloxDropout {
       for (int i = 0; i < FragmentSize; ++i) {
         auto coord = tC_cD_mn(epi_v * FragmentSize + i);
         uint64_t index = (uint64_t(l) * uint64_t(M) + uint64_t(get<0>(coord))) * uint64_t(N) + uint64_t(get<1>(coord));
-        if ((index >> 2) != drawn) {
-          drawn = index >> 2;
+        if ((index >> 3) != drawn) {
+          drawn = index >> 3;
           words = philox_draw(drawn, params->site, k0, k1);
         }
-        bool keep = (philox_pick(words, uint32_t(index) & 3u) >> 8) >= params->threshold;
+        bool keep = philox_pick16(words, uint32_t(index) & 7u) >= params->threshold;
         ElementCompute x = to_compute(frg_input[i]);
         out[i] = to_output(keep ? x * ElementCompute(params->scale) : ElementCompute(0));
       }
