@@ -19,6 +19,7 @@ from .eliminate_masked_fill_gradient import EliminateMaskedFillGradient
 from .eliminate_reduction import EliminateReduction
 from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
 from .fold_layout import FoldLayoutIntoMatmul
+from .fuse_column_moments import FuseColumnMoments
 from .narrow_before_layout import NarrowBeforeLayout
 from .save_softmax_low_precision import SaveSoftmaxLowPrecision
 from .swap_transposed_matmul import SwapTransposedMatmul
@@ -41,6 +42,7 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             EliminateReduction(),
             EliminateSoftmaxBackwardReduction(),  # attention: rowsum(P*dP) -> rowsum(dO*O)
             AccumulateInFloat32(),  # the backward's bf16 sums (bias, batch norm) add in fp32
+            FuseColumnMoments(),  # a batch norm's two column sums of a direction: one pass over its input
             *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
             EliminateMaskedFillGradient(),  # causal masks: P is already 0 where dS was masked
             SwapTransposedMatmul(),  # (x^T dy)^T -> dy^T x: weight gradients need no transpose

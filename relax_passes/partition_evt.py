@@ -370,17 +370,19 @@ def same_tile(shape: tuple | None, gemm: tuple) -> bool:
 def _cast_for_consumer(graph: OpGraph, node: OpNode) -> bool:
     """A widening ``astype`` read only by ops whose kernels take the narrow input and widen it
     themselves (``evt_cost.WIDENING_CONSUMERS``), or read by a reduction that stays out of
-    epilogues (a batch norm's statistics and its gradient's sums, whose kernels read it anyway):
-    fused into the epilogue it would only double the bytes the GEMM stores and the consumers
-    read."""
+    epilogues (a batch norm's statistics and its gradient's sums, whose kernels read it anyway),
+    or whose narrow input a kernel of its own reads (a ``call_tir``: `column_moments`): fused
+    into the epilogue it would only double the bytes the GEMM stores and the consumers read."""
     if node.op != "relax.astype" or not node.users or len(node.inputs) != 1:
         return False
     src = graph.nodes[node.inputs[0]].dtype
     if src is None or node.dtype is None or evt_cost.dtype_bytes(node.dtype) <= evt_cost.dtype_bytes(src):
         return False
     users = [graph.nodes[u].op for u in node.users]
+    narrow_readers = [graph.nodes[u].op for u in graph.nodes[node.inputs[0]].users]
     return (all(op in evt_cost.WIDENING_CONSUMERS for op in users)
-            or (not evt_cost.FUSE_REDUCTIONS and any(op in evt_cost.TVM_REDUCTION_OPS for op in users)))
+            or (not evt_cost.FUSE_REDUCTIONS and any(op in evt_cost.TVM_REDUCTION_OPS for op in users))
+            or "relax.call_tir" in narrow_readers)
 
 
 def _feeds_only_reductions(graph: OpGraph, elementwise: set, fusable: set) -> set[int]:

@@ -1,7 +1,8 @@
 """ScheduleTIRForGPU: DLight's default GPU schedules, applied rule by rule per function.
 
 Functions that bring their own GPU form (``OWN_GPU_FORMS``: the dropout masks, one thread per
-Philox draw; the optimizer update, one kernel for every parameter) take it.  With ``vectorize``, injective kernels with a contiguous innermost
+Philox draw; the optimizer update, one kernel for every parameter; a batch norm's column moments,
+one pass over its input) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
 element to a thread), those that read an operand transposed to ``TiledTranspose`` (through
 shared-memory tiles), and column sums to ``ColumnReduction`` (a vector of columns a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
@@ -21,12 +22,13 @@ import warnings
 
 from tvm import tirx
 
-from . import optimizer_update, philox
+from . import column_moments, optimizer_update, philox
 
 # Kernels that bring their own GPU form: (the attribute that marks the functions, the hook that
 # builds their GPU form).
 OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
-                 (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant))
+                 (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant),
+                 (column_moments.MOMENTS_ATTR, column_moments.gpu_variant))
 
 
 def _own_gpu_form_hook(func):

@@ -108,6 +108,26 @@ def test_xml_cnn_step_is_a_few_dozen_kernels():
     assert not any("transpose" in r["kernel"] and r["bytes_per_call"] > 50e6 for r in tir)
 
 
+def test_resnet50_batch_norm_sums_read_their_inputs_once():
+    """ResNet-50 conv3_x's batch norms take their column sums as FuseColumnMoments' one-pass
+    kernels (13 forward, 13 backward), no M x C sum is left, and no GEMM epilogue stores its
+    output widened to float32 for them (the widening cast stays with its elementwise readers):
+    TIR traffic was 15.9 GB a step with the sums in pairs, 14.4 GB with them fused."""
+    from tvm_evt import bench_e2e
+
+    _imported, graph = tuning.training_graph(bench_e2e.build_entry("resnet50", False), "bf16")
+    rows = tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    tir = [r for r in rows if r["kind"] == "tir"]
+    moments = [r for r in tir if r["kernel"].startswith("column_moments")]
+    assert sum(r["calls"] for r in moments if "centered" in r["kernel"]) == 13
+    assert sum(r["calls"] for r in moments if "centered" not in r["kernel"]) == 13
+    # the loss's sum of squares over [128, 28, 28, 512] is the only large sum left
+    big = [r for r in tir if "sum" in r["kernel"] and r["bytes_per_call"] > 20e6]
+    assert len(big) == 1 and big[0]["calls"] == 1, big
+    cutlass = sum(r["bytes"] for r in rows if r["kind"] == "cutlass")
+    assert cutlass < 8.0e9, cutlass  # 7.4 GB; 9.6 GB with the widened outputs stored
+
+
 def test_load_model_specs():
     assert "MLP" in tuning.load_model("mlp", batch=3).description
     assert tuning.load_model("tvm_evt.models:mlp").model is not None

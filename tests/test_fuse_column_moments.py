@@ -1,0 +1,159 @@
+"""FuseColumnMoments and column_moments: a batch norm's two column sums as one pass over its input."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.support import nvcc
+
+from tvm_evt.relax_passes import column_moments as cm
+from tvm_evt.relax_passes.fuse_column_moments import FuseColumnMoments
+
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
+R = relax.op
+
+
+def _moments_calls(mod):
+    """(PrimFunc name, its spec) of every column-moments call_tir of ``main``, and the sum/mean count."""
+    calls, reductions = [], 0
+    for block in mod["main"].body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and v.op == tvm.ir.Op.get("relax.call_tir"):
+                func = mod[v.args[0]]
+                if func.attrs and cm.MOMENTS_ATTR in func.attrs:
+                    calls.append((v.args[0].name_hint, str(func.attrs[cm.MOMENTS_ATTR])))
+            elif isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name in ("relax.sum", "relax.mean"):
+                reductions += 1
+    return calls, reductions
+
+
+def _batch_norm_sums(shape, axes, dtype="bfloat16", shared_dy=False):
+    """main(x, dy, mean): the forward moments mean(v), mean(v*v) and the backward sums Σg, Σg·(v - mean)
+    (v, g widened to float32; with `shared_dy`, a second backward pair over the same g)."""
+    bb = relax.BlockBuilder()
+    keep = [1 if i in axes else d for i, d in enumerate(shape)]
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    dy = relax.Var("dy", relax.TensorType(shape, dtype))
+    mean = relax.Var("mean", relax.TensorType(keep, "float32"))
+    with bb.function("main", [x, dy, mean]):
+        with bb.dataflow():
+            v = bb.emit(R.astype(x, "float32"))
+            outs = [bb.emit(R.mean(v, axes, keepdims=True)), bb.emit(R.mean(bb.emit(R.multiply(v, v)), axes, keepdims=True))]
+            g = bb.emit(R.astype(dy, "float32"))
+            c = bb.emit(R.subtract(v, mean))
+            for _ in range(2 if shared_dy else 1):
+                outs.append(bb.emit(R.sum(bb.emit(R.astype(dy, "float32")), axes, keepdims=True)))
+                outs.append(bb.emit(R.sum(bb.emit(R.multiply(g, c)), axes, keepdims=True)))
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run_llvm(mod, args):
+    ex = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    return [o.numpy() for o in vm["main"](*[tvm.runtime.tensor(a) for a in args])]
+
+
+def _args(shape, axes, dtype="bfloat16", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keep = [1 if i in axes else d for i, d in enumerate(shape)]
+    tdt = getattr(torch, dtype)
+    x, dy = (torch.randn(shape, generator=g).to(tdt) + 0.5 for _ in range(2))
+    mean = torch.randn(keep, generator=g)
+    return [tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(dy), mean.numpy()], (x, dy, mean)
+
+
+@pytest.mark.parametrize("shared_dy", [False, True])
+def test_pairs_become_one_call_each_and_compute_the_same(shared_dy):
+    shape, axes = (4, 6, 5, 16), [0, 1, 2]
+    before = _batch_norm_sums(shape, axes, shared_dy=shared_dy)
+    after = relax.transform.DeadCodeElimination()(FuseColumnMoments()(before))
+    calls, reductions = _moments_calls(after)
+    assert reductions == 0
+    assert [name.startswith("column_moments_centered") for name, _ in calls] == [False] + [True] * (2 if shared_dy else 1)
+    args, (x, dy, mean) = _args(shape, axes)
+    got, want = _run_llvm(after, args), _run_llvm(before, args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    # and against float64 torch
+    x64, dy64, m64 = x.double(), dy.double(), mean.double()
+    ref = [x64.mean(axes, keepdim=True), (x64 * x64).mean(axes, keepdim=True),
+           dy64.sum(axes, keepdim=True), (dy64 * (x64 - m64)).sum(axes, keepdim=True)]
+    for g, w in zip(got, ref):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_left_alone_when_the_channels_are_not_last():
+    mod = _batch_norm_sums((4, 16, 5, 6), [0, 2, 3])  # NCHW: the reduced axes are not the leading ones
+    calls, reductions = _moments_calls(FuseColumnMoments()(mod))
+    assert calls == [] and reductions == 4
+
+
+def test_left_alone_when_the_channels_are_not_a_multiple_of_the_lanes():
+    calls, reductions = _moments_calls(FuseColumnMoments()(_batch_norm_sums((4, 6, 5, 18), [0, 1, 2])))
+    assert calls == [] and reductions == 4
+
+
+@pytest.mark.parametrize("shape", [(128, 28, 28, 512), (128, 56, 56, 128), (3, 37, 16), (1, 8)])
+def test_grid_covers_the_rows(shape):
+    col_blocks, row_blocks, rows = cm.grid(shape)
+    m = int(np.prod(shape[:-1]))
+    assert rows % (cm.TY * cm.UNROLL) == 0 and (row_blocks - 1) * rows < m <= row_blocks * rows
+    assert col_blocks * cm.LANES * cm.TX >= shape[-1]
+    if shape == (128, 28, 28, 512):  # ResNet-50 conv3_x: row blocks that tile the rows, no guards
+        assert m == row_blocks * rows and col_blocks * row_blocks <= cm.TARGET_BLOCKS
+
+
+def _gpu_source(shape, centered):
+    func = cm.moments_gpu_primfunc(shape, ["bfloat16", "bfloat16"], centered).with_attr("global_symbol", "k")
+    return tvm.compile(tvm.IRModule({"k": func}), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_gpu_form_reads_each_input_once_as_vectors(centered):
+    src = _gpu_source((128, 28, 28, 512), centered)
+    loads = src.count("*(nv_bfloat164*)(")  # one 8-byte vector load of each input a row
+    assert loads == cm.UNROLL * (2 if centered else 1) * 2  # ... written as a load and a store to registers
+    kernels = set(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(', src))
+    assert "__syncthreads()" in src and len(kernels) == 2, kernels  # the partials, then their sums
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_gpu_form_compiles_with_nvcc():
+    src = _gpu_source((3, 37, 16), True)  # ragged: the row guards
+    with tvm.target.Target(CUDA):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16, 14, 14, 512), (3, 37, 16), (8, 28, 28, 128)])
+@pytest.mark.parametrize("centered", [False, True])
+def test_gpu_form_matches_float64(shape, centered):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    func = cm.moments_gpu_primfunc(shape, ["bfloat16", "bfloat16"], centered).with_attr("global_symbol", "k")
+    lib = tvm.compile(tvm.IRModule({"k": func}), target=tvm.target.Target(CUDA))
+    c = shape[-1]
+    keep = [1] * (len(shape) - 1) + [c]
+    _, row_blocks, _ = cm.grid(shape)
+    a, b = (torch.randn(shape, device="cuda").bfloat16() + 0.5 for _ in range(2))
+    mean = torch.randn(keep, device="cuda")
+    outs = [torch.full(keep, float("nan"), device="cuda") for _ in range(2)]
+    outs += [torch.full((row_blocks, c), float("nan"), device="cuda") for _ in range(2)]
+    ins = [a, b, mean] if centered else [a]
+    lib["k"](*[tvm.runtime.from_dlpack(t) for t in ins + outs])
+    torch.cuda.synchronize()
+    a64, b64 = a.double().reshape(-1, c), b.double().reshape(-1, c)
+    want = [a64.sum(0), (a64 * (b64 - mean.double().reshape(c))).sum(0) if centered else (a64 * a64).sum(0)]
+    for got, w in zip(outs, want):
+        torch.testing.assert_close(got.double().reshape(c), w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    for p, s in zip(outs[2:], outs[:2]):  # the partials add up to the sums
+        torch.testing.assert_close(p.sum(0), s.reshape(c), rtol=1e-5, atol=1e-3)
