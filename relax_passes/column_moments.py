@@ -15,8 +15,8 @@ sums of a direction as one ``call_tir``:
 * on CUDA, ``ScheduleTIRForGPU`` swaps in ``moments_gpu_primfunc`` (``gpu_variant``): thread
   (tx, ty) of a block keeps ``LANES`` adjacent channels (one vector load of each input a row) of
   every ``TY``-th row of its row block in float32 registers, the block adds its ``TY`` rows of
-  partials in shared memory, and a second kernel adds the row blocks' partials, a thread a
-  channel.  The same partials, in the same order as the portable form's rows, are the call's
+  partials in shared memory, and a second kernel adds the row blocks' partials (``FINAL_TY``
+  threads a channel).  The same partials, in the same order as the portable form's rows, are the call's
   third and fourth outputs.
 
 The PrimFunc is opaque to ``FuseOps`` (its inputs are values other kernels also read; a producer
@@ -38,7 +38,7 @@ F32 = "float32"
 LANES, TX, TY = 4, 32, 8  # channels a thread (one 8-byte bf16 load), threads along C and along rows
 UNROLL = 4  # rows a thread loads before it adds them
 TARGET_BLOCKS = 4 * 132  # blocks of the first kernel: four a streaming multiprocessor of an H100
-FINAL_THREADS = 256
+FINAL_TY = 32  # threads a channel in the second kernel
 
 
 def supported(shape, axes) -> bool:
@@ -200,20 +200,35 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
                                             for t in range(1, TY):
                                                 total = total + red[k, t, tx * const(LANES) + v]
                                             T.buffer_store(p[k], total, [by, c0 + v])
-            # the row blocks' partials, a thread a channel (a second kernel)
-            with T.thread_binding(const(-(-c // FINAL_THREADS)), thread="blockIdx.x") as bx:
-                with T.thread_binding(const(FINAL_THREADS), thread="threadIdx.x") as tx:
-                    ch = bx * const(FINAL_THREADS) + tx
-                    with T.If(ch < const(c)):
-                        with T.Then():
-                            tot = T.alloc_buffer((2,), F32, scope="local")
-                            for k in range(2):
-                                T.buffer_store(tot, zero, [k])
-                            with T.serial(0, row_blocks) as rb:
+            # the row blocks' partials (a second kernel): TX channels a block, FINAL_TY threads a
+            # channel striding over the row blocks, then added in shared memory
+            # (a thread a channel looping over 448 row blocks took 15 us at C = 128)
+            with T.thread_binding(const(-(-c // TX)), thread="blockIdx.x") as bx:
+                red2 = T.alloc_buffer((2, FINAL_TY, TX), F32, scope="shared")
+                with T.thread_binding(const(FINAL_TY), thread="threadIdx.y") as ty:
+                    with T.thread_binding(const(TX), thread="threadIdx.x") as tx:
+                        ch = bx * const(TX) + tx
+                        tot = T.alloc_buffer((2,), F32, scope="local")
+                        for k in range(2):
+                            T.buffer_store(tot, zero, [k])
+                        with T.If(ch < const(c)):
+                            with T.Then():
+                                with T.serial(0, -(-row_blocks // FINAL_TY)) as i:
+                                    rb = i * const(FINAL_TY) + ty
+                                    with T.If(rb < const(row_blocks)):
+                                        with T.Then():
+                                            for k in range(2):
+                                                T.buffer_store(tot, tot[k] + p[k][rb, ch], [k])
+                        for k in range(2):
+                            T.buffer_store(red2, tot[k], [k, ty, tx])
+                        T.evaluate(T.tvm_storage_sync("shared"))
+                        with T.If(tirx.all(ty == const(0), ch < const(c))):
+                            with T.Then():
                                 for k in range(2):
-                                    T.buffer_store(tot, tot[k] + p[k][rb, ch], [k])
-                            for k in range(2):
-                                T.buffer_store(fs[k], tot[k], [ch])
+                                    total = red2[k, 0, tx]
+                                    for t in range(1, FINAL_TY):
+                                        total = total + red2[k, t, tx]
+                                    T.buffer_store(fs[k], total, [ch])
             root.__exit__(None, None, None)
     return ib.get()
 
