@@ -71,12 +71,23 @@ class _Function:
         return None
 
 
-# (name, the second reduction's operand -> (first reduction's operand, kernel inputs) or None)
-PAIRS = (
-    ("moments", lambda fn, v: (lambda p: None if p is None else (p, [fn.read(p)]))(fn.square(v))),
-    ("centered moments",
-     lambda fn, v: (lambda t: None if t is None else (t[0], [fn.read(t[0]), fn.read(t[1]), t[2]]))(fn.centered(v))),
-)
+def _moments(fn: _Function, v):
+    """``v = p * p``: the pair is (mean(p), mean(p * p)); the kernel reads p."""
+    p = fn.square(v)
+    return None if p is None else (p, [fn.read(p)])
+
+
+def _centered_moments(fn: _Function, v):
+    """``v = g * (w - mu)``: the pair is (sum(g), sum(g * (w - mu))); the kernel reads g, w, mu."""
+    found = fn.centered(v)
+    if found is None:
+        return None
+    g, w, mu = found
+    return g, [fn.read(g), fn.read(w), mu]
+
+
+# (name, the second reduction's operand -> (the first reduction's operand, kernel inputs) or None)
+PAIRS = (("moments", _moments), ("centered moments", _centered_moments))
 
 
 def _reduction(binding):
@@ -112,7 +123,7 @@ def plan(func: relax.Function) -> dict:
             first_operand, inputs = found
             # the first plain reduction of the same value no pair has taken (one gradient can feed
             # two batch norms: a residual block's last and its shortcut's)
-            taken = {v for p in out.values() for v in p[:2]}
+            taken = {var for pair in out.values() for var in pair[:2]}
             i = next((i for i in firsts.get((kind, fn.read(first_operand), axes), [])
                       if i != j and fn.bindings[i].var not in taken), None)
             shape = static_shape(inputs[0])
