@@ -9,6 +9,8 @@ from typing import Callable, Sequence
 import tvm
 from tvm import relax
 
+OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the PrimFunc
+
 
 def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
     """The static shape of a tensor-typed expression, else None (tuple, symbolic extent)."""

@@ -11,10 +11,9 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions
+from ._rewrite import OPAQUE, mutate_relax_functions
 
 LOW = ("bfloat16", "float16")
-OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps leaves the kernel whole
 
 
 def threads_per_row(n: int) -> int:

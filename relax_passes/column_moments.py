@@ -32,10 +32,9 @@ import math
 
 from tvm import relax, te, tirx
 
-from ._rewrite import emit_call_tir
+from ._rewrite import OPAQUE, emit_call_tir
 
 MOMENTS_ATTR = "tvm_evt.column_moments"  # {"shape": [...], "dtypes": [...], "centered": bool}
-OPAQUE = 8  # relax.OpPatternKind.kOpaque
 F32 = "float32"
 LANES, TX, TY = 4, 32, 8  # channels a thread (one 8-byte bf16 load), threads along C and along rows
 UNROLL = 4  # rows a thread loads before it adds them
@@ -235,14 +234,10 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
     return ib.get()
 
 
-def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-    """The CUDA form of a ``moments_primfunc`` (same symbol), else None."""
-    attrs = func.attrs
-    if not attrs or MOMENTS_ATTR not in attrs:
-        return None
-    spec = json.loads(str(attrs[MOMENTS_ATTR]))
-    out = moments_gpu_primfunc(spec["shape"], spec["dtypes"], spec["centered"])
-    return out.with_attr("global_symbol", attrs["global_symbol"]) if "global_symbol" in attrs else out
+def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The CUDA form of a ``moments_primfunc`` (one tagged ``MOMENTS_ATTR``)."""
+    spec = json.loads(str(func.attrs[MOMENTS_ATTR]))
+    return moments_gpu_primfunc(spec["shape"], spec["dtypes"], spec["centered"])
 
 
 def emit_moments(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr | None = None,

@@ -27,7 +27,7 @@ import math
 from tvm import relax, te, tirx
 
 from . import optimizers
-from ._rewrite import emit_call_tir
+from ._rewrite import OPAQUE, emit_call_tir
 
 OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
 PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype], ...]
@@ -35,7 +35,6 @@ THREADS = 256
 PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
 ELEMS_PER_BLOCK = THREADS * PER_THREAD
 FLOAT32 = "float32"
-OPAQUE = 8  # relax.OpPatternKind.kOpaque
 
 
 def _to_attr(optimizer) -> str:
@@ -151,15 +150,11 @@ def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtyp
     return ib.get()
 
 
-def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-    """The one-kernel CUDA form of an ``update_primfunc`` (same symbol), else None."""
-    attrs = func.attrs
-    if not attrs or OPTIMIZER_ATTR not in attrs:
-        return None
-    specs = json.loads(str(attrs[PARAMS_ATTR]))
-    out = gpu_primfunc(_from_attr(str(attrs[OPTIMIZER_ATTR])), [(tuple(shape), dtype) for shape, dtype, _ in specs],
-                       [gd for _, _, gd in specs])
-    return out.with_attr("global_symbol", attrs["global_symbol"]) if "global_symbol" in attrs else out
+def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The one-kernel CUDA form of an ``update_primfunc`` (one tagged ``OPTIMIZER_ATTR``)."""
+    specs = json.loads(str(func.attrs[PARAMS_ATTR]))
+    return gpu_primfunc(_from_attr(str(func.attrs[OPTIMIZER_ATTR])), [(tuple(shape), dtype) for shape, dtype, _ in specs],
+                        [gd for _, _, gd in specs])
 
 
 def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step) -> tuple[list, dict]:

@@ -162,13 +162,9 @@ def dropout_keep_gpu_primfunc(shape, rate: float):
 
 
 def gpu_variant(func):
-    """The thread-bound form of a ``dropout_keep_primfunc`` (same symbol), else None."""
-    attrs = func.attrs
-    if not attrs or KEEP_RATE_ATTR not in attrs:
-        return None
-    shape = [int(x) for x in attrs[KEEP_SHAPE_ATTR]]
-    out = dropout_keep_gpu_primfunc(shape, float(attrs[KEEP_RATE_ATTR]))
-    return out.with_attr("global_symbol", attrs["global_symbol"]) if "global_symbol" in attrs else out
+    """The thread-bound form of a ``dropout_keep_primfunc`` (one tagged ``KEEP_RATE_ATTR``)."""
+    shape = [int(x) for x in func.attrs[KEEP_SHAPE_ATTR]]
+    return dropout_keep_gpu_primfunc(shape, float(func.attrs[KEEP_RATE_ATTR]))
 
 
 def dropout_keep_numpy(numel: int, seed: tuple[int, int], site: int, rate: float) -> np.ndarray:

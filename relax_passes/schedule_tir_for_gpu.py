@@ -25,7 +25,7 @@ from tvm import tirx
 from . import column_moments, optimizer_update, philox
 
 # Kernels that bring their own GPU form: (the attribute that marks the functions, the hook that
-# builds their GPU form).
+# builds their GPU form from them; the function keeps its symbol).
 OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
                  (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant),
                  (column_moments.MOMENTS_ATTR, column_moments.gpu_variant))
@@ -82,7 +82,9 @@ class ScheduleTIRForGPU:
                 continue
             hook = _own_gpu_form_hook(func)
             if hook is not None:
-                updates[gv] = hook(func)
+                out = hook(func)
+                updates[gv] = out.with_attr("global_symbol", func.attrs["global_symbol"]) \
+                    if "global_symbol" in func.attrs else out
                 continue
             single = tvm.IRModule({gv: func})
             for rule in rules:
