@@ -65,7 +65,8 @@ def grid(shape) -> tuple[int, int, int]:
     return col_blocks, -(-m // rows), rows
 
 
-def _keep_shape(shape) -> list[int]:
+def keep_shape(shape) -> list[int]:
+    """The sums' shape: `shape` with every axis but the last 1."""
     return [1] * (len(shape) - 1) + [shape[-1]]
 
 
@@ -80,7 +81,7 @@ def moments_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
     ins = [a]
     if centered:
         b = te.placeholder(shape, dtypes[1], name="b")
-        mean = te.placeholder(_keep_shape(shape), F32, name="mean")
+        mean = te.placeholder(keep_shape(shape), F32, name="mean")
         ins += [b, mean]
 
     def at(tensor, r, ch):  # element (row r of the flattened leading axes, channel ch)
@@ -108,7 +109,7 @@ def moments_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
 
     def total(p, k):
         rb = te.reduce_axis((0, row_blocks), name="rb")
-        return te.compute(_keep_shape(shape), lambda *idx: te.sum(p[rb, idx[-1]], axis=rb), name=f"s{k}")
+        return te.compute(keep_shape(shape), lambda *idx: te.sum(p[rb, idx[-1]], axis=rb), name=f"s{k}")
 
     p0, p1 = partial(0), partial(1)
     func = te.create_prim_func(ins + [total(p0, 0), total(p1, 1), p0, p1]).without_attr("global_symbol")
@@ -128,6 +129,12 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
     const = lambda v: tirx.const(v, idx)  # noqa: E731
     zero = tirx.const(0.0, F32)
 
+    def column_total(buf, k, count, col):  # buf[k, 0, col] + ... + buf[k, count - 1, col]
+        total = buf[k, 0, col]
+        for t in range(1, count):
+            total = total + buf[k, t, col]
+        return total
+
     @contextlib.contextmanager
     def guard(row):  # rows past the end: only where the row blocks do not tile the rows
         if row_blocks * rows == m:
@@ -144,8 +151,8 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
             a = T.arg("a", T.buffer(shape, dtypes[0]))
             if centered:
                 b = T.arg("b", T.buffer(shape, dtypes[1]))
-                mean = T.arg("mean", T.buffer(_keep_shape(shape), F32))
-            s = [T.arg(f"s{k}", T.buffer(_keep_shape(shape), F32)) for k in range(2)]
+                mean = T.arg("mean", T.buffer(keep_shape(shape), F32))
+            s = [T.arg(f"s{k}", T.buffer(keep_shape(shape), F32)) for k in range(2)]
             p = [T.arg(f"p{k}", T.buffer((row_blocks, c), F32)) for k in range(2)]
             # a root block, as DLight's schedules have (RewriteDataflowReshape asks every one-input
             # PrimFunc whether it is a reshape, and that analysis wants a block at the root)
@@ -197,10 +204,8 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
                                 with T.Then():
                                     for k in range(2):
                                         for v in range(LANES):
-                                            total = red[k, 0, tx * const(LANES) + v]
-                                            for t in range(1, TY):
-                                                total = total + red[k, t, tx * const(LANES) + v]
-                                            T.buffer_store(p[k], total, [by, c0 + v])
+                                            T.buffer_store(p[k], column_total(red, k, TY, tx * const(LANES) + v),
+                                                           [by, c0 + v])
             # the row blocks' partials (a second kernel): TX channels a block, FINAL_TY threads a
             # channel striding over the row blocks, then added in shared memory
             # (a thread a channel looping over 448 row blocks took 15 us at C = 128)
@@ -226,10 +231,7 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
                         with T.If(tirx.all(ty == const(0), ch < const(c))):
                             with T.Then():
                                 for k in range(2):
-                                    total = red2[k, 0, tx]
-                                    for t in range(1, FINAL_TY):
-                                        total = total + red2[k, t, tx]
-                                    T.buffer_store(fs[k], total, [ch])
+                                    T.buffer_store(fs[k], column_total(red2, k, FINAL_TY, tx), [ch])
             root.__exit__(None, None, None)
     return ib.get()
 
@@ -251,7 +253,7 @@ def emit_moments(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr | None = N
     func = moments_primfunc(shape, dtypes, centered)
     gv = bb.add_func(func, "column_moments_centered" if centered else "column_moments")
     _, row_blocks, _ = grid(shape)
-    keep = relax.TensorType(_keep_shape(shape), F32)
+    keep = relax.TensorType(keep_shape(shape), F32)
     part = relax.TensorType((row_blocks, shape[-1]), F32)
     outs = emit_call_tir(bb, gv, [a, b, mean] if centered else [a], [keep, keep, part, part])
     return outs[0], outs[1]

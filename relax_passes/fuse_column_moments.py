@@ -110,7 +110,7 @@ def plan(func: relax.Function) -> dict:
         if red is not None:  # keyed by what it reads: AccumulateInFloat32 widens dy for Σ dy afresh
             kind, operand, axes = red
             firsts.setdefault((kind, fn.read(operand), axes), []).append(i)
-    out = {}
+    out, taken = {}, set()  # taken: the reductions already in a pair
     for j, b in enumerate(fn.bindings):
         red = _reduction(b)
         if red is None:
@@ -123,7 +123,6 @@ def plan(func: relax.Function) -> dict:
             first_operand, inputs = found
             # the first plain reduction of the same value no pair has taken (one gradient can feed
             # two batch norms: a residual block's last and its shortcut's)
-            taken = {var for pair in out.values() for var in pair[:2]}
             i = next((i for i in firsts.get((kind, fn.read(first_operand), axes), [])
                       if i != j and fn.bindings[i].var not in taken), None)
             shape = static_shape(inputs[0])
@@ -133,12 +132,13 @@ def plan(func: relax.Function) -> dict:
             at = min(i, j)
             if not all(fn.before(x, at) for x in inputs):
                 continue
-            if str(inputs[0].ty.dtype) not in FLOATS or any(static_shape(x) != shape for x in inputs[1:2]):
+            if str(inputs[0].ty.dtype) not in FLOATS:
                 continue
-            if len(inputs) == 3 and (static_shape(inputs[2]) != tuple([1] * (len(shape) - 1) + [shape[-1]])
-                                     or str(inputs[2].ty.dtype) != "float32"):
+            if len(inputs) == 3 and (static_shape(inputs[1]) != shape or str(inputs[2].ty.dtype) != "float32"
+                                     or list(static_shape(inputs[2]) or ()) != column_moments.keep_shape(shape)):
                 continue
             out[fn.bindings[at].var] = (first, b.var, kind, inputs, math.prod(shape[:-1]))
+            taken |= {first, b.var}
             break
     return out
 
