@@ -166,6 +166,16 @@ def gelu_tanh_grad(orig_var, orig_call, output_grad, ctx):
     return [output_grad * (_const(0.5, x) * (one + t + x * (one - t * t) * du))]
 
 
+def relu_grad(orig_var, orig_call, output_grad, ctx):
+    """Pass the gradient where relu's *output* is positive (torch's ``threshold_backward``: 0 at
+    x = 0).  TVM's rule masks with the input ``x < 0`` instead, which keeps ``x`` alive until the
+    backward pass beside the output the next layer saves anyway: then ``x`` has two readers and
+    ``FuseOps`` cannot put the relu into the kernel that computes ``x`` (ResNet-50's stage ran four
+    standalone relu passes over 100352x512 tensors, 0.27 ms a step)."""
+    zero = _const(0.0, orig_var)
+    return [R.where(R.greater(orig_var, zero), output_grad, zero)]
+
+
 def leakyrelu_grad(orig_var, orig_call, output_grad, ctx):
     x = orig_call.args[0]
     alpha = float(orig_call.attrs.alpha)
@@ -733,6 +743,7 @@ GRADIENT_RULES: dict[str, GradientRule] = {
     "relax.clip": clip_grad,
     "relax.nn.gelu": gelu_grad,
     "relax.nn.gelu_tanh": gelu_tanh_grad,
+    "relax.nn.relu": relu_grad,
     "relax.nn.leakyrelu": leakyrelu_grad,
     "relax.nn.softplus": softplus_grad,
     # reductions

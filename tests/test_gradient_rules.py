@@ -120,6 +120,26 @@ def test_unary(rng, name, relax_fn, torch_fn, low):
     check(rng, relax_fn, torch_fn, x)
 
 
+def test_relu_masks_with_its_output(rng):
+    """torch's relu gradient (0 where x = 0, exact zeros included), and the backward reads the
+    forward's output, not its input: the input then has the relu as its only reader."""
+    x = randn(rng, 4, 6)
+    x[rng.random(x.shape) < 0.25] = 0.0
+    check(rng, R.nn.relu, F.relu, x)
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((4, 6), "float32"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(R.sum(R.nn.relu(xv))))
+        bb.emit_func_output(out)
+    adjoint = relax.transform.Gradient("main")(bb.get())["main_adjoint"]
+    bound = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
+    masks = [v.args[0] for v in bound.values()
+             if isinstance(v, relax.Call) and v.op.name in ("relax.greater", "relax.less")]
+    assert len(masks) == 1 and bound[masks[0]].op.name == "relax.nn.relu", masks
+
+
 def test_leakyrelu_softplus_clip(rng):
     x = randn(rng, 4, 7) * 4
     alpha, beta, threshold = rng.uniform(0.01, 0.5), rng.uniform(0.5, 2), rng.uniform(1, 4)
