@@ -5,7 +5,8 @@ Philox draw; the optimizer update, one kernel for every parameter; a batch norm'
 one pass over its input) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
 element to a thread), those that read an operand transposed to ``TiledTranspose`` (through
-shared-memory tiles), and column sums to ``ColumnReduction`` (a vector of columns a thread).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
+shared-memory tiles), column sums to ``ColumnReduction`` (a vector of columns a thread) and row
+sums to ``RowReduction`` (a block a row, vector loads).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
 Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
 trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled
 PrimFunc is tried with each rule in that order, alone; a rule that raises or declines hands the
@@ -44,10 +45,11 @@ def _rules(vectorize: bool = False):
     from tvm.s_tir import dlight as dl
 
     from .column_reduction import ColumnReduction
+    from .row_reduction import RowReduction
     from .tiled_transpose import TiledTranspose
     from .vectorized_elementwise import VectorizedElementwise
 
-    return ((VectorizedElementwise(), TiledTranspose(), ColumnReduction()) if vectorize else ()) + (
+    return ((VectorizedElementwise(), TiledTranspose(), ColumnReduction(), RowReduction()) if vectorize else ()) + (
         dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
@@ -67,7 +69,8 @@ def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
 @tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
 class ScheduleTIRForGPU:
     """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it
-    (`vectorize`: try ``VectorizedElementwise``, ``TiledTranspose`` and ``ColumnReduction`` first)."""
+    (`vectorize`: try ``VectorizedElementwise``, ``TiledTranspose``, ``ColumnReduction`` and
+    ``RowReduction`` first)."""
 
     def __init__(self, vectorize: bool = False):
         self.vectorize = vectorize
