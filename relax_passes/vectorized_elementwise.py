@@ -9,9 +9,13 @@ after inlining, one all-spatial block, and gives each thread ``v`` consecutive e
 innermost axis as one vector (16 bytes of the widest element type), provided every buffer access
 is vector-friendly:
 
-* the innermost iterator ``i`` appears only in the last index, as ``i + rest`` with ``rest`` a
-  provable multiple of ``v`` (so vectors start aligned), or not at all (a broadcast);
-* every buffer's last extent and ``i``'s extent are multiples of ``v``.
+* the innermost iterator ``i`` enters the access's row-major offset as ``i + rest`` with
+  ``rest`` free of ``i`` and a provable multiple of ``v`` (so vectors are contiguous and start
+  aligned: ``x[..., i + c]``, or a reshape's ``x[..., i // 64, i % 64]``), or not at all (a
+  broadcast);
+* ``i``'s extent is a multiple of ``v``, and so is every bound ``c`` of an ``if_then_else`` guard
+  ``c <= i`` (a concatenation along ``i``): such a guard holds for a whole vector, and is written
+  on ``i - i % v`` so that the vectorizer keeps one guard and vector loads in its branches.
 
 Bool data along the vector (a dropout mask read, ReLU's backward comparison
 ``where(x > 0, dy, 0)``) cannot be one vector: TVM 0.27's CUDA codegen has no ``boolxN`` type.
@@ -69,16 +73,38 @@ def _uses_var(expr, var) -> bool:
     return bool(hit)
 
 
-def _bool_values_along(block: tirx.SBlock, var) -> bool:
-    """Does the block compute a bool value that varies along `var` (it would be a boolxN vector)?"""
+def _bool_values_along(block: tirx.SBlock, var, exclude=()) -> bool:
+    """Does the block compute a bool value that varies along `var` (it would be a boolxN vector),
+    apart from the conditions in `exclude`?"""
     hit = []
 
     def visit(node) -> None:
-        if str(node.ty) == "bool" and _uses_var(node, var):
+        if str(node.ty) == "bool" and _uses_var(node, var) and not any(node.same_as(e) for e in exclude):
             hit.append(node)
 
     tvm_ffi.structural_walk(block.body, [(kind, visit) for kind in BOOL_VALUED], order="post")
     return bool(hit)
+
+
+def _guard_bound(cond, var) -> int | None:
+    """The constant ``c`` of an ``if_then_else`` condition that compares `var` itself with it
+    (``c <= var``, ``var < c``, ...: which input of a concatenation an element comes from)."""
+    if not isinstance(cond, (tirx.LE, tirx.LT, tirx.GE, tirx.GT)):
+        return None
+    bound = cond.b if cond.a.same_as(var) else cond.a if cond.b.same_as(var) else None
+    return int(bound.value) if isinstance(bound, tirx.IntImm) else None
+
+
+def _guards(block: tirx.SBlock, var) -> list:
+    """The ``if_then_else`` conditions of the block that are guards on `var` (`_guard_bound`)."""
+    found = []
+
+    def visit(call) -> None:
+        if call.op.same_as(IF_THEN_ELSE) and _guard_bound(call.args[0], var) is not None:
+            found.append(call.args[0])
+
+    tvm_ffi.structural_walk(block.body, (tvm.ir.expr.Call, visit), order="post")
+    return found
 
 
 def _guarded_buffers(block: tirx.SBlock) -> set:
@@ -107,14 +133,24 @@ class Plan:
 
 def plan(block: tirx.SBlock) -> Plan:
     """The lanes every access of `block` allows along its innermost iterator, and whether bool
-    data along them makes the block staged (module docstring)."""
+    data along them makes the block staged (module docstring).  Guards on the iterator whose bounds
+    are multiples of the lanes (a concatenation's) hold or fail for a whole vector, so they are
+    not bool data along it (`_align_guards`); where the lanes cannot honour them, they are."""
     if not block.iter_vars or any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars):
         return Plan(1)
+    guards = _guards(block, block.iter_vars[-1].var)
+    found = _plan(block, guards) if guards else Plan(1)
+    return found if found.lanes > 1 else _plan(block, ())
+
+
+def _plan(block: tirx.SBlock, guards: list) -> Plan:
+    """`plan`, with the conditions in `guards` taken as aligned to the vectors."""
     inner = block.iter_vars[-1]
     extent = int(inner.dom.extent) if isinstance(inner.dom.extent, tirx.IntImm) else 0
+    bounds = [_guard_bound(g, inner.var) for g in guards]
     accesses = _accesses(block)
     along = [(b, idx) for b, idx in accesses if any(_uses_var(i, inner.var) for i in idx)]
-    staged = _bool_values_along(block, inner.var) or any(str(b.dtype) == "bool" for b, _ in along)
+    staged = _bool_values_along(block, inner.var, guards) or any(str(b.dtype) == "bool" for b, _ in along)
     vector = [(b, idx) for b, idx in accesses if str(b.dtype) != "bool"] if staged else accesses
     widest = max((tvm.DataType(str(b.dtype)).bits for b, _ in vector), default=8)
     lanes = max(1, VECTOR_BYTES * 8 // widest)
@@ -122,7 +158,8 @@ def plan(block: tirx.SBlock) -> Plan:
     for iv in block.iter_vars:
         analyzer.bind(iv.var, iv.dom)
     while lanes > 1:
-        if extent % lanes == 0 and all(_friendly(buf, idx, inner.var, lanes, analyzer) for buf, idx in vector):
+        if extent % lanes == 0 and all(c % lanes == 0 for c in bounds) and \
+                all(_friendly(buf, idx, inner.var, lanes, analyzer) for buf, idx in vector):
             break
         lanes //= 2
     if lanes == 1 or not staged:
@@ -145,20 +182,44 @@ def vector_lanes(block: tirx.SBlock) -> int:
 
 
 def _friendly(buf, indices, var, lanes: int, analyzer) -> bool:
-    if not indices:
-        return True
-    if any(_uses_var(i, var) for i in indices[:-1]):
-        return False
-    last = indices[-1]
-    if not _uses_var(last, var):
+    """Does the access read `lanes` consecutive, aligned elements as `var` steps through a vector?
+    Its row-major offset must be ``var + rest`` with ``rest`` free of `var` and a multiple of
+    `lanes`: ``x[..., i]`` as well as a reshape's ``x[..., i // 64, i % 64]``."""
+    if not indices or not any(_uses_var(i, var) for i in indices):
         return True  # broadcast along the vector
     shape = [int(s) if isinstance(s, tirx.IntImm) else None for s in buf.shape]
-    if shape[-1] is None or shape[-1] % lanes:
+    if None in shape:
         return False
-    rest = analyzer.simplify(last - var)
+    offset = indices[0]
+    for index, extent in zip(indices[1:], shape[1:]):
+        offset = offset * extent + index
+    rest = analyzer.simplify(offset - var)
     if _uses_var(rest, var):
         return False
     return analyzer.can_prove(tirx.floormod(rest, lanes) == 0)
+
+
+def _align_guards(func: tirx.PrimFunc, var, lanes: int) -> tirx.PrimFunc:
+    """`func` with each ``if_then_else`` guard ``c <= var`` / ``var < c`` (and the mirrored forms)
+    whose bound ``c`` is a multiple of `lanes` written on ``var - var % lanes`` instead: the same
+    truth value, now equal across a vector of `lanes`, so the vectorizer keeps one guard and
+    vector loads in its branches (a concatenation: which input a vector comes from) instead of
+    splitting the vector into scalar lanes."""
+
+    base = var - tirx.floormod(var, tirx.const(lanes, str(var.ty)))
+
+    def aligned(cond):
+        bound = _guard_bound(cond, var)
+        if bound is None or bound % lanes:
+            return cond
+        return type(cond)(base if cond.a.same_as(var) else cond.a, base if cond.b.same_as(var) else cond.b)
+
+    def visit(call):
+        if call.op.same_as(IF_THEN_ELSE):
+            return tirx.if_then_else(aligned(call.args[0]), call.args[1], call.args[2])
+        return call
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, visit)))
 
 
 def single_spatial_block(rule: GPUScheduleRule, func, target):
@@ -197,6 +258,12 @@ class VectorizedElementwise(GPUScheduleRule):
         lanes = how.lanes
         if lanes == 1:
             return None
+        if not how.staged:  # guards aligned to the vectors, on the inlined function
+            (gv, inlined), = sch.mod.functions_items()
+            found = single_spatial_block(self, _align_guards(inlined, block.iter_vars[-1].var, lanes), target)
+            if found is None:
+                return None
+            sch, block_rv, loops = found
         total = math.prod(int(sch.get(lp).extent) for lp in loops)
         threads = THREADS  # a divisor of the vector count where one exists: no tail predicate
         while threads > 32 and (total // lanes) % threads:
