@@ -12,9 +12,9 @@ call of a ``Codegen="evt"`` function and each argument bound to ``astype(x, t)``
   a reduction's operand side),
 
 the partition takes ``x`` and casts it itself.  A comparison of ``x`` with a scalar constant
-(``MASKS``: the ReLU gradient's ``less(z, 0)``) is absorbed the same way: ResNet-50's stage wrote
+(``MASKS``: the ReLU gradient's ``greater(y, 0)``) is absorbed the same way: ResNet-50's stage wrote
 each ReLU mask as a bool tensor in a kernel of its own (0.17 ms for a [100352, 512] mask on H100)
-for one backward epilogue to read; the epilogue now loads ``z`` and compares it.  The new
+for one backward epilogue to read; the epilogue now loads ``y`` and compares it.  The new
 partition must pass the code generator's legality check (dtype rules of the epilogue loads,
 its compare ops), else the call stays as it was.  The ops and their order are unchanged, so the
 numbers are too.

@@ -84,18 +84,18 @@ def test_casts_feeding_only_an_epilogue_move_into_the_partition():
 
 
 def test_relu_masks_feeding_only_an_epilogue_move_into_the_partition():
-    """ResNet-50's stage (quick shapes): the ReLU gradient's less(z, 0) masks are computed by the backward epilogues
-    from z, not written as bool tensors by kernels of their own."""
-    less = tvm.ir.Op.get("relax.less")
+    """ResNet-50's stage (quick shapes): the ReLU gradient's greater(y, 0) masks are computed by the backward
+    epilogues from y, not written as bool tensors by kernels of their own."""
+    compare = tvm.ir.Op.get("relax.greater")
     without, with_ = _front(_graph(model="resnet50"), absorb=False), _front(_graph(model="resnet50"))
-    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == less for _, vals in calls for v in vals)  # noqa: E731
+    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == compare for _, vals in calls for v in vals)  # noqa: E731
     assert masks(_partition_args(without)[1]) > 0
     parts, calls = _partition_args(with_)
     assert masks(calls) == 0
     def compares(func):
         found = []
         relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call)
-                                        and e.op == less else None)
+                                        and e.op == compare else None)
         return found
 
     absorbed = [f for f in parts.values() if compares(f)]
