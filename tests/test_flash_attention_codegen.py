@@ -44,9 +44,17 @@ def test_backward_entry_launches_delta_dkdv_dq():
     src = emit_attention(call(backward=True, dtype="float16", causal=True, dropout=0.0, has_bias=False,
                               symbol="attn_bwd"))
     assert "flash_delta<false><<<" in src
-    assert "flash_dkdv<false, true, false, false>" in src and "flash_dq<false, true, false, false>" in src
+    assert "flash_dkdv<false, true, false, false, false>" in src and "flash_dq<false, true, false, false>" in src
+    assert "flash_dq_convert<" not in src.split("int run(")[1]  # no dropout: the deterministic dQ kernel
     assert "p.seed" not in src.split("int run(")[1]  # no dropout: no seed argument
     assert "expects 9 tensors" in src  # q, k, v, o, lse, dout, dq, dk, dv
+
+
+def test_backward_entry_with_dropout_accumulates_dq_in_the_dkdv_kernel():
+    run = emit_attention(call(backward=True, dropout=0.1, symbol="attn_bwd")).split("int run(")[1]
+    assert "flash_dkdv<true, false, true, true, true>" in run and "flash_dq_convert<true><<<" in run
+    assert "flash_dq<" not in run  # dQ comes from the fp32 accumulator
+    assert "cudaMemsetAsync(p.dq_accum, 0" in run and "cudaFreeAsync(p.dq_accum" in run
 
 
 def test_bshd_layout_checks_sequence_major_shapes():

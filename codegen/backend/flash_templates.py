@@ -12,9 +12,12 @@ FlashAttention-2's algorithm (Dao, 2023) on the SM80 tensor-core instruction tha
              the row log-sum-exp (natural log, fp32) that the backward pass recomputes P from.
 * ``delta``  D = rowsum(dO * O), FlashAttention's backward statistic (eight lanes a row).
 * ``dkdv``   one CTA per 64 keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ per query tile, dV += Pdᵀ dO and
-             dK += dSᵀ Q with K and V in registers.
-* ``dq``     one CTA per 64 query rows: dQ += dS K (recomputing S and dP; no atomics, so the
-             gradients are deterministic).
+             dK += dSᵀ Q with K and V in registers.  With dropout it also adds dS K to an fp32 dQ
+             in global memory (dSᵀ through shared memory, float2 atomics; ``dq_convert`` scales
+             and narrows it): the order of those adds varies from run to run, as in
+             FlashAttention-2 and cuDNN (``DQ_FUSED``, measured below).
+* ``dq``     without dropout, one CTA per 64 query rows: dQ += dS K (recomputing S and dP; no
+             atomics, so those gradients are deterministic).
 
 Shared-memory tiles are 64 rows of 128 bytes with the 16-byte chunks XOR-swizzled by the row, so
 ``ldmatrix`` reads are conflict-free.  A warp owns 16 rows of every 64-row tile it computes; the
@@ -65,6 +68,7 @@ struct Params {
   float* lse;            // forward writes it, backward reads it ([B*H, Sq], natural log)
   float* delta;          // backward workspace: rowsum(dO * O)
   uint16_t* dq;
+  float* dq_accum;       // backward workspace: dQ / scale in fp32, [B*H, Sq, 64], added to by the dK/dV CTAs
   uint16_t* dk;
   uint16_t* dv;
   const float* bias;     // [Sk] added to the scaled scores, or null
@@ -268,6 +272,24 @@ __device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][
   }
 }
 
+// acc (16 x 64) += A B, A the 16 rows (columns ``16 mp ..`` of a tile stored [K][M], read
+// transposed) and B a tile stored [K][N]
+template <bool kBf16>
+__device__ __forceinline__ void gemm_tk(float (&acc)[8][4], const uint16_t* at, int mp, const uint16_t* tile, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t a[4];
+    ldsm_x4_t(a, at + swz(16 * kk + ((lane >> 4) << 3) + (lane & 7), 2 * mp + ((lane >> 3) & 1)));
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t b[4];
+      load_b_kn(b, tile, kk, np, lane);
+      mma<kBf16>(acc[2 * np], a, b[0], b[1]);
+      mma<kBf16>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -424,10 +446,12 @@ __device__ __forceinline__ float prob(float score_log2, float lse_log2, bool vis
 }
 
 // ---- backward: dK and dV, one CTA per 64 keys
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
+template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   __shared__ alignas(128) uint16_t sQ[2][kTile];
   __shared__ alignas(128) uint16_t sD[2][kTile];   // dO tiles
+  __shared__ alignas(128) uint16_t sK[kFusedDq ? kTile : 8];  // K (dQ += dS K)
+  __shared__ alignas(128) uint16_t sS[kFusedDq ? kTile : 8];  // dSᵀ of the query tile, [keys][queries]
   __shared__ alignas(16) float sL[2][kBlock];       // LSE * log2(e) of the tile's queries
   __shared__ alignas(16) float sDelta[2][kBlock];
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
@@ -437,8 +461,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   const uint16_t* Q = p.q + head_base(p, bh, p.sq);
   const uint16_t* dO = p.dout + head_base(p, bh, p.sq);
 
-  // K and V of this CTA into registers (through the first buffers)
-  load_tile(sQ[0], p.k + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
+  // K and V of this CTA into registers (through the first buffers; K stays in sK for dQ)
+  uint16_t* k_tile = kFusedDq ? sK : sQ[0];
+  load_tile(k_tile, p.k + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
   load_tile(sD[0], p.v + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
   cp_async_commit();
   cp_async_wait_all();
@@ -446,7 +471,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   uint32_t kf[4][4], vf[4][4];
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    load_a(kf[kk], sQ[0], warp * 16, kk, lane);
+    load_a(kf[kk], k_tile, warp * 16, kk, lane);
     load_a(vf[kk], sD[0], warp * 16, kk, lane);
   }
   __syncthreads();
@@ -524,11 +549,49 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
       }
     }
     gemm_pk<kBf16>(dk, dp, sQ[buf], lane);
+    if (kFusedDq) {
+      // dQ rows of this query tile += dS K over this CTA's 64 keys: dSᵀ into shared memory (each
+      // warp its 16 keys), then each warp 16 queries against all 64 keys, added to dq_accum
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        *reinterpret_cast<uint32_t*>(sS + swz(warp * 16 + g, nt) + 2 * t) = pack2<kBf16>(dp[nt][0], dp[nt][1]);
+        *reinterpret_cast<uint32_t*>(sS + swz(warp * 16 + g + 8, nt) + 2 * t) = pack2<kBf16>(dp[nt][2], dp[nt][3]);
+      }
+      __syncthreads();
+      float dq[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
+      gemm_tk<kBf16>(dq, sS, warp, sK, lane);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int query = m0 + warp * 16 + g + 8 * r;
+        if (query < p.sq) {
+          float* row = p.dq_accum + (qo + query) * kHead;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            atomicAdd(reinterpret_cast<float2*>(row + nt * 8 + 2 * t), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
+        }
+      }
+    }
     cp_async_wait_all();
     __syncthreads();
   }
   store_rows<kBf16>(p.dk + head_base(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
   store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, 1.f, 1.f, n0 + warp * 16, p.sk, ld, g, t);
+}
+
+// ---- backward: dQ = scale * dq_accum, into dQ's layout and dtype (eight elements a thread)
+template <bool kBf16>
+__global__ void __launch_bounds__(kThreads) flash_dq_convert(Params p, int rows) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // 8-element chunk
+  if (i >= int64_t(rows) * (kHead / 8)) return;
+  const int64_t r = i / (kHead / 8);  // (bh, query)
+  const int c = int(i % (kHead / 8));
+  const float4 a = reinterpret_cast<const float4*>(p.dq_accum)[2 * i];
+  const float4 b = reinterpret_cast<const float4*>(p.dq_accum)[2 * i + 1];
+  const uint4 out = make_uint4(pack2<kBf16>(a.x * p.scale, a.y * p.scale), pack2<kBf16>(a.z * p.scale, a.w * p.scale),
+                               pack2<kBf16>(b.x * p.scale, b.y * p.scale), pack2<kBf16>(b.z * p.scale, b.w * p.scale));
+  *reinterpret_cast<uint4*>(p.dq + head_base(p, int(r / p.sq), p.sq) + r % p.sq * row_stride(p) + c * 8) = out;
 }
 
 // ---- backward: dQ, one CTA per 64 query rows
@@ -761,12 +824,10 @@ ${optional}
   if (cudaMallocAsync(reinterpret_cast<void**>(&p.delta), sizeof(float) * rows, stream) != cudaSuccess)
     return fail("RuntimeError", "%s: cannot allocate %d floats of workspace", kKernel, rows);
   flash_delta<${bf16}><<<(rows + kDeltaRows - 1) / kDeltaRows, kThreads, 0, stream>>>(p, rows);
-  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
-      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
-  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
-      <<<dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
+${launches}
   int status = launched(kKernel);
   cudaFreeAsync(p.delta, stream);
+  if (p.dq_accum) cudaFreeAsync(p.dq_accum, stream);
   return status;
 }
 }  // namespace ${namespace}
@@ -777,3 +838,25 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_${symbol}(void*, TVMFFIAny const* ar
   return ${namespace}::run(args, num_args);
 }
 """)
+
+# The backward entry's launches after ``flash_delta``.  With dropout, dQ is accumulated by the dK/dV
+# kernel (fp32 atomics, then ``flash_dq_convert``): one pass over S and dP instead of two, which
+# won on H200 (scripts/bench_attention.py --layout bshd, backward ms): BERT-Large 0.735 -> 0.646,
+# the same with the keep bits drawn again 0.893 -> 0.708, GPT-2 0.758 -> 0.685.  Without dropout
+# the separate, deterministic dQ kernel was faster (BERT 0.61-0.65 against 0.67-0.72), so it stays.
+DQ_SEPARATE = Template("""\
+  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, false>
+      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
+  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
+      <<<dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);""")
+
+DQ_FUSED = Template("""\
+  const size_t dq_bytes = sizeof(float) * size_t(rows) * kHead;
+  if (cudaMallocAsync(reinterpret_cast<void**>(&p.dq_accum), dq_bytes, stream) != cudaSuccess) {
+    cudaFreeAsync(p.delta, stream);
+    return fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kKernel, dq_bytes);
+  }
+  cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream);
+  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, true>
+      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
+  flash_dq_convert<${bf16}><<<(rows * (kHead / 8) + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, rows);""")
