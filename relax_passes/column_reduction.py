@@ -27,12 +27,11 @@ from __future__ import annotations
 import math
 
 import tvm
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm import tirx
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
-from .vectorized_elementwise import VECTOR_BYTES, _accesses, _uses_var
+from .vectorized_elementwise import VECTOR_BYTES, _accesses, _uses_var, inlined_blocks
 
 TX = 32  # column vectors a block
 TY = 8  # row groups a block
@@ -41,16 +40,42 @@ TY = 8  # row groups a block
 MIN_BLOCKS = 66
 
 
-def column_lanes(block) -> int:
-    """The columns a thread takes in `block` (1: the rule does not apply)."""
+def single_sum_block(rule: GPUScheduleRule, func, target):
+    """(schedule, block, its loops) where `func` is a PrimFunc for a target `rule` takes and is,
+    after inlining its elementwise producers, one block of spatial iterators and then one
+    reduction iterator that adds into its output, one loop per iterator; else None.  What the
+    sum rules (``ColumnReduction``, ``RowReduction``) start from."""
+    found = inlined_blocks(rule, func, target, try_inline_contiguous_spatial)
+    if found is None or len(found[1]) != 1:
+        return None
+    sch, infos = found
+    block_rv = infos[0].block_rv
+    block, loops = sch.get(block_rv), sch.get_loops(block_rv)
     kinds = [iv.iter_type for iv in block.iter_vars]
-    if len(kinds) < 2 or kinds[-1] != tirx.IterVar.CommReduce or \
+    if len(loops) != len(kinds) or not kinds or kinds[-1] != tirx.IterVar.CommReduce or \
             any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
+        return None
+    if not isinstance(block.body, tirx.BufferStore) or not isinstance(block.body.value, tirx.Add):
+        return None
+    return sch, block_rv, loops
+
+
+def fit_lanes(widest_bits: int, extent, threads: int) -> int:
+    """16 bytes of the widest type, halved until ``lanes * threads`` divides `extent` (1: none)."""
+    if not isinstance(extent, tirx.IntImm):
+        return 1
+    lanes = VECTOR_BYTES * 8 // widest_bits
+    while lanes > 1 and int(extent) % (lanes * threads):
+        lanes //= 2
+    return lanes if int(extent) % (lanes * threads) == 0 else 1
+
+
+def column_lanes(block) -> int:
+    """The columns a thread takes in `block`, a `single_sum_block` (1: the rule does not apply)."""
+    if len(block.iter_vars) < 2:
         return 1
     n, r = block.iter_vars[-2].var, block.iter_vars[-1].var
-    body = block.body
-    if not isinstance(body, tirx.BufferStore) or not body.indices or not body.indices[-1].same_as(n) or \
-            not isinstance(body.value, tirx.Add):
+    if not block.body.indices or not block.body.indices[-1].same_as(n):
         return 1
     # the widest type along n sets the lanes; the accumulator counts too: its register vector is
     # as wide, and TVM 0.27's CUDA codegen has no 8-lane float (make_ulonglong4 of 8 arguments)
@@ -64,32 +89,17 @@ def column_lanes(block) -> int:
             if not idx[-1].same_as(n):
                 return 1
             widest = max(widest, tvm.DataType(str(buf.dtype)).bits)
-    extent = block.iter_vars[-2].dom.extent
-    if not isinstance(extent, tirx.IntImm):
-        return 1
-    lanes = VECTOR_BYTES * 8 // widest
-    while lanes > 1 and int(extent) % (lanes * TX):
-        lanes //= 2
-    return lanes if int(extent) % (lanes * TX) == 0 else 1
+    return fit_lanes(widest, block.iter_vars[-2].dom.extent, TX)
 
 
 class ColumnReduction(GPUScheduleRule):
     """Column sums, ``v`` columns a thread and ``TY`` row groups a block (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        found = single_sum_block(self, func, target)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
-        if len(infos) != 1:  # (column_lanes checks the iterators: spatial ones, then one reduction)
-            return None
-        block_rv = infos[0].block_rv
-        loops = sch.get_loops(block_rv)
-        if len(loops) != len(sch.get(block_rv).iter_vars):
-            return None
+        sch, block_rv, loops = found
         lanes = column_lanes(sch.get(block_rv))
         if lanes == 1:
             return None

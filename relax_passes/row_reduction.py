@@ -25,61 +25,40 @@ from __future__ import annotations
 import math
 
 import tvm
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+from tvm import tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
-from .vectorized_elementwise import VECTOR_BYTES, _accesses, _uses_var
+from .column_reduction import fit_lanes, single_sum_block
+from .vectorized_elementwise import _accesses, _uses_var
 
 TX_CHOICES = (128, 64, 32)  # threads a row (block): the first that divides R / v
 MIN_ROWS = 264  # two blocks an SM of H100 at least; fewer long rows are DLight's (they split a row)
 
 
 def row_lanes(block) -> int:
-    """The elements a thread loads at once in `block` (1: the rule does not apply)."""
-    kinds = [iv.iter_type for iv in block.iter_vars]
-    if not kinds or kinds[-1] != tirx.IterVar.CommReduce or \
-            any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
-        return 1
+    """The elements a thread loads at once in `block`, a `single_sum_block` (1: the rule does
+    not apply)."""
     r = block.iter_vars[-1].var
-    body = block.body
-    if not isinstance(body, tirx.BufferStore) or any(_uses_var(i, r) for i in body.indices) or \
-            not isinstance(body.value, tirx.Add):
+    if any(_uses_var(i, r) for i in block.body.indices):
         return 1
-    widest = tvm.DataType(str(body.buffer.dtype)).bits  # the accumulator is a register vector too
+    widest = tvm.DataType(str(block.body.buffer.dtype)).bits  # the accumulator is a register vector too
     for buf, idx in _accesses(block):
         if not idx or not any(_uses_var(i, r) for i in idx):
             continue
         if any(_uses_var(i, r) for i in idx[:-1]) or not idx[-1].same_as(r):
             return 1
         widest = max(widest, tvm.DataType(str(buf.dtype)).bits)
-    extent = block.iter_vars[-1].dom.extent
-    if not isinstance(extent, tirx.IntImm):
-        return 1
-    lanes = VECTOR_BYTES * 8 // widest
-    while lanes > 1 and int(extent) % (lanes * TX_CHOICES[-1]):
-        lanes //= 2
-    return lanes if int(extent) % (lanes * TX_CHOICES[-1]) == 0 else 1
+    return fit_lanes(widest, block.iter_vars[-1].dom.extent, TX_CHOICES[-1])
 
 
 class RowReduction(GPUScheduleRule):
     """Row sums, a block a row and ``v`` elements a thread's load (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        found = single_sum_block(self, func, target)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
-        if len(infos) != 1:  # (row_lanes checks the iterators: spatial ones, then one reduction)
-            return None
-        block_rv = infos[0].block_rv
-        loops = sch.get_loops(block_rv)
-        if len(loops) != len(sch.get(block_rv).iter_vars):
-            return None
+        sch, block_rv, loops = found
         lanes = row_lanes(sch.get(block_rv))
         if lanes == 1:
             return None

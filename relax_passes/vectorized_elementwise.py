@@ -222,17 +222,24 @@ def _align_guards(func: tirx.PrimFunc, var, lanes: int) -> tirx.PrimFunc:
     return func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, visit)))
 
 
-def single_spatial_block(rule: GPUScheduleRule, func, target):
-    """(schedule, block, its loops) where `func` is a PrimFunc for a target `rule` takes and is,
-    after inlining, one all-spatial block with one loop per iterator, in iterator order; else
-    None.  What the injective rules here start from."""
+def inlined_blocks(rule: GPUScheduleRule, func, target, inline=try_inline):
+    """(schedule, the normalized blocks left after `inline`) where `func` is a PrimFunc for a
+    target `rule` takes; else None.  Where every rule here starts."""
     if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
         return None
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
-    if infos is None:
+    return None if infos is None else (sch, inline(sch, infos))
+
+
+def single_spatial_block(rule: GPUScheduleRule, func, target):
+    """(schedule, block, its loops) where `func` is a PrimFunc for a target `rule` takes and is,
+    after inlining, one all-spatial block with one loop per iterator, in iterator order; else
+    None.  What the injective rules here start from."""
+    found = inlined_blocks(rule, func, target)
+    if found is None:
         return None
-    infos = try_inline(sch, infos)
+    sch, infos = found
     if len(infos) != 1 or any(k != "S" for k in infos[0].dom_kind()):
         return None
     block_rv = infos[0].block_rv
