@@ -215,9 +215,10 @@ def _align_guards(func: tirx.PrimFunc, var, lanes: int) -> tirx.PrimFunc:
         return type(cond)(base if cond.a.same_as(var) else cond.a, base if cond.b.same_as(var) else cond.b)
 
     def visit(call):
-        if call.op.same_as(IF_THEN_ELSE):
-            return tirx.if_then_else(aligned(call.args[0]), call.args[1], call.args[2])
-        return call
+        if not call.op.same_as(IF_THEN_ELSE):
+            return call
+        cond = aligned(call.args[0])
+        return call if cond.same_as(call.args[0]) else tirx.if_then_else(cond, call.args[1], call.args[2])
 
     return func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, visit)))
 
@@ -265,8 +266,8 @@ class VectorizedElementwise(GPUScheduleRule):
         lanes = how.lanes
         if lanes == 1:
             return None
-        if not how.staged:  # guards aligned to the vectors, on the inlined function
-            (gv, inlined), = sch.mod.functions_items()
+        if not how.staged and _guards(block, block.iter_vars[-1].var):  # align them, on the inlined function
+            (_, inlined), = sch.mod.functions_items()
             found = single_spatial_block(self, _align_guards(inlined, block.iter_vars[-1].var, lanes), target)
             if found is None:
                 return None
