@@ -23,7 +23,8 @@ from typing import Callable, Iterable, Mapping
 from .backend import (CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, atomic_reduction,
                       default_config, emit, smem)
 from .build.cache import atomic_write, file_lock
-from .ir import AccFetch, AuxLoad, AuxStore, EpilogueGraph, Partition, Reduction, ReduceAxis, TensorDesc
+from .ir import (AccFetch, AuxLoad, AuxStore, Compute, Dropout, EpilogueGraph, OpKind, Partition, Reduction,
+                 ReduceAxis, TensorDesc)
 from .legality import check_partition
 from .passes import lower
 
@@ -160,9 +161,19 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       dropout, stores of h and of the result) took 1.362 ms ping-pong against 0.416 ms
       cooperative (``scripts/bench_partitions.py bert_large``, H100): one warp group runs the
       whole 128x128 tile's heavy epilogue while the other waits;
+    * short K over two or more waves of 128x256 tiles, N >= 4096, with two or more stores and an
+      arithmetic-heavy epilogue (``alu_heavy``): 128x256.  FFN1's forward that stores gelu(x)
+      and gelu'(x) (H200, 2026-11-26, ms against the plain GEMM's 0.20): BERT-Large 0.309 /
+      0.321 (default), GPT-2 0.263 / 0.272; ping-pong lost there (0.363, 0.273): one warp group
+      alone is too slow at erf and tanh to hide behind the other's main loop;
+    * K >= 4096 over two or more waves with M x N loads or two or more stores, and no heavy
+      arithmetic: ping-pong 128x128 with a 64x16 epilogue tile, whose memory traffic then
+      overlaps the other warp group's main loop (H200, ms / default): GPT-2's FFN2 forward with
+      the loss gradient (4 loads, 3 stores) 0.233 / 0.343, BERT-Large's FFN1 dX (2 stores) 0.203
+      / 0.240, its FFN2 forward (dropout mask and residual loads) 0.194 / 0.200, GPT-2's FFN1 dX
+      0.189 / 0.204;
     * K >= 4096 over a full wave of 128x256 tiles with at most one stored output and no loaded
-      one: 128x256 (0.200 / 0.233); with more stores the default won (their epilogue takes the
-      stages), and with two M x N loads (dropout + residual backward) it lost too (0.319 / 0.306).
+      one: 128x256 (H100: 0.200 / 0.233).
 
     16-bit operands only; anything else, or a choice ``prune`` or the emitter rejects, gets the
     default."""
@@ -177,6 +188,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
 
     stores = sum(isinstance(node, AuxStore) for node in partition.epilogue.nodes)
     loads = sum(isinstance(node, AuxLoad) for node in partition.epilogue.nodes)
+    heavy = alu_heavy(partition)
     if n <= 64 and m >= 128:
         cfg = _cfg((128, 64, 64))
     elif m <= 64 and n >= 256:
@@ -185,6 +197,10 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
     elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
+    elif 256 <= k <= 1024 and n >= 4096 and tiles(128, 256) >= 2 * num_sms and heavy:
+        cfg = _cfg((128, 256, 64))
+    elif k >= 4096 and tiles(128, 128) >= 2 * num_sms and (loads or stores > 1) and not heavy:
+        cfg = _cfg((128, 128, 64), schedule=PP, epi_tile=(64, 16))
     elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1 and loads == 0:
         cfg = _cfg((128, 256, 64))
     else:
@@ -192,6 +208,20 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     if not prune([cfg], m, n, k, g.dtype_a, num_sms):
         return default
     return cfg if check_partition(partition, cfg) else default  # the emitter's rules for this epilogue
+
+
+# Epilogue nodes that cost tens of instructions an element (erf, tanh, exp and the Philox rounds
+# of dropout), against a few for adds, casts, compares and selects.
+ALU_HEAVY_OPS = frozenset({
+    OpKind.EXP, OpKind.LOG, OpKind.TANH, OpKind.ERF, OpKind.SIGMOID, OpKind.SILU, OpKind.GELU,
+    OpKind.GELU_TANH, OpKind.GELU_GRAD, OpKind.GELU_TANH_GRAD, OpKind.GELU_BACKWARD,
+})
+
+
+def alu_heavy(partition: Partition) -> bool:
+    """Whether the epilogue has a transcendental or a dropout draw per element."""
+    return any(isinstance(node, Dropout) or isinstance(node, Compute) and node.op in ALU_HEAVY_OPS
+               for node in partition.epilogue.nodes)
 
 
 def long_k_splits(m: int, n: int, k: int, num_sms: int = H100_SMS) -> int:

@@ -11,7 +11,7 @@ for a compile, since the optional rewrites change the partitions.
 
 times the chosen partitions under every configuration of a search space (``select.candidates``,
 with narrow-epilogue variants) next to their plain GEMM: what an epilogue costs, and whether a
-configuration hides it.
+configuration hides it; ``--configs pp_128x128x64_c1x1_e64x16,...`` times only those.
 """
 import argparse
 import json
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated partition symbols (default: all)")
     ap.add_argument("--sweep", default=None, choices=["quick", "default", "full"],
                     help="time every configuration of this search space and the plain GEMM instead")
+    ap.add_argument("--configs", default=None,
+                    help="with --sweep: only these comma-separated configuration names (as the sweep prints them)")
     args = ap.parse_args(argv)
 
     import tvm
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
             ap.error(f"no partition {sorted(unknown)}; the model has {sorted(p.symbol for p in parts)}")
         parts = [p for p in parts if p.symbol in wanted]
     if args.sweep:
-        rows = tuning.sweep_configs(parts, args.sweep)
+        only = set(args.configs.split(",")) if args.configs else None
+        rows = tuning.sweep_configs(parts, args.sweep, only=only)
         for r in rows:
             print(f"{r['symbol']} batch {r['batch']} {'x'.join(map(str, r['mnk']))}: plain GEMM {r['plain_ms']:.3f} ms")
             for name, ms in sorted(r["ms"].items(), key=lambda kv: kv[1]):

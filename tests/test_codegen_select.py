@@ -209,8 +209,11 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("gemm", "fwd", (16384, 1024, 4096), "coop_128x256x64_c1x1"),  # long K, one store
     ("gemm", "fwd", (16384, 64, 512), "coop_128x64x64_c1x1"),  # head dim 64
     ("gemm", "fwd", (512, 256, 128), "coop_128x128x64_c1x1"),  # small: the default
-    ("bias_gelu_aux", "fwd", (16384, 4096, 1024), "coop_128x128x64_c1x1"),  # two stores: no ping-pong
-    ("dropout_residual", "fwd", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # an M x N load: not 128x256
+    ("bias_gelu_aux", "fwd", (16384, 4096, 1024), "coop_128x256x64_c1x1"),  # two stores and erf: no ping-pong
+    ("bias_gelu_aux", "fwd", (16384, 2048, 1024), "coop_128x128x64_c1x1"),  # N < 4096: not measured
+    ("dropout_residual", "fwd", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # Philox draws: no ping-pong
+    ("relu_bwd", "dgrad", (16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # an M x N load behind long K
+    ("gelu_bwd", "dgrad", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # ... but not with erf
 ])
 def test_heuristic_config_by_shape(epilogue, kind, mnk, want):
     m, n, k = mnk

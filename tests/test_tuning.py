@@ -171,6 +171,30 @@ def test_sweep_times_every_candidate_and_the_plain_gemm():
     assert [r["ms"][r["best"]] for r in rows] == sorted((r["ms"][r["best"]] for r in rows), reverse=True)
 
 
+def test_sweep_times_only_the_configurations_asked_for():
+    entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=8, ffn=1024)
+    _imported, graph = tuning.training_graph(entry, "bf16")
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    parts, _ = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+    parts = parts[:2]
+    asked = []
+
+    def measure(jobs):
+        asked.append(jobs)
+        return {name: float(cfg.tile[1]) for name, (job, cfg) in jobs.items()}
+
+    full = tuning.sweep_configs(parts, "quick", measure)
+    names = {n for r in full for n in r["ms"]}
+    keep = sorted(names)[:2]
+    rows = tuning.sweep_configs(parts, "quick", measure, only=keep)
+    for r in rows:  # every timed configuration was asked for, and each asked one is timed where it exists
+        full_row = next(f for f in full if f["symbol"] == r["symbol"])
+        assert set(r["ms"]) == set(keep) & set(full_row["ms"])
+    assert all("_plain__" in n or n.rsplit("__", 1)[1] in keep for n in asked[1])
+    with pytest.raises(ValueError, match="none of"):
+        tuning.sweep_configs(parts, "quick", measure, only=["no_such_config"])
+
+
 def test_compare_configs_times_each_partition_under_default_and_heuristic():
     from tvm_evt.codegen import select
     from tvm_evt.codegen.legality import fitting_config

@@ -143,6 +143,7 @@ class _Builder:
     nodes: list[Node] = field(default_factory=list)
     env: dict = field(default_factory=dict)  # relax.Var -> node index
     reductions: dict = field(default_factory=dict)  # relax.Var -> Reduction (output unset)
+    views: dict = field(default_factory=dict)  # (node index, tile-rank shape) -> its Reshape node
     gemm: GemmSpec | None = None
     batch_shape: tuple[int, ...] = ()
     acc: int | None = None
@@ -234,7 +235,11 @@ class _Builder:
         if shape is None or not hasattr(shape, "values"):
             return i
         view = tile_view(_static_shape(expr, "operand"), self.tile)
-        return i if view is None else self.add(Reshape(inputs=(i,), new_shape=view))
+        if view is None:
+            return i
+        if (i, view) not in self.views:  # one view a read input: one load, however many ops read it
+            self.views[(i, view)] = self.add(Reshape(inputs=(i,), new_shape=view))
+        return self.views[(i, view)]
 
     def _depends_on_acc(self, i: int) -> bool:
         node = self.nodes[i]

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import tvm
 import tvm_ffi
@@ -402,12 +402,14 @@ def compare_configs(partitions: list, measure: Callable | None = None) -> list[d
     return sorted(rows, key=lambda r: -r["heuristic_ms"])  # a failed build (inf) first
 
 
-def sweep_configs(partitions: list, space: str = "quick", measure: Callable | None = None) -> list[dict]:
+def sweep_configs(partitions: list, space: str = "quick", measure: Callable | None = None,
+                  only: Iterable[str] | None = None) -> list[dict]:
     """Each partition timed under every configuration of ``space`` that ``select.candidates`` keeps
     for its shape, and their narrow-epilogue variants (fitted to shared memory as ``relax.ext.evt``
     does), next to its plain GEMM (same operands, only the D store) under the default
-    configuration: what the epilogue costs, and whether some configuration hides it.  One row per
-    partition: ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``errors``."""
+    configuration: what the epilogue costs, and whether some configuration hides it.  ``only``
+    keeps the configurations of those names (after fitting).  One row per partition:
+    ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``errors``."""
     from .codegen import select
     from .codegen.backend import default_config
     from .codegen.legality import fitting_config
@@ -417,10 +419,16 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     for p in partitions:
         configs = [c for base in select.candidates(p, space) for c in (base, select.epilogue_variant(base))]
         names = []
-        for cfg in dict.fromkeys(fitting_config(p, c) for c in configs):
+        fitted = list(dict.fromkeys(fitting_config(p, c) for c in configs))
+        for cfg in fitted:
+            if only is not None and cfg.name not in only:
+                continue
             name = f"{p.symbol}__{cfg.name}"
             jobs[name] = (dataclasses.replace(p, symbol=name), cfg)
             names.append(name)
+        if not names:
+            raise ValueError(f"{p.symbol}: none of {sorted(only)} is a configuration of the {space!r} space "
+                             f"for it; its configurations are {[c.name for c in fitted]}")
         default = default_config(p.gemm.dtype_a)
         plain = f"{p.symbol}_plain__{default.name}"
         jobs[plain] = (select.plain_partition(p, plain), default)
