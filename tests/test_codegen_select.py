@@ -203,7 +203,9 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
 @pytest.mark.parametrize("epilogue,kind,mnk,want", [
     ("gemm", "wgrad", (1024, 1024, 16384), "coop_128x128x64_c1x1_splitk2"),  # long K, one wave
     ("gemm", "wgrad", (1152, 128, 100352), "coop_128x128x64_c1x1_splitk14"),  # 9 tiles: 126 CTAs
-    ("gemm", "wgrad", (256, 128, 401408), "coop_128x128x64_c1x1_splitk66"),
+    ("gemm", "wgrad", (256, 128, 401408), "coop_128x64x64_c1x1_streamk"),  # 4 tiles of 128x64
+    ("gemm", "wgrad", (512, 128, 100352), "coop_128x64x64_c1x1_streamk"),  # 8
+    ("gemm", "wgrad", (512, 256, 100352), "coop_128x128x64_c1x1_splitk16"),  # 16: split-K
     ("gemm", "fwd", (16384, 1024, 1024), "pp_128x128x64_c1x1"),  # short K, many tiles
     ("gemm", "fwd", (16384, 4096, 1024), "pp_128x128x64_c2x1"),
     ("gemm", "fwd", (16384, 1024, 4096), "coop_128x256x64_c1x1"),  # long K, one store

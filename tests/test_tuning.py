@@ -145,6 +145,7 @@ def test_script_help():
 def test_sweep_times_every_candidate_and_the_plain_gemm():
     from tvm_evt.codegen import select
     from tvm_evt.codegen.backend import default_config
+    from tvm_evt.codegen.legality import fitting_config
 
     # head dim 32: the attention stays unfused, its batched GEMMs are among the partitions
     entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=8, ffn=1024)
@@ -164,6 +165,7 @@ def test_sweep_times_every_candidate_and_the_plain_gemm():
     for r in rows:
         p = next(p for p in parts if p.symbol == r["symbol"])
         assert len(r["ms"]) >= len(select.candidates(p, "quick"))  # with the epilogue variants
+        assert fitting_config(p, select.heuristic_config(p)).name in r["ms"]  # and what untuned builds run
         plain = asked[0][f"{p.symbol}_plain__{default_config('bfloat16').name}"][0]
         assert plain.symbol.endswith("_plain__" + default_config("bfloat16").name)
         assert len(plain.outputs) == 1 and r["plain_ms"] == 0.5 * default_config("bfloat16").tile[1]

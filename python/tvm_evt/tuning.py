@@ -407,8 +407,9 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     """Each partition timed under every configuration of ``space`` that ``select.candidates`` keeps
     for its shape, and their narrow-epilogue variants (fitted to shared memory as ``relax.ext.evt``
     does), next to its plain GEMM (same operands, only the D store) under the default
-    configuration: what the epilogue costs, and whether some configuration hides it.  ``only``
-    keeps the configurations of those names (after fitting).  One row per partition:
+    configuration: what the epilogue costs, and whether some configuration hides it.  The
+    shape heuristic's choice (``select.heuristic_config``, what an untuned build runs) is timed
+    too.  ``only`` keeps the configurations of those names (after fitting).  One row per partition:
     ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``errors``."""
     from .codegen import select
     from .codegen.backend import default_config
@@ -418,6 +419,7 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     jobs, rows = {}, []
     for p in partitions:
         configs = [c for base in select.candidates(p, space) for c in (base, select.epilogue_variant(base))]
+        configs.append(select.heuristic_config(p))  # what an untuned build runs
         names = []
         fitted = list(dict.fromkeys(fitting_config(p, c) for c in configs))
         for cfg in fitted:
