@@ -155,6 +155,10 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
       fill the SMs: ResNet-50's convolution weight gradients (1152x128x100352: 9 tiles) ran
       split-K 2 on 18 of 132 SMs;
+    * long K over more than half a wave and less than one and a half of 128x128 tiles: stream-K,
+      which evens out the last wave.  ViT-B/16's weight gradients (H200, ms stream-K / before):
+      768x3072x25216 (144 tiles) 0.161 / 0.285 (data-parallel), 2304x768x25216 (108 tiles)
+      0.129 / 0.153 (split-K 2);
     * long K over at most 8 tiles of 128x64: stream-K on 128x64 tiles.  ResNet-50's weight
       gradients (H200, 2026-11-26, ms stream-K 128x64 / split-K on 128x128): 128x256x401408
       0.146 / 0.203 (66 splits), 512x128x100352 0.067 / 0.086 (24), 128x512x100352 0.075 /
@@ -166,17 +170,18 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       dropout, stores of h and of the result) took 1.362 ms ping-pong against 0.416 ms
       cooperative (``scripts/bench_partitions.py bert_large``, H100): one warp group runs the
       whole 128x128 tile's heavy epilogue while the other waits;
-    * short K over two or more waves of 128x256 tiles, N >= 4096, with two or more stores and an
+    * short K over two or more waves of 128x256 tiles, N >= 3072, with two or more stores and an
       arithmetic-heavy epilogue (``alu_heavy``): 128x256.  FFN1's forward that stores gelu(x)
-      and gelu'(x) (H200, 2026-11-26, ms against the plain GEMM's 0.20): BERT-Large 0.309 /
-      0.321 (default), GPT-2 0.263 / 0.272; ping-pong lost there (0.363, 0.273): one warp group
-      alone is too slow at erf and tanh to hide behind the other's main loop;
-    * K >= 4096 over two or more waves with M x N loads or two or more stores, and no heavy
+      and gelu'(x) (H200, 2026-11-26, ms against the plain GEMM's 0.19-0.20): BERT-Large 0.309 /
+      0.321 (default), GPT-2 0.263 / 0.272, ViT-B/16 0.304 / 0.324; ping-pong lost there (0.363,
+      0.273, 0.402): one warp group alone is too slow at erf and tanh to hide behind the other's
+      main loop;
+    * K >= 2048 over two or more waves with M x N loads or two or more stores, and no heavy
       arithmetic: ping-pong 128x128 with a 64x16 epilogue tile, whose memory traffic then
       overlaps the other warp group's main loop (H200, ms / default): GPT-2's FFN2 forward with
       the loss gradient (4 loads, 3 stores) 0.233 / 0.343, BERT-Large's FFN1 dX (2 stores) 0.203
       / 0.240, its FFN2 forward (dropout mask and residual loads) 0.194 / 0.200, GPT-2's FFN1 dX
-      0.189 / 0.204;
+      0.189 / 0.204; ViT-B/16's (K 2304, 3072) 0.132 / 0.146, 0.170 / 0.183, 0.168 / 0.178;
     * K >= 4096 over a full wave of 128x256 tiles with at most one stored output and no loaded
       one: 128x256 (H100: 0.200 / 0.233).
 
@@ -200,13 +205,15 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         cfg = _cfg((64, 256, 64), schedule=PP)
     elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 64) <= 8:
         cfg = _cfg((128, 64, 64), decomposition=SK)
+    elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and num_sms // 2 < tiles(128, 128) < 3 * num_sms // 2:
+        cfg = _cfg((128, 128, 64), decomposition=SK)
     elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 128) <= num_sms:
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
     elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
-    elif 256 <= k <= 1024 and n >= 4096 and tiles(128, 256) >= 2 * num_sms and heavy:
+    elif 256 <= k <= 1024 and n >= 3072 and tiles(128, 256) >= 2 * num_sms and heavy:
         cfg = _cfg((128, 256, 64))
-    elif k >= 4096 and tiles(128, 128) >= 2 * num_sms and (loads or stores > 1) and not heavy:
+    elif k >= 2048 and tiles(128, 128) >= 2 * num_sms and (loads or stores > 1) and not heavy:
         cfg = _cfg((128, 128, 64), schedule=PP, epi_tile=(64, 16))
     elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1 and loads == 0:
         cfg = _cfg((128, 256, 64))

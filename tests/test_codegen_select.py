@@ -203,6 +203,8 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
 @pytest.mark.parametrize("epilogue,kind,mnk,want", [
     ("gemm", "wgrad", (1024, 1024, 16384), "coop_128x128x64_c1x1_splitk2"),  # long K, one wave
     ("gemm", "wgrad", (1152, 128, 100352), "coop_128x128x64_c1x1_splitk14"),  # 9 tiles: 126 CTAs
+    ("gemm", "wgrad", (768, 3072, 25216), "coop_128x128x64_c1x1_streamk"),  # 144 tiles: 1.1 waves
+    ("gemm", "wgrad", (1024, 4096, 16384), "coop_128x128x64_c1x1"),  # 256 tiles: 1.9 waves
     ("gemm", "wgrad", (256, 128, 401408), "coop_128x64x64_c1x1_streamk"),  # 4 tiles of 128x64
     ("gemm", "wgrad", (512, 128, 100352), "coop_128x64x64_c1x1_streamk"),  # 8
     ("gemm", "wgrad", (512, 256, 100352), "coop_128x128x64_c1x1_splitk16"),  # 16: split-K
@@ -215,6 +217,8 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("bias_gelu_aux", "fwd", (16384, 2048, 1024), "coop_128x128x64_c1x1"),  # N < 4096: not measured
     ("dropout_residual", "fwd", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # Philox draws: no ping-pong
     ("relu_bwd", "dgrad", (16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # an M x N load behind long K
+    ("relu_bwd", "dgrad", (16384, 1024, 2048), "pp_128x128x64_c1x1_e64x16"),
+    ("relu_bwd", "dgrad", (16384, 1024, 1536), "coop_128x128x64_c1x1"),
     ("gelu_bwd", "dgrad", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # ... but not with erf
 ])
 def test_heuristic_config_by_shape(epilogue, kind, mnk, want):
