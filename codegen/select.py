@@ -381,7 +381,8 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
     ``measure({name: (partition, config)})`` builds and times kernels, returning milliseconds
     (``inf`` for a kernel that failed to build or verify).  Stage 1 times each distinct plain GEMM
     on every candidate; stage 2 times each partition on its ``top_k`` main-loop configurations
-    (plus the default when ``include_default``), and with ``epilogue_tiles`` each of those again
+    (plus the default and ``heuristic_config``'s choice when ``include_default``, so a tuned
+    build is never slower than an untuned one), and with ``epilogue_tiles`` each of those again
     with a narrow epilogue subtile (``epilogue_variant``), and a partition with float32 row/column
     sums each again with atomic sums (``reduction_variant``); a partition none of whose kernels ran
     gets no choice.  ``plain_ms`` (plain signature -> timings) is filled in for the caller.
@@ -414,7 +415,10 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
             continue
         best = rank(mainloop)[:top_k]
         default = default_config(p.gemm.dtype_a)
-        picks[p.symbol] = list(dict.fromkeys([*best, default] if include_default or not best else best))
+        # and the shape heuristic's choice, what an untuned build would run: an epilogue can
+        # reorder main loops (ping-pong hides loads and stores that the plain GEMM lacks)
+        untuned = heuristic_config(p, num_sms)
+        picks[p.symbol] = list(dict.fromkeys([*best, default, untuned] if include_default or not best else best))
         if epilogue_tiles:
             picks[p.symbol] += [epilogue_variant(c) for c in picks[p.symbol] if c.epi_tile is None]
         picks[p.symbol] += [v for v in (reduction_variant(p, c) for c in picks[p.symbol]) if v is not None]

@@ -142,17 +142,26 @@ def test_script_help():
     assert out.returncode == 0 and "--top" in out.stdout and "kernel_traffic" in out.stdout
 
 
-def test_sweep_times_every_candidate_and_the_plain_gemm():
-    from tvm_evt.codegen import select
-    from tvm_evt.codegen.backend import default_config
-    from tvm_evt.codegen.legality import fitting_config
-
-    # head dim 32: the attention stays unfused, its batched GEMMs are among the partitions
+@pytest.fixture(scope="module")
+def small_bert_partitions():
+    """The lowered CUTLASS partitions of a small BERT layer (head dim 32: the attention stays
+    unfused, so its batched GEMMs are among them)."""
     entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=8, ffn=1024)
     _imported, graph = tuning.training_graph(entry, "bf16")
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     parts, _ = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
-    parts = parts[:3]
+    return parts
+
+
+def test_sweep_times_every_candidate_and_the_plain_gemm(small_bert_partitions, monkeypatch):
+    from tvm_evt.codegen import select
+    from tvm_evt.codegen.backend import Decomposition, KernelConfig, default_config
+    from tvm_evt.codegen.legality import fitting_config
+
+    parts = small_bert_partitions[:3]
+    untuned = KernelConfig(tile=(128, 64, 64), decomposition=Decomposition.SPLIT_K, splits=3)
+    assert untuned not in select.space_table("full")
+    monkeypatch.setattr(select, "heuristic_config", lambda p, *a, **k: untuned)  # in no search space
     asked = []
 
     def measure(jobs):  # a fake GPU: wider tiles and narrow epilogues are slower, plain GEMMs fastest
@@ -165,7 +174,7 @@ def test_sweep_times_every_candidate_and_the_plain_gemm():
     for r in rows:
         p = next(p for p in parts if p.symbol == r["symbol"])
         assert len(r["ms"]) >= len(select.candidates(p, "quick"))  # with the epilogue variants
-        assert fitting_config(p, select.heuristic_config(p)).name in r["ms"]  # and what untuned builds run
+        assert fitting_config(p, untuned).name in r["ms"]  # and what untuned builds run
         plain = asked[0][f"{p.symbol}_plain__{default_config('bfloat16').name}"][0]
         assert plain.symbol.endswith("_plain__" + default_config("bfloat16").name)
         assert len(plain.outputs) == 1 and r["plain_ms"] == 0.5 * default_config("bfloat16").tile[1]
@@ -173,12 +182,8 @@ def test_sweep_times_every_candidate_and_the_plain_gemm():
     assert [r["ms"][r["best"]] for r in rows] == sorted((r["ms"][r["best"]] for r in rows), reverse=True)
 
 
-def test_sweep_times_only_the_configurations_asked_for():
-    entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=8, ffn=1024)
-    _imported, graph = tuning.training_graph(entry, "bf16")
-    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    parts, _ = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
-    parts = parts[:2]
+def test_sweep_times_only_the_configurations_asked_for(small_bert_partitions):
+    parts = small_bert_partitions[:2]
     asked = []
 
     def measure(jobs):
@@ -197,15 +202,11 @@ def test_sweep_times_only_the_configurations_asked_for():
         tuning.sweep_configs(parts, "quick", measure, only=["no_such_config"])
 
 
-def test_compare_configs_times_each_partition_under_default_and_heuristic():
+def test_compare_configs_times_each_partition_under_default_and_heuristic(small_bert_partitions):
     from tvm_evt.codegen import select
     from tvm_evt.codegen.legality import fitting_config
 
-    # head dim 32: the attention stays unfused, its batched GEMMs are among the partitions
-    entry = models.PRESETS["bert_large_layer"](batch=2, seq=128, hidden=256, heads=8, ffn=1024)
-    _imported, graph = tuning.training_graph(entry, "bf16")
-    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    parts, _ = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+    parts = small_bert_partitions
     asked = []
 
     def measure(jobs):  # a fake GPU: a job's time is its config's tile width plus its M, all distinct
