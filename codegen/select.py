@@ -155,15 +155,15 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
       fill the SMs: ResNet-50's convolution weight gradients (1152x128x100352: 9 tiles) ran
       split-K 2 on 18 of 132 SMs;
-    * long K over more than half a wave and less than one and a half of 128x128 tiles: stream-K,
-      which evens out the last wave.  ViT-B/16's weight gradients (H200, ms stream-K / before):
-      768x3072x25216 (144 tiles) 0.161 / 0.285 (data-parallel), 2304x768x25216 (108 tiles)
-      0.129 / 0.153 (split-K 2);
     * long K over at most 8 tiles of 128x64: stream-K on 128x64 tiles.  ResNet-50's weight
       gradients (H200, 2026-11-26, ms stream-K 128x64 / split-K on 128x128): 128x256x401408
       0.146 / 0.203 (66 splits), 512x128x100352 0.067 / 0.086 (24), 128x512x100352 0.075 /
       0.078 (24); with more tiles split-K stayed ahead (128x1152: 0.098 / 0.107 stream-K,
       512x256: 0.078 / 0.085);
+    * long K over more than half a wave and less than one and a half of 128x128 tiles: stream-K,
+      which evens out the last wave.  ViT-B/16's weight gradients (H200, ms stream-K / before):
+      768x3072x25216 (144 tiles) 0.161 / 0.285 (data-parallel), 2304x768x25216 (108 tiles)
+      0.129 / 0.153 (split-K 2);
     * short K (256..1024) over two or more waves with at most one stored output: ping-pong
       128x128 (0.049 / 0.056), with a 2x1 cluster when N >= 4096 (0.264 / 0.300); attention's
       K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
@@ -199,15 +199,16 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     stores = sum(isinstance(node, AuxStore) for node in partition.epilogue.nodes)
     loads = sum(isinstance(node, AuxLoad) for node in partition.epilogue.nodes)
     heavy = alu_heavy(partition)
+    long_k = g.batch == 1 and k >= 4096 and k >= 4 * max(m, n)  # a weight gradient's reduction
     if n <= 64 and m >= 128:
         cfg = _cfg((128, 64, 64))
     elif m <= 64 and n >= 256:
         cfg = _cfg((64, 256, 64), schedule=PP)
-    elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 64) <= 8:
+    elif long_k and tiles(128, 64) <= 8:
         cfg = _cfg((128, 64, 64), decomposition=SK)
-    elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and num_sms // 2 < tiles(128, 128) < 3 * num_sms // 2:
+    elif long_k and num_sms // 2 < tiles(128, 128) < 3 * num_sms // 2:
         cfg = _cfg((128, 128, 64), decomposition=SK)
-    elif g.batch == 1 and k >= 4096 and k >= 4 * max(m, n) and tiles(128, 128) <= num_sms:
+    elif long_k and tiles(128, 128) <= num_sms:
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
     elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
