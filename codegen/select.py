@@ -416,10 +416,11 @@ def tune(partitions: Iterable[Partition], measure: Measure, gpu: str, space: str
             continue
         best = rank(mainloop)[:top_k]
         default = default_config(p.gemm.dtype_a)
-        # and the shape heuristic's choice, what an untuned build would run: an epilogue can
-        # reorder main loops (ping-pong hides loads and stores that the plain GEMM lacks)
-        untuned = heuristic_config(p, num_sms)
-        picks[p.symbol] = list(dict.fromkeys([*best, default, untuned] if include_default or not best else best))
+        if include_default or not best:
+            # and the shape heuristic's choice, what an untuned build would run: an epilogue can
+            # reorder main loops (ping-pong hides loads and stores that the plain GEMM lacks)
+            best = [*best, default, heuristic_config(p, num_sms)]
+        picks[p.symbol] = list(dict.fromkeys(best))
         if epilogue_tiles:
             picks[p.symbol] += [epilogue_variant(c) for c in picks[p.symbol] if c.epi_tile is None]
         picks[p.symbol] += [v for v in (reduction_variant(p, c) for c in picks[p.symbol]) if v is not None]
