@@ -200,6 +200,10 @@ __device__ __forceinline__ int64_t head_base(Params const& p, int bh, int s) {
   return p.bshd ? (int64_t(bh / p.heads) * s * p.heads + bh % p.heads) * kHead : int64_t(bh) * s * kHead;
 }
 __device__ __forceinline__ int row_stride(Params const& p) { return p.bshd ? p.heads * kHead : kHead; }
+// the first element of query row ``r`` = (bh, query) of a [Sq]-row tensor (q, o, dO, dQ)
+__device__ __forceinline__ int64_t query_row(Params const& p, int64_t r) {
+  return head_base(p, int(r / p.sq), p.sq) + r % p.sq * row_stride(p);
+}
 
 // rows [row0, row0 + 64) of a [rows, 64] matrix (rows ``ld`` elements apart) into a swizzled tile
 // (rows >= ``rows`` read as 0)
@@ -425,7 +429,7 @@ __global__ void __launch_bounds__(kThreads) flash_delta(Params p, int rows) {
   const int64_t r = int64_t(blockIdx.x) * kDeltaRows + (threadIdx.x >> 3);  // r: (bh, query)
   float x = 0.f;
   if (r < rows) {  // (no early return: the whole warp shuffles below)
-    const int64_t at = head_base(p, int(r / p.sq), p.sq) + r % p.sq * row_stride(p) + part * 8;
+    const int64_t at = query_row(p, r) + part * 8;
     const uint4 o = *reinterpret_cast<const uint4*>(p.o + at);
     const uint4 d = *reinterpret_cast<const uint4*>(p.dout + at);
     const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
@@ -591,7 +595,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_convert(Params p, int rows)
   const float4 b = reinterpret_cast<const float4*>(p.dq_accum)[2 * i + 1];
   const uint4 out = make_uint4(pack2<kBf16>(a.x * p.scale, a.y * p.scale), pack2<kBf16>(a.z * p.scale, a.w * p.scale),
                                pack2<kBf16>(b.x * p.scale, b.y * p.scale), pack2<kBf16>(b.z * p.scale, b.w * p.scale));
-  *reinterpret_cast<uint4*>(p.dq + head_base(p, int(r / p.sq), p.sq) + r % p.sq * row_stride(p) + c * 8) = out;
+  *reinterpret_cast<uint4*>(p.dq + query_row(p, r) + c * 8) = out;
 }
 
 // ---- backward: dQ, one CTA per 64 query rows
