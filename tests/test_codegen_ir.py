@@ -169,11 +169,12 @@ def test_dag_to_tree_ensures():
 
 
 # -------------------------------------------------------------------------------- frontend
-def _func(build):
+def _func(build, third=((N,), "float16")):
+    """f(x, w, b) = build(bb, x, w, b, x @ wᵀ); `b` has the type `third` (a bias by default)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((M, K), "float16"))
     w = relax.Var("w", relax.TensorType((N, K), "float16"))
-    b = relax.Var("b", relax.TensorType((N,), "float16"))
+    b = relax.Var("b", relax.TensorType(*third))
     with bb.function("f", [x, w, b]):
         with bb.dataflow():
             y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
@@ -207,21 +208,14 @@ def test_frontend_reports_why(build, reason):
 def test_frontend_loads_an_input_read_twice_in_split_form_once():
     # GPT-2's dropout mask is read as [B, S, N] by two wheres; each read had become its own
     # tile-rank view, so the kernel loaded the mask twice
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((M, K), "float16"))
-    w = relax.Var("w", relax.TensorType((N, K), "float16"))
-    keep = relax.Var("keep", relax.TensorType((2, M // 2, N), "bool"))
-    with bb.function("f", [x, w, keep]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
-            y3 = bb.emit(relax.op.reshape(y, (2, M // 2, N)))
-            zero = relax.const(0.0, "float16")
-            first = bb.emit(relax.op.where(keep, y3, zero))
-            twice = bb.emit(relax.op.multiply(y3, relax.const(2.0, "float16")))
-            second = bb.emit(relax.op.where(keep, twice, zero))
-            res = bb.emit_output(relax.Tuple([first, second]))
-        bb.emit_func_output(res)
-    p = lower(from_function(bb.get()["f"]))
+    def build(bb, x, w, keep, y):
+        y3 = bb.emit(relax.op.reshape(y, (2, M // 2, N)))
+        zero = relax.const(0.0, "float16")
+        first = bb.emit(relax.op.where(keep, y3, zero))
+        twice = bb.emit(relax.op.multiply(y3, relax.const(2.0, "float16")))
+        return relax.Tuple([first, bb.emit(relax.op.where(keep, twice, zero))])
+
+    p = lower(from_function(_func(build, third=((2, M // 2, N), "bool"))))
     loads = [n for n in p.epilogue.nodes if isinstance(n, AuxLoad)]
     assert len(loads) == 1 and loads[0].param == 2 and loads[0].dtype == "bool"
     assert sum(isinstance(n, AuxStore) for n in p.epilogue.nodes) == 2
