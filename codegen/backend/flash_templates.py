@@ -307,24 +307,24 @@ __device__ __forceinline__ void wgmma_ss_tt(float (&acc)[8][4], uint64_t a, uint
 #undef TVM_EVT_ACC32
 
 // The products below are warpgroup-wide: every thread of the CTA calls them together, with the
-// same shared-memory tiles.  Each waits for its MMAs before returning.
+// same shared-memory tiles.  ``issue_*`` only issue the four k-steps of one 64 x 64 x 64 product;
+// the ``gemm_*`` wrappers fence, issue one or two products, and wait for them.
 
 // acc (64 x 64) += A Bᵀ: A the warps' 16-row fragments (a[kk]: k columns 16 kk..), B a tile stored [N][K]
 template <bool kBf16>
-__device__ __forceinline__ void gemm_nk(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
-  pin(acc);
-  wgmma_fence();
+__device__ __forceinline__ void issue_nk(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_rs<kBf16, false>(acc, a[kk], step_desc<false>(tile, kk));
-  wgmma_commit();
-  wgmma_wait();
-  pin(acc);
 }
-
-// acc += P B: P the warps' 16 x 64 accumulator fragments re-packed as A, B a tile stored [K][N]
+// acc += A B: A as in issue_nk, B a tile stored [K][N]
 template <bool kBf16>
-__device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][4], const uint16_t* tile) {
-  uint32_t a[4][4];
+__device__ __forceinline__ void issue_kn(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs<kBf16, true>(acc, a[kk], step_desc<true>(tile, kk));
+}
+// the warps' 16 x 64 accumulator fragments re-packed as an A operand (P -> P V)
+template <bool kBf16>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4][4], const float (&p)[8][4]) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     a[kk][0] = pack2<kBf16>(p[2 * kk][0], p[2 * kk][1]);
@@ -333,13 +333,59 @@ __device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][
     a[kk][3] = pack2<kBf16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
   }
   pin(a);
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void gemm_nk(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
   pin(acc);
   wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs<kBf16, true>(acc, a[kk], step_desc<true>(tile, kk));
+  issue_nk<kBf16>(acc, a, tile);
   wgmma_commit();
   wgmma_wait();
   pin(acc);
+}
+// c0 += a0 t0ᵀ and c1 += a1 t1ᵀ, one wait for both
+template <bool kBf16>
+__device__ __forceinline__ void gemm_nk2(float (&c0)[8][4], const uint32_t (&a0)[4][4], const uint16_t* t0,
+                                         float (&c1)[8][4], const uint32_t (&a1)[4][4], const uint16_t* t1) {
+  pin(c0);
+  pin(c1);
+  wgmma_fence();
+  issue_nk<kBf16>(c0, a0, t0);
+  issue_nk<kBf16>(c1, a1, t1);
+  wgmma_commit();
+  wgmma_wait();
+  pin(c0);
+  pin(c1);
+}
+// acc += P B, B a tile stored [K][N]
+template <bool kBf16>
+__device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][4], const uint16_t* tile) {
+  uint32_t a[4][4];
+  pack_a<kBf16>(a, p);
+  pin(acc);
+  wgmma_fence();
+  issue_kn<kBf16>(acc, a, tile);
+  wgmma_commit();
+  wgmma_wait();
+  pin(acc);
+}
+// c0 += p0 t0 and c1 += p1 t1, one wait for both
+template <bool kBf16>
+__device__ __forceinline__ void gemm_pk2(float (&c0)[8][4], const float (&p0)[8][4], const uint16_t* t0,
+                                         float (&c1)[8][4], const float (&p1)[8][4], const uint16_t* t1) {
+  uint32_t a0[4][4], a1[4][4];
+  pack_a<kBf16>(a0, p0);
+  pack_a<kBf16>(a1, p1);
+  pin(c0);
+  pin(c1);
+  wgmma_fence();
+  issue_kn<kBf16>(c0, a0, t0);
+  issue_kn<kBf16>(c1, a1, t1);
+  wgmma_commit();
+  wgmma_wait();
+  pin(c0);
+  pin(c1);
 }
 
 // acc (64 x 64) += A B, A a tile stored [K][M] (read transposed), B a tile stored [K][N]
@@ -585,8 +631,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
-    gemm_nk<kBf16>(s, kf, sQ[buf]);   // Sᵀ = K Qᵀ
-    gemm_nk<kBf16>(dp, vf, sD[buf]);  // dPdᵀ = V dOᵀ
+    gemm_nk2<kBf16>(s, kf, sQ[buf], dp, vf, sD[buf]);  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
     uint32_t keep = 0xffffffffu;             // bit 4 nt + e
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -598,23 +643,18 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
         if (kDropout && !kept(sMask[buf], c, warp * 16 + frag_row(e, g))) keep &= ~(1u << (4 * nt + e));
       }
     }
-    // dV += Pdᵀ dO
+    // Pdᵀ (P dropped and scaled); dSᵀ = Pᵀ (dPᵀ - D), dPᵀ = dPdᵀ masked and scaled like P
     float pd[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pd[nt][e] = (keep >> (4 * nt + e)) & 1u ? s[nt][e] * p.drop_scale : 0.f;
-    gemm_pk<kBf16>(dv, pd, sD[buf]);
-    // dSᵀ = Pᵀ (dPᵀ - D), dPᵀ = dPdᵀ masked and scaled like P; dK += dSᵀ Q
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float dpe = (keep >> (4 * nt + e)) & 1u ? dp[nt][e] * p.drop_scale : 0.f;
-        dp[nt][e] = s[nt][e] * (dpe - sDelta[buf][frag_col(nt, e, t)]);
+        const bool kept_e = (keep >> (4 * nt + e)) & 1u;
+        pd[nt][e] = kept_e ? s[nt][e] * p.drop_scale : 0.f;
+        dp[nt][e] = s[nt][e] * ((kept_e ? dp[nt][e] * p.drop_scale : 0.f) - sDelta[buf][frag_col(nt, e, t)]);
       }
     }
-    gemm_pk<kBf16>(dk, dp, sQ[buf]);
+    gemm_pk2<kBf16>(dv, pd, sD[buf], dk, dp, sQ[buf]);  // dV += Pdᵀ dO, dK += dSᵀ Q
     if (kFusedDq) {
       // dQ rows of this query tile += dS K over this CTA's 64 keys: dSᵀ into shared memory (each
       // warp its 16 keys), then each warp 16 queries against all 64 keys, added to dq_accum
@@ -718,8 +758,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
-    gemm_nk<kBf16>(s, qf, sK[buf]);  // S = Q Kᵀ
-    gemm_nk<kBf16>(dp, df, sV[buf]); // dPd = dO Vᵀ
+    gemm_nk2<kBf16>(s, qf, sK[buf], dp, df, sV[buf]);  // S = Q Kᵀ, dPd = dO Vᵀ
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
