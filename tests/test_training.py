@@ -396,3 +396,34 @@ def test_mixed_precision_computes_binary_cross_entropy_in_fp32():
     for op in ("relax.minimum", "relax.abs", "relax.negative", "relax.exp", "relax.log"):
         assert dtypes[op] == {"float32"}, (op, dtypes[op])
     assert dtypes["relax.matmul"] == {"bfloat16"}
+
+
+def _channels_last(tensors):
+    return [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in tensors]
+
+
+def test_channels_last_inputs_are_taken_in_place():
+    """Channels-last example inputs (how torch runs a ResNet: image and target) become NHWC
+    parameters of the step, which meet the NHWC convolutions without a transpose; loss and
+    gradients match torch, and NCHW-contiguous inputs are still accepted (copied)."""
+    from tvm import relax
+
+    entry = models.ZOO["resnet_basic"]()
+    no_dropout(entry.model)
+    step = _compile(entry, _channels_last(entry.example_inputs()))
+    train = step.graph.mod["train_step"]
+    (n, c, h, w), _ = step.imported.input_specs[0]
+    assert [tuple(int(d) for d in p.ty.shape) for p in train.params[:2]] == [(n, h, w, c)] * 2
+    inputs = set(train.params[:2])
+    permuted = []
+    relax.analysis.post_order_visit(train, lambda e: permuted.append(e) if isinstance(e, relax.Call)
+                                    and e.op.name == "relax.permute_dims" and e.args[0] in inputs else None)
+    assert not permuted, permuted
+
+    batch = entry.example_inputs()
+    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, batch)
+    for given in (_channels_last(batch), batch):
+        loss, grads = step.loss_and_grads(*given)
+        assert rel_err(loss, ref_loss) <= 1e-4
+        scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
+        assert max(grad_err(grads[k], g, scale) for k, g in ref_grads.items()) <= 1e-4

@@ -52,6 +52,12 @@ class ImportedModel:
     buffer_values: "OrderedDict[str, object]"
     origins: dict  # relax.Var -> Origin
     input_specs: list[tuple[tuple[int, ...], str]]  # (shape, dtype) per user input
+    # per user input: True where ``main`` takes it [N, H, W, C] (a channels-last example input;
+    # its spec above stays the logical NCHW shape the caller passes)
+    channels_last: list[bool] = dataclasses.field(default_factory=list)
+
+    def takes_channels_last(self, index: int) -> bool:
+        return index < len(self.channels_last) and self.channels_last[index]
 
 
 class _WithLoss:
@@ -291,7 +297,46 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
         ep = torch.export.export(traced, example_inputs)
     except Exception as err:
         raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
-    return import_exported_program(ep, strip_prefix=prefix)
+    imported = import_exported_program(ep, strip_prefix=prefix)
+    flags = [is_channels_last(t) for t in example_inputs]
+    return _take_channels_last(imported, flags) if any(flags) else imported
+
+
+NCHW_TO_NHWC = (0, 2, 3, 1)
+NHWC_TO_NCHW = (0, 3, 1, 2)
+
+
+def is_channels_last(t) -> bool:
+    """A 4-D torch tensor stored channels-last (NHWC in memory) and not also contiguous as NCHW."""
+    import torch
+
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _take_channels_last(imported: ImportedModel, flags: Sequence[bool]) -> ImportedModel:
+    """`imported` whose ``main`` takes each flagged input as [N, H, W, C], the memory order of a
+    channels-last torch tensor, so a step hands the tensor over in place (torch runs such a model
+    on the same tensors).  The old NCHW parameter is bound to ``permute_dims(x, [0, 3, 1, 2])`` at
+    the top of the body; where the convolutions run NHWC (``ConvertConvLayout``) that transpose
+    meets theirs and both go (``CancelTransposes``)."""
+    func = imported.mod["main"]
+    params = list(func.params)
+    bindings = []
+    for i, flag in enumerate(flags):
+        if flag:
+            old = params[i]
+            n, c, h, w = (int(s) for s in old.ty.shape)
+            params[i] = relax.Var(old.name, relax.TensorType((n, h, w, c), old.ty.dtype))
+            bindings.append(relax.VarBinding(old, relax.op.permute_dims(params[i], NHWC_TO_NCHW)))
+    body = func.body
+    first = body.blocks[0] if body.blocks else None
+    if isinstance(first, relax.DataflowBlock):  # Gradient wants the body's ops in its dataflow block
+        blocks = [relax.DataflowBlock(bindings + list(first.bindings))] + list(body.blocks[1:])
+    else:
+        blocks = [relax.BindingBlock(bindings)] + list(body.blocks)
+    seq = relax.BlockBuilder().normalize(relax.SeqExpr(blocks, body.body))
+    main = relax.Function(params, seq, None, func.is_pure, func.attrs)
+    return dataclasses.replace(imported, mod=_replace(imported.mod, main), channels_last=list(flags))
 
 
 def _wrap_irmodule(mod: tvm.IRModule) -> ImportedModel:

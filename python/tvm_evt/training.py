@@ -28,11 +28,12 @@ from tvm import relax
 from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
 from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
-from .frontend import ImportedModel, from_torch
+from .frontend import NCHW_TO_NHWC, ImportedModel, from_torch
 from .pipeline import PIPELINE_NAME, enabled  # registers relax_pipeline="evt"
 from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
+from .relax_passes.cancel_transposes import CancelTransposes
 from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.convert_conv_layout import ConvertConvLayout
 from .relax_passes.expand_small_power import ExpandSmallPower
@@ -131,6 +132,8 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         ExpandSmallPower(),
         # convolutions (and the batch norms and ReLUs between them) in NHWC: opt-in, pipeline.OPTIONAL
         *([ConvertConvLayout()] if enabled("nhwc") else []),
+        # channels-last inputs (frontend._take_channels_last) meet the convolutions' NHWC
+        *([CancelTransposes()] if any(imported.channels_last) else []),
         Conv2dToMatmul(),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
@@ -231,13 +234,15 @@ class TrainingStep:
                 f"training step takes {len(specs)} inputs ({', '.join(names)}), got {len(inputs)}"
             )
         out = []
-        for name, t, (shape, dtype) in zip(names, inputs, specs):
+        for i, (name, t, (shape, dtype)) in enumerate(zip(names, inputs, specs)):
             got_dtype = str(t.dtype).replace("torch.", "")
             if tuple(t.shape) != shape or got_dtype != dtype:
                 raise InputMismatchError(
                     f"input '{name}': expected shape {list(shape)} dtype {dtype}, "
                     f"got shape {list(t.shape)} dtype {got_dtype}"
                 )
+            if self.imported.takes_channels_last(i):  # NHWC memory: in place when t is channels-last
+                t = t.permute(*NCHW_TO_NHWC)
             out.append(_to_tvm(t, self.device))
         return out
 
