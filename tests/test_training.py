@@ -402,12 +402,16 @@ def _channels_last(tensors):
     return [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in tensors]
 
 
-def test_channels_last_inputs_are_taken_in_place():
+@pytest.mark.parametrize("nhwc", [True, False])
+def test_channels_last_inputs_are_taken_in_place(nhwc, monkeypatch):
     """Channels-last example inputs (how torch runs a ResNet: image and target) become NHWC
-    parameters of the step, which meet the NHWC convolutions without a transpose; loss and
-    gradients match torch, and NCHW-contiguous inputs are still accepted (copied)."""
+    parameters of the step, which meet the NHWC convolutions without a transpose (with the
+    convolutions left NCHW, one transpose each); loss and gradients match torch, and
+    NCHW-contiguous inputs are still accepted (copied)."""
     from tvm import relax
 
+    if not nhwc:
+        monkeypatch.setenv(pipeline.DISABLE_ENV, "nhwc")
     entry = models.ZOO["resnet_basic"]()
     no_dropout(entry.model)
     step = _compile(entry, _channels_last(entry.example_inputs()))
@@ -418,7 +422,7 @@ def test_channels_last_inputs_are_taken_in_place():
     permuted = []
     relax.analysis.post_order_visit(train, lambda e: permuted.append(e) if isinstance(e, relax.Call)
                                     and e.op.name == "relax.permute_dims" and e.args[0] in inputs else None)
-    assert not permuted, permuted
+    assert len(permuted) == (0 if nhwc else 2), permuted
 
     batch = entry.example_inputs()
     ref_loss, ref_grads, _ = torch_loss_and_grads(entry, batch)
