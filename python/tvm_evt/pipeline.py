@@ -89,6 +89,9 @@ OPTIONAL = {
                                "of bf16/fp16 steps with head dim 64 as one tvm_evt.attention op before Gradient, "
                                "run by flash-attention kernels on CUDA (H100 bf16: BERT-Large 5.77 -> 4.79, "
                                "GPT-2 medium 8.00 -> 4.98, ViT-B/16 7.12 -> 5.89 ms per step)"),
+    "split_projection": Rewrite("SplitFusedProjection: a linear layer whose output is split along its features "
+                                "(GPT-2's fused QKV) as one linear layer per piece, so no split copies its output "
+                                "and no concatenation rebuilds its gradient; not yet timed on a GPU", default=False),
     "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
                           "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass "
                           "(H100 bf16, with RecomputeElementwise: ResNet-50 conv3_x 19.16 -> 12.03 ms per step)"),

@@ -41,6 +41,7 @@ from .relax_passes.fuse_attention import FuseAttention
 from .relax_passes.fuse_batch_norm import FuseBatchNorm
 from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.pad_attention_keys import PadAttentionKeys
+from .relax_passes.split_fused_projection import SplitFusedProjection
 from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
 
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
@@ -130,6 +131,8 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     passes = [
         LowerDropout(),
         ExpandSmallPower(),
+        # GPT-2's fused QKV projection as three (opt-in: pipeline.OPTIONAL)
+        *([SplitFusedProjection()] if enabled("split_projection") else []),
         # convolutions (and the batch norms and ReLUs between them) in NHWC: opt-in, pipeline.OPTIONAL
         *([ConvertConvLayout()] if enabled("nhwc") else []),
         # channels-last inputs (frontend._take_channels_last) meet the convolutions' NHWC

@@ -1,0 +1,91 @@
+"""SplitFusedProjection: a linear layer split along its output features as one layer per piece."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+import tvm_evt
+from tvm_evt import models, pipeline
+from tvm_evt.relax_passes.split_fused_projection import SplitFusedProjection
+
+from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
+
+B, S, K, N = 2, 3, 8, 12
+
+
+def _before(sections=(4, 8), split_axis=-1):
+    """x [B*S, K] -> linear (W [N, K], b [N]) -> [B, S, N] -> split; returns the three pieces."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((B * S, K), "float32"))
+    w = relax.Var("w", relax.TensorType((N, K), "float32"))
+    b = relax.Var("b", relax.TensorType((N,), "float32"))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            mm = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0]), out_dtype="float32"))
+            y = bb.emit(relax.op.reshape(bb.emit(relax.op.add(b, mm)), [B, S, N]))
+            parts = bb.emit(relax.op.split(y, sections if isinstance(sections, int) else list(sections),
+                                           axis=split_axis))
+            count = sections if isinstance(sections, int) else len(sections) + 1
+            out = bb.emit_output(relax.Tuple([relax.TupleGetItem(parts, i) for i in range(count)]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _expected(bounds=((0, 4), (4, 8), (8, 12))):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((B * S, K), "float32"))
+    w = relax.Var("w", relax.TensorType((N, K), "float32"))
+    b = relax.Var("b", relax.TensorType((N,), "float32"))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            pieces = []
+            for begin, end in bounds:
+                wi = bb.emit(relax.op.strided_slice(w, [0], [begin], [end]))
+                bi = bb.emit(relax.op.strided_slice(b, [0], [begin], [end]))
+                wt = bb.emit(relax.op.permute_dims(wi, [1, 0]))
+                mm = bb.emit(relax.op.matmul(x, wt, out_dtype="float32"))
+                pieces.append(bb.emit(relax.op.reshape(bb.emit(relax.op.add(bi, mm)), [B, S, end - begin])))
+            out = bb.emit_output(relax.Tuple(pieces))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_split_linear_becomes_one_linear_per_piece():
+    after = SplitFusedProjection()(_before())
+    tvm.ir.assert_structural_equal(after, _expected())
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype("float32") for s in ((B * S, K), (N, K), (N,))]
+
+    def run(mod):
+        ex = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
+        return [t.numpy() for t in relax.VirtualMachine(ex, tvm.cpu())["main"](*map(tvm.runtime.tensor, args))]
+
+    for got, want in zip(run(after), run(_before())):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_equal_sections_and_other_axes():
+    tvm.ir.assert_structural_equal(SplitFusedProjection()(_before(sections=3)), _expected())
+    before = _before(sections=3, split_axis=1)  # along the sequence: not the features
+    tvm.ir.assert_structural_equal(SplitFusedProjection()(before), before)
+
+
+def test_gpt2_block_with_the_split_projection_matches_torch(monkeypatch):
+    monkeypatch.setenv(pipeline.ENABLE_ENV, "split_projection")
+    entry = models.ZOO["gpt2_block"]()
+    no_dropout(entry.model)
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    target={"kind": "llvm"})
+    assert "relax.split" not in step.graph.mod["main_adjoint"].script()
+    inputs = entry.example_inputs()
+    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs)
+    loss, grads = step.loss_and_grads(*inputs)
+    assert rel_err(loss, ref_loss) <= 1e-4
+    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
+    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
+    assert max(errs.values()) <= 1e-4, errs
