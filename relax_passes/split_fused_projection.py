@@ -22,6 +22,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._rewrite import mutate_relax_functions, producer, static_shape
+from .split_to_slices import piece_bounds
 
 ADD = tvm.ir.Op.get("relax.add")
 MATMUL = tvm.ir.Op.get("relax.matmul")
@@ -32,22 +33,11 @@ SPLIT = tvm.ir.Op.get("relax.split")
 
 def _sections(split: relax.Call, n: int) -> list[tuple[int, int]] | None:
     """The [begin, end) feature ranges of a split of the last axis (extent `n`), else None."""
-    attrs = split.attrs
     ndim = split.args[0].ty.ndim
-    if int(attrs.axis) % ndim != ndim - 1:
+    if int(split.attrs.axis) % ndim != ndim - 1:
         return None
-    sections = attrs.indices_or_sections
-    if isinstance(sections, (int, tvm.tirx.IntImm)):
-        count = int(sections)
-        if n % count:
-            return None
-        cuts = [n // count * i for i in range(1, count)]
-    else:
-        cuts = [int(c) for c in sections]
-    bounds = [0, *cuts, n]
-    if any(b >= e for b, e in zip(bounds, bounds[1:])):
-        return None
-    return list(zip(bounds, bounds[1:]))
+    bounds = piece_bounds(n, split.attrs.indices_or_sections)
+    return bounds if bounds is not None and all(b < e for b, e in bounds) else None
 
 
 @mutator

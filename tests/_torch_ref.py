@@ -35,3 +35,16 @@ def torch_loss_and_grads(entry, inputs):
     model = module.model if hasattr(module, "loss_fn") else module
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, model
+
+
+def assert_step_matches_torch(step, entry, inputs, torch_inputs=None, tol: float = 1e-4) -> None:
+    """The compiled `step`'s loss and gradients on `inputs` against torch autograd's on
+    `torch_inputs` (the same `inputs` by default), each gradient by `grad_err`."""
+    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs if torch_inputs is None else torch_inputs)
+    loss, grads = step.loss_and_grads(*inputs)
+    assert rel_err(loss, ref_loss) <= tol
+    assert set(ref_grads) <= set(grads), set(ref_grads) - set(grads)
+    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
+    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= tol, f"{worst}: {errs[worst]:.3g}"

@@ -11,7 +11,6 @@ import itertools
 import random
 
 import pytest
-import torch
 from tvm_evt import pipeline
 import tvm
 from tvm import relax
@@ -26,7 +25,7 @@ from tvm_evt.relax_passes.partition_evt import (
     solve,
 )
 
-from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
+from _torch_ref import assert_step_matches_torch, no_dropout
 
 LLVM = {"kind": "llvm"}
 ZOO_NAMES = sorted(models.ZOO)
@@ -68,14 +67,7 @@ def test_zoo(name, monkeypatch):
                                     loss_fn=entry.loss_fn, target=LLVM)
 
     # loss and gradients after graph passes + partitioning (+ the CPU reference lowering)
-    inputs = entry.example_inputs()
-    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs)
-    loss, grads = step.loss_and_grads(*inputs)
-    assert rel_err(loss, ref_loss) <= 1e-4
-    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
-    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= 1e-4, f"{worst}: {errs[worst]:.3g}"
+    assert_step_matches_torch(step, entry, entry.example_inputs())
 
     # the same partitioning (from the cache the compile filled), checked
     graph_mod = tvm.transform.Sequential(pre_partition_passes())(step.graph.mod)

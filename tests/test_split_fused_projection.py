@@ -4,8 +4,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pytest
-import torch
 import tvm
 from tvm import relax
 
@@ -13,17 +11,21 @@ import tvm_evt
 from tvm_evt import models, pipeline
 from tvm_evt.relax_passes.split_fused_projection import SplitFusedProjection
 
-from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
+from _torch_ref import assert_step_matches_torch, no_dropout
 
 B, S, K, N = 2, 3, 8, 12
 
 
+def _params():
+    """x [B*S, K], the weight w [N, K] and the bias b [N]."""
+    return (relax.Var("x", relax.TensorType((B * S, K), "float32")),
+            relax.Var("w", relax.TensorType((N, K), "float32")), relax.Var("b", relax.TensorType((N,), "float32")))
+
+
 def _before(sections=(4, 8), split_axis=-1):
-    """x [B*S, K] -> linear (W [N, K], b [N]) -> [B, S, N] -> split; returns the three pieces."""
+    """x -> linear (w, b) -> [B, S, N] -> split; returns the pieces."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((B * S, K), "float32"))
-    w = relax.Var("w", relax.TensorType((N, K), "float32"))
-    b = relax.Var("b", relax.TensorType((N,), "float32"))
+    x, w, b = _params()
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
             mm = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0]), out_dtype="float32"))
@@ -38,9 +40,7 @@ def _before(sections=(4, 8), split_axis=-1):
 
 def _expected(bounds=((0, 4), (4, 8), (8, 12))):
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((B * S, K), "float32"))
-    w = relax.Var("w", relax.TensorType((N, K), "float32"))
-    b = relax.Var("b", relax.TensorType((N,), "float32"))
+    x, w, b = _params()
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
             pieces = []
@@ -82,10 +82,4 @@ def test_gpt2_block_with_the_split_projection_matches_torch(monkeypatch):
     step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
                                     target={"kind": "llvm"})
     assert "relax.split" not in step.graph.mod["main_adjoint"].script()
-    inputs = entry.example_inputs()
-    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs)
-    loss, grads = step.loss_and_grads(*inputs)
-    assert rel_err(loss, ref_loss) <= 1e-4
-    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
-    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
-    assert max(errs.values()) <= 1e-4, errs
+    assert_step_matches_torch(step, entry, entry.example_inputs())

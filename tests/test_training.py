@@ -11,7 +11,7 @@ import tvm_evt
 from tvm_evt import models, pipeline
 from tvm_evt.errors import InputMismatchError, UnsupportedOpError
 
-from _torch_ref import grad_err, no_dropout, rel_err, torch_loss_and_grads
+from _torch_ref import assert_step_matches_torch, grad_err, no_dropout, rel_err, torch_loss_and_grads
 
 LLVM = {"kind": "llvm"}
 ZOO_NAMES = sorted(models.ZOO)
@@ -31,15 +31,7 @@ def test_zoo_loss_and_grads_match_torch(name, monkeypatch):
     entry = models.ZOO[name]()
     no_dropout(entry.model)
     step = _compile(entry, entry.example_inputs())
-    inputs = entry.example_inputs()  # fresh random inputs, not the ones traced
-    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, inputs)
-    loss, grads = step.loss_and_grads(*inputs)
-    assert rel_err(loss, ref_loss) <= 1e-4
-    assert set(ref_grads) <= set(grads), set(ref_grads) - set(grads)
-    scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
-    errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= 1e-4, f"{worst}: {errs[worst]:.3g}"
+    assert_step_matches_torch(step, entry, entry.example_inputs())  # fresh inputs, not the ones traced
 
 
 def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None):
@@ -425,9 +417,5 @@ def test_channels_last_inputs_are_taken_in_place(nhwc, monkeypatch):
     assert len(permuted) == (0 if nhwc else 2), permuted
 
     batch = entry.example_inputs()
-    ref_loss, ref_grads, _ = torch_loss_and_grads(entry, batch)
-    for given in (_channels_last(batch), batch):
-        loss, grads = step.loss_and_grads(*given)
-        assert rel_err(loss, ref_loss) <= 1e-4
-        scale = float(torch.stack([g.double().norm() for g in ref_grads.values()]).norm())
-        assert max(grad_err(grads[k], g, scale) for k, g in ref_grads.items()) <= 1e-4
+    assert_step_matches_torch(step, entry, _channels_last(batch), torch_inputs=batch)
+    assert_step_matches_torch(step, entry, batch)
