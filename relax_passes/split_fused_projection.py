@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import mutate_relax_functions, producer, static_shape
+from ._rewrite import mutate_relax_functions, producer, static_shape, swaps_last_two
 from .split_to_slices import piece_bounds
 
 ADD = tvm.ir.Op.get("relax.add")
@@ -57,7 +57,7 @@ class _Splitter(PyExprMutator):
         if matmul is None:
             return call
         permute = producer(self, matmul.args[1], PERMUTE)
-        if permute is None or permute.args[0].ty.ndim != 2 or [int(a) for a in permute.attrs.axes] != [1, 0]:
+        if permute is None or permute.args[0].ty.ndim != 2 or not swaps_last_two(permute):
             return call
         weight = permute.args[0]
         n = static_shape(weight)[0] if static_shape(weight) is not None else None

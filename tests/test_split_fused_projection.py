@@ -22,13 +22,15 @@ def _params():
             relax.Var("w", relax.TensorType((N, K), "float32")), relax.Var("b", relax.TensorType((N,), "float32")))
 
 
-def _before(sections=(4, 8), split_axis=-1):
-    """x -> linear (w, b) -> [B, S, N] -> split; returns the pieces."""
+def _before(sections=(4, 8), split_axis=-1, axes=(1, 0)):
+    """x -> linear (w, b) -> [B, S, N] -> split; returns the pieces.  `axes` None: the transpose
+    as permute_dims' default (axes reversed)."""
     bb = relax.BlockBuilder()
     x, w, b = _params()
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
-            mm = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0]), out_dtype="float32"))
+            wt = relax.op.permute_dims(w, None if axes is None else list(axes))
+            mm = bb.emit(relax.op.matmul(x, wt, out_dtype="float32"))
             y = bb.emit(relax.op.reshape(bb.emit(relax.op.add(b, mm)), [B, S, N]))
             parts = bb.emit(relax.op.split(y, sections if isinstance(sections, int) else list(sections),
                                            axis=split_axis))
@@ -71,6 +73,7 @@ def test_split_linear_becomes_one_linear_per_piece():
 
 def test_equal_sections_and_other_axes():
     tvm.ir.assert_structural_equal(SplitFusedProjection()(_before(sections=3)), _expected())
+    tvm.ir.assert_structural_equal(SplitFusedProjection()(_before(axes=None)), _expected())
     before = _before(sections=3, split_axis=1)  # along the sequence: not the features
     tvm.ir.assert_structural_equal(SplitFusedProjection()(before), before)
 
