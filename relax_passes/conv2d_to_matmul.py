@@ -40,7 +40,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from . import conv_op
 from ._rewrite import mutate_relax_functions, permute_axes, producer, static_shape
+from .conv_op import taps as _taps
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 CONV1D = tvm.ir.Op.get("relax.nn.conv1d")
@@ -53,20 +55,12 @@ def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
-def _taps(emit, x, spatial, kernel, out, stride, dilation) -> list:
-    """One strided slice of `x` over its `spatial` (height, width) axes per kernel tap, kernel
-    rows then columns: the input each tap of an `out`-sized convolution output reads."""
-    taps = []
-    for i in range(kernel[0]):
-        for j in range(kernel[1]):
-            begin = [i * dilation[0], j * dilation[1]]
-            end = [b + (e - 1) * s + 1 for b, e, s in zip(begin, out, stride)]
-            taps.append(emit(relax.op.strided_slice(x, spatial, begin, end, stride)))
-    return taps
-
-
 @mutator
 class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, implicit: bool = False):
+        super().__init__(mod)
+        self.implicit = implicit
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op not in (CONV2D, CONV1D):
@@ -82,6 +76,9 @@ class _Rewriter(PyExprMutator):
         stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
         emit = self.builder_.emit
         out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
+        if nhwc and self.implicit and _gathers(ws[1:3], stride, dilation, pad, xs[1:3], ys[1:3]) \
+                and out_dtype in (None, str(x.ty.dtype)):  # the window gather stays inside the kernel
+            return conv_op.conv2d(x, w, conv_op.Geometry(tuple(pad), tuple(stride), tuple(dilation)))
         if nhwc:  # channels innermost: the windows are channel-contiguous and the output needs no transpose
             y = self._nhwc_gemm(x, xs, w, ws, ys, stride, dilation, pad, out_dtype)
             return call if y is None else relax.op.reshape(y, [xs[0], *ys[1:3], ws[0]])
@@ -137,36 +134,27 @@ class _Rewriter(PyExprMutator):
         return emit(relax.op.reshape(cols, [rows, c * math.prod(kernel)]))
 
     def _windows_nhwc(self, x, xs, kernel, out, stride, dilation, pad):
-        """``[N*OH*OW, KH*KW*C]`` columns of an NHWC input (kernel row, column, then channel: the
-        order of an OHWI weight's rows), or None."""
-        emit = self.builder_.emit
-        (n, h, wd, c), (kh, kw), (oh, ow) = xs, kernel, out
-        rows = n * oh * ow
-        if (kh, kw) == (1, 1) and not any(pad):
-            if stride != [1, 1]:
-                (x,) = _taps(emit, x, [1, 2], kernel, out, stride, dilation)
-            return emit(relax.op.reshape(x, [rows, c]))
-        if stride == [kh, kw] and dilation == [1, 1] and not any(pad) and (oh * kh, ow * kw) == (h, wd):
-            patches = emit(relax.op.reshape(x, [n, oh, kh, ow, kw, c]))
-            patches = emit(relax.op.permute_dims(patches, [0, 1, 3, 2, 4, 5]))
-            return emit(relax.op.reshape(patches, [rows, kh * kw * c]))
-        if kh * kw > MAX_WINDOW:
-            return None
-        if any(pad):
-            x = emit(relax.op.nn.pad(x, [0, 0, pad[0], pad[2], pad[1], pad[3], 0, 0]))
-        # each tap [N, OH, OW, 1, C], stacked on that new axis: the gather kernel picks its tap by
-        # an outer index, so it moves whole 16-byte channel vectors (VectorizedElementwise); stacked
-        # along C, the choice varied along the innermost axis and the kernel ran one element a
-        # thread (ResNet-50 conv3_x: 0.48 ms for a 231 MB [100352, 1152] bf16 gather on H100)
-        taps = [emit(relax.op.expand_dims(tap, 3)) for tap in _taps(emit, x, [1, 2], kernel, out, stride, dilation)]
-        cols = emit(relax.op.concat(taps, axis=3)) if len(taps) > 1 else taps[0]  # [N, OH, OW, KH*KW, C]
-        return emit(relax.op.reshape(cols, [rows, kh * kw * c]))
+        """``[N*OH*OW, KH*KW*C]`` columns of an NHWC input (`conv_op.windows_nhwc`), or None."""
+        return conv_op.windows_nhwc(self.builder_.emit, x, xs, kernel, out, stride, dilation, pad, MAX_WINDOW)
+
+
+def _gathers(kernel, stride, dilation, pad, size, out) -> bool:
+    """Does im2col need a gather of overlapping windows (not a 1x1 slice, not disjoint patches)?"""
+    if tuple(kernel) == (1, 1) and not any(pad):
+        return False
+    return not (list(stride) == list(kernel) and list(dilation) == [1, 1] and not any(pad)
+                and (out[0] * kernel[0], out[1] * kernel[1]) == tuple(size))
 
 
 @tvm.transform.module_pass(opt_level=0, name="Conv2dToMatmul")
 class Conv2dToMatmul:
     """Rewrite the eligible ``conv2d`` / ``conv1d`` calls of every Relax function (see the module
-    docstring)."""
+    docstring).  With `implicit`, an NHWC ``conv2d`` whose windows overlap becomes one
+    ``tvm_evt.conv2d`` op instead (`conv_op`: implicit-GEMM kernels on CUDA, whose gradient rule
+    gives the two gradient ops), and its im2col gathers are never written."""
+
+    def __init__(self, implicit: bool = False):
+        self.implicit = implicit
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return mutate_relax_functions(_Rewriter(mod), mod)
+        return mutate_relax_functions(_Rewriter(mod, self.implicit), mod)

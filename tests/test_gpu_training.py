@@ -31,6 +31,7 @@ SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, o
     "gpt2_block_d64": dict(batch=2, seq=96, hidden=256, heads=4),
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
     "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
+    "resnet_basic_cl": dict(batch=8, in_channels=32, channels=32, size=8),  # channels-last inputs
     # conv1d outputs of 63, 61 and 57 positions into 4 adaptive max-pool windows
     "xml_cnn": dict(batch=8, seq=64, vocab=500, embed=64, filters=16, pool_chunks=4, bottleneck=64, labels=128),
 }
@@ -40,6 +41,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("resnet_basic", "disable=nhwc"),
     ("vit", "default"),  # without pad_keys the 17-key attention GEMMs are left to TVM (misaligned)
     ("bert_layer_d64", "default"), ("gpt2_block_d64", "default"),  # flash attention (head dim 64)
+    ("gpt2_block_d64", "disable=split_projection"), ("resnet_basic_cl", "default"),
     ("xml_cnn", "default"),
 ]
 
@@ -51,10 +53,14 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     if switch != "default":
         how, names = switch.split("=")
         monkeypatch.setenv(pipeline.DISABLE_ENV if how == "disable" else pipeline.ENABLE_ENV, names)
-    entry = models.ZOO[name.removesuffix("_d64")](**SMALL[name])
+    entry = models.ZOO[name.removesuffix("_d64").removesuffix("_cl")](**SMALL[name])
     no_dropout(entry.model)
+    example_inputs = entry.example_inputs
+    if name.endswith("_cl"):  # the step takes the image and target as NHWC, in place
+        example_inputs = lambda: [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+                                  for t in entry.example_inputs()]
     step = tvm_evt.compile_training(
-        copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+        copy.deepcopy(entry.model), example_inputs(), loss_fn=entry.loss_fn,
         precision="bf16",
     )
     assert step.target.kind.name == "cuda"
@@ -67,7 +73,7 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     # Judged against torch in fp32, with torch's own bf16 autocast as the yardstick: on a tiny
     # batch-norm net (statistics over 512 positions) autocast itself is 2-4 % off fp32, so a
     # fixed bound against the autocast result would compare two noises.
-    inputs = entry.example_inputs()
+    inputs = example_inputs()
     loss, grads = step.loss_and_grads(*[t.cuda() for t in inputs])
     grads = {n: g.double().cpu() for n, g in grads.items()}
     ref_loss, ref_grads = _torch_step(entry, inputs, autocast=False)
@@ -85,5 +91,5 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     # and a full update step runs (checked over all weights: a key bias's gradient is zero in
     # exact arithmetic, and with fp32 accumulation too small to move it)
     before = {n: v.clone() for n, v in step.parameters().items()}
-    step(*[t.cuda() for t in entry.example_inputs()])
+    step(*[t.cuda() for t in example_inputs()])
     assert any(not torch.equal(before[n], v) for n, v in step.parameters().items())

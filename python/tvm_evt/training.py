@@ -131,13 +131,15 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     passes = [
         LowerDropout(),
         ExpandSmallPower(),
-        # GPT-2's fused QKV projection as three (opt-in: pipeline.OPTIONAL)
+        # GPT-2's fused QKV projection as three (pipeline.OPTIONAL)
         *([SplitFusedProjection()] if enabled("split_projection") else []),
         # convolutions (and the batch norms and ReLUs between them) in NHWC: opt-in, pipeline.OPTIONAL
         *([ConvertConvLayout()] if enabled("nhwc") else []),
         # channels-last inputs (frontend._take_channels_last) meet the convolutions' NHWC
         *([CancelTransposes()] if any(imported.channels_last) else []),
-        Conv2dToMatmul(),
+        # NHWC convolutions with overlapping windows as tvm_evt.conv2d (implicit-GEMM kernels on
+        # CUDA) where the step is bf16/fp16 (opt-in: pipeline.OPTIONAL); the rest as im2col + GEMM
+        Conv2dToMatmul(implicit=enabled("implicit_conv") and precision in FLASH_PRECISIONS),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
         # the attention core as one tvm_evt.attention op where the flash-attention kernels can take
