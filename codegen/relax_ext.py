@@ -25,11 +25,13 @@ import tvm_ffi
 
 from . import select
 from .backend import KernelConfig, default_config, emit, smem
+from .backend.conv import emit_conv
 from .backend.flash_attention import emit_attention
 from .build import BuildError, build_each, kernel_entries, link_module
 from .errors import Unsupported
 from .frontend import from_function
 from .frontend.attention_call import attention_of_function
+from .frontend.conv_call import conv_of_function
 from .ir import Partition
 from .legality import fitting_config
 from .passes import lower
@@ -39,6 +41,9 @@ GLOBAL_FUNC = f"relax.ext.{CODEGEN_NAME}"
 # fused training attention calls (``tvm_evt.attention`` / ``_backward``): flash-attention kernels
 ATTENTION_CODEGEN_NAME = "evt_attention"
 ATTENTION_GLOBAL_FUNC = f"relax.ext.{ATTENTION_CODEGEN_NAME}"
+# convolutions (``tvm_evt.conv2d`` / ``_dgrad`` / ``_wgrad``): CUTLASS SM90 implicit-GEMM kernels
+CONV_CODEGEN_NAME = "evt_conv"
+CONV_GLOBAL_FUNC = f"relax.ext.{CONV_CODEGEN_NAME}"
 
 
 CONFIG_KEYS = ("tile", "cluster", "schedule", "raster", "decomposition", "splits", "epi_tile", "atomic_reduce")
@@ -146,35 +151,55 @@ def kernel_partitions(kernel_name: str) -> list[str]:
     return sorted(_KERNEL_PARTITIONS.get(kernel_name, ()))
 
 
-def build_attention(calls) -> "tvm.runtime.Module":
-    """One static library holding the flash-attention kernels of ``calls`` (``AttentionCall``s),
-    built in parallel through the object cache; ``export_library`` links it."""
-    sources = {call.symbol: emit_attention(call) for call in calls}
+def _build_library(sources: dict[str, str], codegen: str) -> "tvm.runtime.Module":
+    """One static library of the kernels in `sources` (symbol -> C++), built in parallel through
+    the object cache; ``export_library`` links it."""
     objects = build_each(sources)
     for symbol, result in objects.items():
         if isinstance(result, BuildError):
-            raise BuildError(f"relax.ext.evt_attention: nvcc failed for {symbol}: {result.first_error}\n{result}",
+            raise BuildError(f"relax.ext.{codegen}: nvcc failed for {symbol}: {result.first_error}\n{result}",
                              name=symbol, stderr=result.stderr)
     obj = link_module([objects[s] for s in sources], list(sources))
     return tvm.runtime.load_static_library(str(obj), list(sources))
 
 
-def attention_codegen(funcs, options, constant_names):
-    """``relax.ext.evt_attention``: every fused attention call (``Codegen="evt_attention"``) as
-    flash-attention kernels in one static library."""
-    funcs = list(funcs)
-    if not funcs:
-        return []
-    try:
-        calls = [attention_of_function(func) for func in funcs]
-        return [build_attention(calls)]
-    except Unsupported as err:
-        raise tvm.error.TVMError(f"relax.ext.evt_attention: {err.reason}") from err
-    except BuildError as err:
-        raise tvm.error.TVMError(str(err)) from err
+def build_attention(calls) -> "tvm.runtime.Module":
+    """One static library holding the flash-attention kernels of ``calls`` (``AttentionCall``s)."""
+    return _build_library({call.symbol: emit_attention(call) for call in calls}, ATTENTION_CODEGEN_NAME)
+
+
+def build_conv(calls) -> "tvm.runtime.Module":
+    """One static library holding the implicit-GEMM convolution kernels of ``calls`` (``ConvCall``s)."""
+    return _build_library({call.symbol: emit_conv(call) for call in calls}, CONV_CODEGEN_NAME)
+
+
+def _call_codegen(codegen: str, read, build):
+    """``relax.ext.<codegen>`` for functions that each hold one op call: `read` each function
+    into its call (raising ``Unsupported``), `build` all calls into one static library."""
+
+    def run(funcs, options, constant_names):
+        funcs = list(funcs)
+        if not funcs:
+            return []
+        try:
+            return [build([read(func) for func in funcs])]
+        except Unsupported as err:
+            raise tvm.error.TVMError(f"relax.ext.{codegen}: {err.reason}") from err
+        except BuildError as err:
+            raise tvm.error.TVMError(str(err)) from err
+
+    run.__name__ = f"{codegen}_codegen"
+    return run
+
+
+# every fused attention call (Codegen="evt_attention") as flash-attention kernels, and every
+# convolution call (Codegen="evt_conv") as a CUTLASS SM90 implicit-GEMM kernel, one library each
+attention_codegen = _call_codegen(ATTENTION_CODEGEN_NAME, attention_of_function, build_attention)
+conv_codegen = _call_codegen(CONV_CODEGEN_NAME, conv_of_function, build_conv)
 
 
 def register() -> None:
-    """Register ``relax.ext.evt`` and ``relax.ext.evt_attention`` (idempotent)."""
+    """Register ``relax.ext.evt``, ``relax.ext.evt_attention`` and ``relax.ext.evt_conv`` (idempotent)."""
     tvm_ffi.register_global_func(GLOBAL_FUNC, evt_codegen, override=True)
     tvm_ffi.register_global_func(ATTENTION_GLOBAL_FUNC, attention_codegen, override=True)
+    tvm_ffi.register_global_func(CONV_GLOBAL_FUNC, conv_codegen, override=True)

@@ -134,3 +134,72 @@ def test_bf16_resnet_step_with_implicit_convolutions_agrees_with_fp32(monkeypatc
     flat = lambda gs: torch.cat([gs[n].flatten().double() for n in names])
     assert rel_err(loss, loss32) <= max(2e-2, 1.25 * rel_err(loss_ref, loss32))
     assert rel_err(flat(grads), flat(grads32)) <= max(2e-2, 1.25 * rel_err(flat(grads_ref), flat(grads32)))
+
+
+def _conv_step_module(channels: int) -> tvm.IRModule:
+    """main(x, w1, w2): two 3x3 bf16 convolutions of `channels` channels and their gradients."""
+    bb = relax.BlockBuilder()
+    g = conv_op.Geometry((1, 1, 1, 1), (1, 1), (1, 1))
+    x = relax.Var("x", relax.TensorType([2, 8, 8, channels], "bfloat16"))
+    w1 = relax.Var("w1", relax.TensorType([channels, 3, 3, channels], "bfloat16"))
+    w2 = relax.Var("w2", relax.TensorType([channels, 3, 3, channels], "bfloat16"))
+    with bb.function("main", [x, w1, w2]):
+        with bb.dataflow():
+            y = bb.emit(conv_op.conv2d(bb.emit(conv_op.conv2d(x, w1, g)), w2, g))
+            loss = bb.emit_output(relax.op.sum(relax.op.astype(y, "float32")))
+        bb.emit_func_output(loss)
+    return relax.transform.Gradient("main")(bb.get())
+
+
+def test_offload_conv_shares_one_kernel_function_per_distinct_call():
+    """Equal calls (two 3x3 64-channel convolutions; their input and weight gradients) share a
+    Codegen="evt_conv" function each: fprop, dgrad, wgrad."""
+    from tvm_evt.relax_passes.offload_conv import CODEGEN, OffloadConv
+
+    offload = OffloadConv()
+    mod = offload(_conv_step_module(64))
+    kernels = {gv.name_hint: f for gv, f in mod.functions_items()
+               if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+    # named after the function that first calls them (main holds the forward convolutions too)
+    assert sorted(kernels) == ["main_adjoint_conv_dgrad1", "main_adjoint_conv_wgrad2", "main_conv0"], sorted(kernels)
+    assert offload.fallbacks == []
+    adjoint = _ops(mod["main_adjoint"])
+    assert not any(op.startswith("tvm_evt.conv2d") for op in adjoint)
+    calls = []
+    relax.analysis.post_order_visit(mod["main_adjoint"], lambda e: calls.append(e.op.name_hint)
+                                    if isinstance(e, relax.Call) and isinstance(e.op, relax.GlobalVar) else None)
+    # two forward convolutions, the second's input gradient (the first reads the parameter x,
+    # whose gradient Gradient also asks for), two weight gradients
+    assert sorted(calls) == sorted(["main_conv0"] * 2 + ["main_adjoint_conv_dgrad1"] * 2
+                                   + ["main_adjoint_conv_wgrad2"] * 2), calls
+
+
+def test_offload_conv_decomposes_what_the_kernels_cannot_take():
+    """4 channels are not 16-byte rows: every call becomes the im2col gather and a matmul (whose
+    values test_conv2d_op_and_its_gradient_match_torch checks), with the reason kept."""
+    from tvm_evt.relax_passes.offload_conv import OffloadConv
+
+    before = _conv_step_module(4)
+    offload = OffloadConv()
+    after = offload(before)
+    assert not any(op.startswith("tvm_evt.conv2d") for op in _ops(after["main_adjoint"]))
+    assert "relax.matmul" in _ops(after["main_adjoint"])
+    assert offload.fallbacks and all("multiples of 8" in why for why in offload.fallbacks), offload.fallbacks
+
+
+def test_offload_conv_leaves_a_long_weight_gradient_on_few_tiles_to_the_gemm():
+    """ResNet-50 conv3_x's 3x3 weight gradient (128 x 1152 over K = 100352) would be 9 CTAs of the
+    convolution kernel, which has no split-K: it becomes im2col + GEMM (stream-K there); its
+    forward convolution and input gradient (784 tiles) stay kernels."""
+    from tvm_evt.codegen.frontend.conv_call import conv_of_call
+    from tvm_evt.relax_passes.offload_conv import too_few_tiles
+
+    g = conv_op.Geometry((1, 1, 1, 1), (1, 1), (1, 1))
+    x = relax.Var("x", relax.TensorType([128, 28, 28, 128], "bfloat16"))
+    w = relax.Var("w", relax.TensorType([128, 3, 3, 128], "bfloat16"))
+    bb = relax.BlockBuilder()
+    calls = [bb.normalize(c) for c in (conv_op.conv2d(x, w, g), conv_op.conv2d_dgrad(x, w, g, [128, 28, 28, 128]),
+                                       conv_op.conv2d_wgrad(x, x, g, [128, 3, 3, 128]))]
+    reasons = [too_few_tiles(conv_of_call(c)) for c in calls]
+    assert reasons[:2] == [None, None]
+    assert "9 tiles" in reasons[2] and "100352" in reasons[2]

@@ -42,6 +42,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("vit", "default"),  # without pad_keys the 17-key attention GEMMs are left to TVM (misaligned)
     ("bert_layer_d64", "default"), ("gpt2_block_d64", "default"),  # flash attention (head dim 64)
     ("gpt2_block_d64", "disable=split_projection"), ("resnet_basic_cl", "default"),
+    ("resnet_basic_cl", "enable=implicit_conv"),  # 3x3 convolutions as implicit-GEMM kernels
     ("xml_cnn", "default"),
 ]
 

@@ -13,6 +13,8 @@ One list of phases, in order (``phases(target)``):
     OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention;
                        heads split from activations read in place, CancelTransposes), or plain ops the
                        partitioner sees where the kernels cannot take them
+    OffloadConv        tvm_evt.conv2d / _dgrad / _wgrad calls as implicit-GEMM kernels (relax.ext.evt_conv),
+                       or the im2col gather and a matmul where the kernels cannot take them
     RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     SplitToSlices      a split as one slice per piece, each fusing into its reader (im2col's col2im)
@@ -159,12 +161,15 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
 
         from .codegen import relax_ext
         from .relax_passes.offload_attention import OffloadAttention
+        from .relax_passes.offload_conv import OffloadConv
 
         relax_ext.register()
         return (
             # fused attention calls -> flash-attention kernels (Codegen="evt_attention"), or plain
             # ops before the partitioner where the kernels cannot take them
             [OffloadAttention()]
+            # tvm_evt.conv2d* calls -> implicit-GEMM kernels (Codegen="evt_conv"), or im2col + matmul
+            + [OffloadConv()]
             + front
             + cuda.library_dispatch_passes(target)
             + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels

@@ -165,19 +165,22 @@ def evt_functions(mod: tvm.IRModule, codegen: str | None = None) -> dict:
 
 
 def _external_functions(mod: tvm.IRModule) -> dict:
-    """{GlobalVar: kind} of the functions ``RunCodegen`` builds: evt partitions ("cutlass") and
-    flash-attention calls ("flash")."""
+    """{GlobalVar: kind} of the functions ``RunCodegen`` builds: evt partitions ("cutlass"),
+    flash-attention calls ("flash") and implicit-GEMM convolutions ("conv")."""
     from .relax_passes.offload_attention import CODEGEN as ATTENTION
+    from .relax_passes.offload_conv import CODEGEN as CONV
 
     kinds = {gv: "cutlass" for gv in evt_functions(mod)}
-    return {**kinds, **{gv: "flash" for gv in evt_functions(mod, ATTENTION)}}
+    return {**kinds, **{gv: "flash" for gv in evt_functions(mod, ATTENTION)},
+            **{gv: "conv" for gv in evt_functions(mod, CONV)}}
 
 
 @tvm.transform.module_pass(opt_level=0, name="OpaqueEVTCalls")
 class OpaqueEVTCalls:
-    """Replace each call of an evt partition (or flash-attention function) by a ``call_dps_packed``
-    of its symbol and drop the functions: what ``RunCodegen`` leaves for TVM, without building
-    the kernels.  ``kinds`` maps each symbol replaced to "cutlass" or "flash"."""
+    """Replace each call of an evt partition (or flash-attention or convolution function) by a
+    ``call_dps_packed`` of its symbol and drop the functions: what ``RunCodegen`` leaves for TVM,
+    without building the kernels.  ``kinds`` maps each symbol replaced to "cutlass", "flash" or
+    "conv"."""
 
     def __init__(self):
         self.kinds: dict[str, str] = {}
@@ -215,7 +218,7 @@ def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
 def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str = "train_step") -> list[dict]:
     """The kernels one call of `function` runs on the ``evt`` pipeline's route for `target`, each
     with the bytes of its buffers (a model of its global-memory traffic: every input read once,
-    every output written once), largest total first: ``{"kernel", "kind": "tir" | "cutlass" | "flash",
+    every output written once), largest total first: ``{"kernel", "kind": "tir" | "cutlass" | "flash" | "conv",
     "calls", "bytes_per_call", "bytes"}``.  CUTLASS partitions and flash-attention kernels count as
     opaque calls (no nvcc; a flash kernel's workspace and the S x S tiles it keeps on chip are not
     counted);

@@ -1,0 +1,83 @@
+"""Emit a CUTLASS SM90 implicit-GEMM convolution's C++ for a ``ConvCall`` (one TVM FFI entry).
+
+The entry bakes in the shapes, padding, stride and dilation, checks every DPS argument against
+them (``tvm_evt::check_tensor`` and 16-byte alignment), builds the ``ConvProblemShape`` from the
+activation and filter shapes, asks ``can_implement`` and launches on TVM's current CUDA stream.
+The tile follows the GEMM's shape (``tile``): 128 or 64 along M and N, so that 64-channel
+layers get no half-empty tiles; K steps are 64 channels.
+"""
+from __future__ import annotations
+
+import re
+
+from ..errors import Unsupported
+from ..frontend.conv_call import supported
+from ..ir.conv import ConvCall
+from .conv_templates import CONV_PRELUDE, HEADER, KERNEL, STRIDE_ACTIVATION, STRIDE_FILTER
+from .sm90_emitter import CODEGEN_VERSION
+from .templates import PRELUDE
+
+ELEMENT = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}
+DL_CODE = {"bfloat16": ("kDLBfloat", 16), "float16": ("kDLFloat", 16)}
+OPERATOR = {"fprop": "kFprop", "dgrad": "kDgrad", "wgrad": "kWgrad"}
+# kind -> (operand A, operand B, output D) among the DPS arguments (see conv_templates)
+OPERANDS = {"fprop": ("x", "w", "y"), "dgrad": ("dy", "w", "dx"), "wgrad": ("dy", "x", "dw")}
+# the ConvProblemShape member holding the output [N, P, Q, K] it computes from x and w
+XFORMED = {"fprop": "shape_C", "dgrad": "shape_A", "wgrad": "shape_A"}
+
+
+def tile(call: ConvCall) -> tuple[int, int, int]:
+    """(M, N, K) of the CTA tile: N 128 where the GEMM's N dimension (its channel part for wgrad)
+    fills it, else 64; M 128, but 64 for a wgrad of fewer than 128 output channels (its M = K)."""
+    channels = {"fprop": call.w[0], "dgrad": call.x[3], "wgrad": call.x[3]}[call.kind]
+    rows = 128 if call.kind != "wgrad" or call.w[0] >= 128 else 64
+    return rows, 128 if channels >= 128 else 64, 64
+
+
+def _ints(values) -> str:
+    return ", ".join(str(int(v)) for v in values)
+
+
+def emit_conv(call: ConvCall) -> str:
+    """The C++ source of `call`'s kernel and its entry ``__tvm_ffi_<symbol>``; the same call gives
+    the same text (the build cache's key)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", call.symbol):
+        raise Unsupported(f"{call.symbol!r} is not a C identifier")
+    reason = supported(call)
+    if reason is not None:
+        raise Unsupported(f"{call.symbol}: {reason}")
+    code, bits = DL_CODE[call.dtype]
+    names = call.inputs + call.outputs
+    bind = "\n".join(f"  DLTensor* {name} = tensors[{i}];" for i, name in enumerate(names))
+    checks = "\n".join(
+        f"  if (tvm_evt::check_tensor({name}, kKernel, \"{name}\", {{{_ints(call.shape(name))}}}, {code}, {bits}, "
+        f"device_id) || tvm_evt::check_aligned({name}, kKernel, \"{name}\")) return -1;"
+        for name in names
+    )
+    tm, tn, tk = tile(call)
+    # wgrad's N mode is (C, S, R): the tile spans channels of one filter tap (CUTLASS's wgrad tiles)
+    n_mode = f"Shape<_{tn}>" if call.kind == "wgrad" else f"_{tn}"
+    m, n, k = call.gemm
+    pt, pl, pb, pr = call.pad
+    header = HEADER.substitute(
+        version=CODEGEN_VERSION, symbol=call.symbol, kind=call.kind, x=_ints(call.x), w=_ints(call.w),
+        y=_ints(call.y), pad=_ints(call.pad), stride=_ints(call.stride), dilation=_ints(call.dilation),
+        dtype=call.dtype, m=m, n=n, k=k, tile=f"{tm}x{tn}x{tk}",
+    )
+    a, b, d = OPERANDS[call.kind]
+    kernel = KERNEL.substitute(
+        namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, element=ELEMENT[call.dtype],
+        operator=OPERATOR[call.kind], tile_shape=f"Shape<_{tm}, {n_mode}, Shape<_{tk}>>",
+        layout_output="cutlass::layout::TensorKCSR" if call.kind == "wgrad" else "cutlass::layout::TensorNHWC",
+        # wgrad stores its small filter gradient straight from registers, as CUTLASS's wgrad tests do
+        epilogue_schedule="cutlass::epilogue::NoSmemWarpSpecialized" if call.kind == "wgrad"
+        else "cutlass::epilogue::TmaWarpSpecialized",
+        num_args=len(names), bind=bind, first_tensor=names[0], checks=checks,
+        x=_ints(call.x), w=_ints(call.w), y=_ints(call.y), pad=_ints(call.pad),
+        pad_lower=_ints((pt, pl)), pad_upper=_ints((pb, pr)), stride=_ints(call.stride),
+        dilation=_ints(call.dilation), xformed=XFORMED[call.kind],
+        y0=call.y[0], y1=call.y[1], y2=call.y[2], y3=call.y[3],
+        stride_d=STRIDE_FILTER if call.kind == "wgrad" else STRIDE_ACTIVATION,
+        operand_a=a, operand_b=b, operand_d=d,
+    )
+    return header + PRELUDE + CONV_PRELUDE + kernel

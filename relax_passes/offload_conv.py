@@ -1,0 +1,115 @@
+"""OffloadConv: ``tvm_evt.conv2d*`` calls to implicit-GEMM kernels (the CUDA route).
+
+Each ``tvm_evt.conv2d`` / ``conv2d_dgrad`` / ``conv2d_wgrad`` call (`conv_op`) the kernels can take
+(``codegen.frontend.conv_call``: bf16/fp16, channels a multiple of 8, what CUTLASS's SM90
+implicit GEMM implements) becomes a call of a ``Codegen="evt_conv"`` function holding just that
+call, which ``RunCodegen`` hands to ``relax.ext.evt_conv``; equal calls (the same shapes, geometry
+and dtype) share one function.  A call the kernels cannot take is decomposed into the im2col gather
+and a matmul (`conv_op.DECOMPOSE`) here, before the partitioner, so its GEMM still becomes an EVT
+partition; the reason is kept in ``OffloadConv.fallbacks``.
+
+So is a call the kernel would run on too few CTAs (`too_few_tiles`): CUTLASS 4.2's SM90
+convolutions have no persistent schedules, so no stream-K or split-K, and a weight gradient's
+output is small while its reduction is long.  ResNet-50 conv3_x's 3x3 weight gradient is 9 tiles
+of 128x128 with K = 100352: 9 of 132 SMs busy.  As im2col + GEMM it gets the GEMM's stream-K.
+
+    lv = tvm_evt.conv2d(x, w, R.shape([1, 1, 1, 1, 1, 1, 1, 1]))
+  ->
+    lv = main_conv0(x, w)       # Codegen="evt_conv", global_symbol "main_conv0"
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..codegen.errors import Unsupported
+from ..codegen.backend.conv import tile
+from ..codegen.frontend.conv_call import conv_of_call
+from . import conv_op
+
+CODEGEN = "evt_conv"
+OPS = {tvm.ir.Op.get(name): name for name in conv_op.DECOMPOSE}
+KIND = {conv_op.FPROP: "conv", conv_op.DGRAD: "conv_dgrad", conv_op.WGRAD: "conv_wgrad"}
+MIN_TILES = 66  # half the SMs of an H100 SXM (132)
+LONG_K = 8192  # a reduction this long keeps one CTA busy for tens of microseconds
+
+
+def too_few_tiles(spec) -> str | None:
+    """Why the kernel would leave most SMs idle for long (fewer than ``MIN_TILES`` output tiles,
+    each a reduction of more than ``LONG_K``), else None."""
+    (m, n, k), (tm, tn, _) = spec.gemm, tile(spec)
+    if spec.kind == "wgrad":  # its N tiles run over the channels of one filter tap each
+        n = spec.w[1] * spec.w[2] * -(-spec.w[3] // tn) * tn
+    tiles = -(-m // tm) * -(-n // tn)
+    if tiles >= MIN_TILES or k <= LONG_K:
+        return None
+    return (f"{spec.kind} would run {tiles} tiles of {tm}x{tn}, each a reduction of {k} (the SM90 "
+            f"convolution kernels have no split-K or stream-K)")
+
+
+def _kernel_function(call: relax.Call) -> relax.Function:
+    """fn(a, b) { return op(a, b, <the call's constant shapes>) }: the two tensor operands as
+    parameters, in the op's order."""
+    params = [relax.Var(name, arg.ty) for name, arg in zip("ab", call.args[:2])]
+    bb = relax.BlockBuilder()
+    with bb.function("conv", params):
+        out = bb.emit(relax.Call(call.op, [*params, *call.args[2:]]))
+        bb.emit_func_output(out)
+    return bb.get()["conv"]
+
+
+def _has_conv(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(
+        func.body, lambda e: found.append(1) if isinstance(e, relax.Call) and e.op in OPS else None)
+    return bool(found)
+
+
+@mutator
+class _Offloader(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, prefix: str, shared: dict, fallbacks: list):
+        super().__init__(mod)
+        self.prefix = prefix
+        self.shared = shared  # ConvCall (symbol blank) -> GlobalVar
+        self.fallbacks = fallbacks
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        name = OPS.get(call.op) if isinstance(call.op, tvm.ir.Op) else None
+        if name is None:
+            return call
+        try:
+            spec = conv_of_call(call, symbol="")  # raises where the kernels cannot take the call
+            reason = too_few_tiles(spec)
+        except Unsupported as err:
+            reason = err.reason
+        if reason is not None:
+            self.fallbacks.append(f"{name}: {reason}" if not reason.startswith(name) else reason)
+            return conv_op.DECOMPOSE[name](self.builder_, call)
+        gvar = self.shared.get(spec)
+        if gvar is None:
+            symbol = f"{self.prefix}_{KIND[name]}{len(self.shared)}"
+            func = _kernel_function(call).with_attrs({"Codegen": CODEGEN, "global_symbol": symbol})
+            gvar = self.builder_.add_func(func, symbol)
+            self.shared[spec] = gvar
+        return relax.Call(gvar, list(call.args[:2]))
+
+
+@tvm.transform.module_pass(opt_level=0, name="OffloadConv")
+class OffloadConv:
+    """``tvm_evt.conv2d*`` calls -> ``Codegen="evt_conv"`` functions, or the im2col gather and a
+    matmul where the kernels cannot take them (``fallbacks`` lists why)."""
+
+    def __init__(self):
+        self.fallbacks: list[str] = []
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        targets = [(gv, f) for gv, f in mod.functions_items()
+                   if isinstance(f, relax.Function) and not (f.attrs and "Codegen" in f.attrs) and _has_conv(f)]
+        shared: dict = {}
+        for gv, func in targets:
+            offloader = _Offloader(mod, gv.name_hint, shared, self.fallbacks)
+            offloader.builder_.update_func(gv, offloader.visit_expr(func))
+            mod = offloader.builder_.get()
+        return mod
