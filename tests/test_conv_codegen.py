@@ -46,7 +46,6 @@ def test_entry_checks_every_argument_and_binds_the_operands(kind, operator, chec
     for i, (name, shape) in enumerate(checked):
         assert f"DLTensor* {name} = tensors[{i}];" in src
         assert f'tvm_evt::check_tensor({name}, kKernel, "{name}", {{{shape}}}, kDLBfloat, 16, device_id)' in src
-        assert f'tvm_evt::check_aligned({name}, kKernel, "{name}")' in src
     a, b, d = operands  # CUTLASS's A, B and output: dgrad reads dy, wgrad dy then x
     assert f"{{tvm_evt::data_of<Element const>({a}), tvm_evt::data_of<Element const>({b})}}" in src
     assert f"tvm_evt::data_of<Element>({d}), stride_d}}" in src

@@ -111,7 +111,7 @@ def _ops(func) -> list[str]:
 
 
 def test_bf16_resnet_step_with_implicit_convolutions_agrees_with_fp32(monkeypatch):
-    """resnet_basic in bf16 with ``implicit_conv``: its 3x3 convolutions are tvm_evt.conv2d ops in
+    """resnet_basic in bf16 with ``implicit_conv`` (the default): its 3x3 convolutions are tvm_evt.conv2d ops in
     the step, their gradients the two gradient ops, no im2col concatenation is left, and loss and
     gradients are as close to the fp32 step as the bf16 step with im2col GEMMs is (on this small
     batch-norm net bf16 itself is ~8 % off fp32; the CPU reference legalizes the ops)."""
@@ -121,9 +121,11 @@ def test_bf16_resnet_step_with_implicit_convolutions_agrees_with_fp32(monkeypatc
     inputs = entry.example_inputs()
     compile_ = lambda **kw: tvm_evt.compile_training(copy.deepcopy(entry.model), inputs, loss_fn=entry.loss_fn,
                                                      target=LLVM, **kw)
-    fp32, im2col = compile_(), compile_(precision="bf16")
-    monkeypatch.setenv(pipeline.ENABLE_ENV, "implicit_conv")
-    low = compile_(precision="bf16")
+    fp32 = compile_()
+    monkeypatch.setenv(pipeline.DISABLE_ENV, "implicit_conv")
+    im2col = compile_(precision="bf16")
+    monkeypatch.delenv(pipeline.DISABLE_ENV)
+    low = compile_(precision="bf16")  # implicit_conv is on by default
     ops = _ops(low.graph.mod["train_step"])
     assert ops.count(conv_op.FPROP) == 2 and ops.count(conv_op.WGRAD) == 2
     assert ops.count(conv_op.DGRAD) == 1  # the first convolution reads the image: no input gradient

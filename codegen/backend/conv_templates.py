@@ -40,22 +40,6 @@ HEADER = Template("""\
 #include <cstdio>
 """)
 
-# TMA reads and writes 16-byte aligned rows: every operand's base must be (check_tensor, shared
-# with the GEMM entries, checks placement, dtype, shape and contiguity).
-CONV_PRELUDE = """\
-#ifndef TVM_EVT_CONV_PRELUDE
-#define TVM_EVT_CONV_PRELUDE
-namespace tvm_evt {
-inline int check_aligned(DLTensor const* t, const char* kernel, const char* what) {
-  if (reinterpret_cast<uintptr_t>(data_of<char>(t)) % 16) {
-    return fail("ValueError", "%s: %s is not 16-byte aligned", kernel, what);
-  }
-  return 0;
-}
-}  // namespace tvm_evt
-#endif  // TVM_EVT_CONV_PRELUDE
-"""
-
 # The output stride of the epilogue: ((W, H, N), _1, _0) strides of an NHWC / NPQK output for
 # fprop and dgrad (M = (Q, P, N) or (W, H, N), N = channels), (K, (_1, S, R), _0) of the KRSC
 # filter gradient for wgrad (M = K, N = (C, S, R)); ``problem.stride_C`` is the packed stride of

@@ -8,10 +8,14 @@ returns::
      "unfused_matmuls": [{"var", "shape", "dtype", "reason"}, ...],
      "solve_seconds": float, "method": "ilp" | "cache" | "greedy" | "mixed", ...,
      "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "dtype", "causal",
-                    "dropout", "kernel": bool, "reason"}, ...]}
+                    "dropout", "kernel": bool, "reason"}, ...],
+     "convolutions": [{"op": "fprop" | "dgrad" | "wgrad", "x": [N, H, W, C], "w": [K, R, S, C],
+                       "dtype", "kernel": bool, "reason"}, ...]}
 
 where ``attention`` lists the fused attention calls (``FuseAttention``) and whether the CUDA
-route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops.
+route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops, and
+``convolutions`` the ``tvm_evt.conv2d*`` calls (``implicit_conv``) and whether it runs each as an
+implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``).
 
 ``draw(mod, path)`` writes a PNG (matplotlib): one row per kernel in execution order, GEMM + EVT
 partitions as labelled boxes, the ops TVM keeps as grey dots, data edges between them.
@@ -52,10 +56,32 @@ def attention_calls(func: relax.Function) -> list[dict]:
     return rows
 
 
+def conv_calls(func: relax.Function) -> list[dict]:
+    """The ``tvm_evt.conv2d*`` calls of `func`, and whether the implicit-GEMM kernels take each."""
+    from .codegen.errors import Unsupported
+    from .codegen.frontend.conv_call import OPS, conv_of_call
+    from .relax_passes.offload_conv import too_few_tiles
+
+    calls = []
+    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in OPS else None)
+    rows = []
+    for call in calls:
+        row = {"op": OPS[call.op.name], "dtype": str(call.args[0].ty.dtype)}
+        try:
+            spec = conv_of_call(call)
+            reason = too_few_tiles(spec)
+            row.update(x=list(spec.x), w=list(spec.w))
+        except Unsupported as err:
+            reason = err.reason
+        rows.append({**row, "kernel": reason is None, "reason": reason})
+    return rows
+
+
 def training_report(mod: tvm.IRModule, function: str = "train_step") -> dict:
     part = partitioned(mod, function)
     report = partition_report(part).get(function, {})
-    return {**report, "attention": attention_calls(part[function])}
+    return {**report, "attention": attention_calls(part[function]), "convolutions": conv_calls(part[function])}
 
 
 def draw(mod: tvm.IRModule, path: str, function: str = "train_step", title: str = "") -> str:

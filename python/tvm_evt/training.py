@@ -138,7 +138,7 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         # channels-last inputs (frontend._take_channels_last) meet the convolutions' NHWC
         *([CancelTransposes()] if any(imported.channels_last) else []),
         # NHWC convolutions with overlapping windows as tvm_evt.conv2d (implicit-GEMM kernels on
-        # CUDA) where the step is bf16/fp16 (opt-in: pipeline.OPTIONAL); the rest as im2col + GEMM
+        # CUDA) where the step is bf16/fp16 (pipeline.OPTIONAL); the rest as im2col + GEMM
         Conv2dToMatmul(implicit=enabled("implicit_conv") and precision in FLASH_PRECISIONS),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
