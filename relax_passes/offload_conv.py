@@ -11,7 +11,8 @@ partition; the reason is kept in ``OffloadConv.fallbacks``.
 So is a call the kernel would run on too few CTAs (`too_few_tiles`): CUTLASS 4.2's SM90
 convolutions have no persistent schedules, so no stream-K or split-K, and a weight gradient's
 output is small while its reduction is long.  ResNet-50 conv3_x's 3x3 weight gradient is 9 tiles
-of 128x128 with K = 100352: 9 of 132 SMs busy.  As im2col + GEMM it gets the GEMM's stream-K.
+of 128x128 with K = 100352; the kernel splits it over the batch (``conv.splits``: 8 launches on
+side streams, 72 CTAs); one it cannot split enough goes to im2col + GEMM and the GEMM's stream-K.
 
     lv = tvm_evt.conv2d(x, w, R.shape([1, 1, 1, 1, 1, 1, 1, 1]))
   ->
@@ -24,28 +25,22 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..codegen.errors import Unsupported
-from ..codegen.backend.conv import tile
+from ..codegen.backend import conv
 from ..codegen.frontend.conv_call import conv_of_call
 from . import conv_op
 
 CODEGEN = "evt_conv"
 OPS = {tvm.ir.Op.get(name): name for name in conv_op.DECOMPOSE}
 KIND = {conv_op.FPROP: "conv", conv_op.DGRAD: "conv_dgrad", conv_op.WGRAD: "conv_wgrad"}
-MIN_TILES = 66  # half the SMs of an H100 SXM (132)
-LONG_K = 8192  # a reduction this long keeps one CTA busy for tens of microseconds
-
-
 def too_few_tiles(spec) -> str | None:
-    """Why the kernel would leave most SMs idle for long (fewer than ``MIN_TILES`` output tiles,
-    each a reduction of more than ``LONG_K``), else None."""
-    (m, n, k), (tm, tn, _) = spec.gemm, tile(spec)
-    if spec.kind == "wgrad":  # its N tiles run over the channels of one filter tap each
-        n = spec.w[1] * spec.w[2] * -(-spec.w[3] // tn) * tn
-    tiles = -(-m // tm) * -(-n // tn)
-    if tiles >= MIN_TILES or k <= LONG_K:
+    """Why the kernel would leave most SMs idle for long (fewer than ``conv.MIN_CTAS`` CTAs, even
+    with a weight gradient split over the batch, each a reduction of more than ``conv.LONG_K``),
+    else None."""
+    ctas = conv.tiles(spec) * conv.splits(spec)
+    if ctas >= conv.MIN_CTAS or spec.gemm[2] <= conv.LONG_K:
         return None
-    return (f"{spec.kind} would run {tiles} tiles of {tm}x{tn}, each a reduction of {k} (the SM90 "
-            f"convolution kernels have no split-K or stream-K)")
+    return (f"{spec.kind} would run {ctas} CTAs, each a reduction of {spec.gemm[2]} (the SM90 convolution "
+            f"kernels have no split-K or stream-K)")
 
 
 def _kernel_function(call: relax.Call) -> relax.Function:

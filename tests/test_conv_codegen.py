@@ -47,10 +47,11 @@ def test_entry_checks_every_argument_and_binds_the_operands(kind, operator, chec
         assert f"DLTensor* {name} = tensors[{i}];" in src
         assert f'tvm_evt::check_tensor({name}, kKernel, "{name}", {{{shape}}}, kDLBfloat, 16, device_id)' in src
     a, b, d = operands  # CUTLASS's A, B and output: dgrad reads dy, wgrad dy then x
-    assert f"{{tvm_evt::data_of<Element const>({a}), tvm_evt::data_of<Element const>({b})}}" in src
-    assert f"tvm_evt::data_of<Element>({d}), stride_d}}" in src
+    assert (f"launch(problem, tvm_evt::data_of<Element const>({a}), tvm_evt::data_of<Element const>({b}),\n"
+            f"                tvm_evt::data_of<Element>({d}), device_id, stream, kKernel)") in src
     # the problem is always built from the activation x and the filter w
-    assert "ProblemShape::TensorExtent{2, 28, 28, 128}, ProblemShape::TensorExtent{128, 3, 3, 128}" in src
+    assert "ProblemShape::TensorExtent{batch, 28, 28, 128}, ProblemShape::TensorExtent{128, 3, 3, 128}" in src
+    assert "make_problem(2);" in src
     assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90" in src
     assert "TVMFFIEnvGetStream(kDLCUDA, device_id)" in src and "conv.can_implement(args)" in src
 
@@ -207,3 +208,22 @@ def test_nvcc_builds_the_three_kernels_and_entries_check_arguments(cache_home, t
     with pytest.raises(ValueError, match="x must be on cuda"):
         fprop(x, x, x)
     assert os.path.getsize(so) > 0
+
+
+def test_a_long_weight_gradient_on_few_tiles_is_split_over_the_batch():
+    """ResNet-50 conv3_x's weight gradient: 9 tiles, K = 100352 -> 8 launches of 16 images on the
+    side streams into float32 partials, summed into dw; its forward convolution is one launch."""
+    from tvm_evt.codegen.backend.conv import emit_conv, splits
+
+    geometry = dict(dtype="bfloat16", x=(128, 28, 28, 128), w=(128, 3, 3, 128), y=(128, 28, 28, 128),
+                    pad=(1, 1, 1, 1), stride=(1, 1), dilation=(1, 1))
+    wgrad = ConvCall(symbol="split_wgrad", kind="wgrad", **geometry)
+    fprop = ConvCall(symbol="whole_fprop", kind="fprop", **geometry)
+    assert (splits(wgrad), splits(fprop)) == (8, 1)
+    src = emit_conv(wgrad)
+    for text in ("constexpr int kSplits = 8;", "make_problem(16)", "using ElementD = float;",
+                 "constexpr int64_t kStrideDy = 1605632, kStrideX = 1605632;", "tvm_evt::sum_partials<<<",
+                 "constexpr int64_t kOut = 147456;"):
+        assert text in src, text
+    whole = emit_conv(fprop)
+    assert "sum_partials" not in whole and "make_problem(128)" in whole and "using ElementD = Element;" in whole

@@ -23,6 +23,8 @@ CASES = [
     # non-square input and filter, asymmetric padding, 32 channels (a partial 64-channel K step)
     ("nonsquare", (2, 12, 20, 32), (64, 3, 5), (1, 2, 0, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     ("dilated", (2, 16, 16, 64), (64, 3, 3), (2, 2, 2, 2), (1, 1), (2, 2), ("fprop", "dgrad", "wgrad")),
+    # a weight gradient of 9 tiles over K = 25088: split over the batch into 8 concurrent launches
+    ("wgrad_split", (8, 56, 56, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
 ]
 
 

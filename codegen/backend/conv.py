@@ -14,7 +14,8 @@ import re
 from ..errors import Unsupported
 from ..frontend.conv_call import supported
 from ..ir.conv import ConvCall
-from .conv_templates import HEADER, KERNEL, STRIDE_ACTIVATION, STRIDE_FILTER
+from .conv_templates import (HEADER, KERNEL, SINGLE_LAUNCH, SPLIT_LAUNCH, SPLIT_PRELUDE, STRIDE_ACTIVATION,
+                             STRIDE_FILTER)
 from .sm90_emitter import CODEGEN_VERSION
 from .templates import PRELUDE
 
@@ -33,6 +34,33 @@ def tile(call: ConvCall) -> tuple[int, int, int]:
     channels = {"fprop": call.w[0], "dgrad": call.x[3], "wgrad": call.x[3]}[call.kind]
     rows = 128 if call.kind != "wgrad" or call.w[0] >= 128 else 64
     return rows, 128 if channels >= 128 else 64, 64
+
+
+MIN_CTAS = 66  # half the SMs of an H100 SXM (132)
+MAX_SPLITS = 8  # side streams a split weight gradient runs on (tvm_evt::kMaxSplits)
+LONG_K = 8192  # a reduction this long keeps one CTA busy for tens of microseconds
+
+
+def tiles(call: ConvCall) -> int:
+    """Output tiles of one launch over the whole batch (wgrad's N tiles run over the channels of
+    one filter tap each)."""
+    (m, n, _), (tm, tn, _) = call.gemm, tile(call)
+    if call.kind == "wgrad":
+        n = call.w[1] * call.w[2] * -(-call.w[3] // tn) * tn
+    return -(-m // tm) * -(-n // tn)
+
+
+def splits(call: ConvCall) -> int:
+    """Batch chunks a weight gradient on fewer than ``MIN_CTAS`` tiles, each a reduction longer
+    than ``LONG_K``, is split into (each chunk a launch of its own on a side stream, their float32
+    partials summed after): the fewest that give ``MIN_CTAS`` CTAs, at most ``MAX_SPLITS``, dividing
+    the batch.  1 for everything else."""
+    count, batch = tiles(call), call.x[0]
+    if call.kind != "wgrad" or count >= MIN_CTAS or call.gemm[2] <= LONG_K:
+        return 1
+    divisors = [d for d in range(2, min(MAX_SPLITS, batch) + 1) if batch % d == 0]
+    enough = [d for d in divisors if count * d >= MIN_CTAS]
+    return enough[0] if enough else (divisors[-1] if divisors else 1)
 
 
 def _ints(values) -> str:
@@ -63,22 +91,29 @@ def emit_conv(call: ConvCall) -> str:
     header = HEADER.substitute(
         version=CODEGEN_VERSION, symbol=call.symbol, kind=call.kind, x=_ints(call.x), w=_ints(call.w),
         y=_ints(call.y), pad=_ints(call.pad), stride=_ints(call.stride), dilation=_ints(call.dilation),
-        dtype=call.dtype, m=m, n=n, k=k, tile=f"{tm}x{tn}x{tk}",
+        dtype=call.dtype, m=m, n=n, k=k, tile=f"{tm}x{tn}x{tk}" + (f", split {splits(call)}" if splits(call) > 1 else ""),
     )
     a, b, d = OPERANDS[call.kind]
+    (n_img, h, wd, c), (kk, r, ss, _), (_, p, q, _) = call.x, call.w, call.y
+    split = splits(call)
+    launch = (SPLIT_LAUNCH if split > 1 else SINGLE_LAUNCH).substitute(
+        batch=n_img, chunk=n_img // split, splits=split, out_elems=kk * r * ss * c,
+        chunk_dy=(n_img // split) * p * q * kk, chunk_x=(n_img // split) * h * wd * c, xformed=XFORMED[call.kind],
+        y=_ints(call.y), y0=call.y[0], y1=call.y[1], y2=call.y[2], y3=call.y[3],
+        operand_a=a, operand_b=b, operand_d=d,
+    )
     kernel = KERNEL.substitute(
         namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, element=ELEMENT[call.dtype],
+        element_d="float" if split > 1 else "Element",
         operator=OPERATOR[call.kind], tile_shape=f"Shape<_{tm}, {n_mode}, Shape<_{tk}>>",
         layout_output="cutlass::layout::TensorKCSR" if call.kind == "wgrad" else "cutlass::layout::TensorNHWC",
         # wgrad stores its small filter gradient straight from registers, as CUTLASS's wgrad tests do
         epilogue_schedule="cutlass::epilogue::NoSmemWarpSpecialized" if call.kind == "wgrad"
         else "cutlass::epilogue::TmaWarpSpecialized",
         num_args=len(names), bind=bind, first_tensor=names[0], checks=checks,
-        x=_ints(call.x), w=_ints(call.w), y=_ints(call.y), pad=_ints(call.pad),
+        x=_ints(call.x), x_hwc=_ints(call.x[1:]), w=_ints(call.w), pad=_ints(call.pad),
         pad_lower=_ints((pt, pl)), pad_upper=_ints((pb, pr)), stride=_ints(call.stride),
-        dilation=_ints(call.dilation), xformed=XFORMED[call.kind],
-        y0=call.y[0], y1=call.y[1], y2=call.y[2], y3=call.y[3],
-        stride_d=STRIDE_FILTER if call.kind == "wgrad" else STRIDE_ACTIVATION,
-        operand_a=a, operand_b=b, operand_d=d,
+        dilation=_ints(call.dilation),
+        stride_d=STRIDE_FILTER if call.kind == "wgrad" else STRIDE_ACTIVATION, launch=launch,
     )
-    return header + PRELUDE + kernel
+    return header + PRELUDE + (SPLIT_PRELUDE if split > 1 else "") + kernel

@@ -65,12 +65,13 @@ constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
 using TileShape = ${tile_shape};
 using ClusterShape = Shape<_1, _1, _1>;
 using LayoutOutput = ${layout_output};
-using FusionOperation = cutlass::epilogue::fusion::LinearCombination<Element, ElementCompute, void, ElementCompute>;
+using ElementD = ${element_d};  // float: the partial sums of a split weight gradient (SPLIT_LAUNCH)
+using FusionOperation = cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, void, ElementCompute>;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute,
-    void, LayoutOutput, kAlignment, Element, LayoutOutput, kAlignment,
+    void, LayoutOutput, kAlignment, ElementD, LayoutOutput, 128 / cutlass::sizeof_bits<ElementD>::value,
     ${epilogue_schedule}, FusionOperation>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
@@ -87,41 +88,23 @@ using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, Collective
 using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
 using StrideD = typename ConvKernel::StrideD;
 
-int run(TVMFFIAny const* ffi_args, int32_t num_args) {
-  constexpr const char* kKernel = "${symbol}";
-  if (num_args != ${num_args}) {
-    return tvm_evt::fail("TypeError", "%s: expects ${num_args} tensors, got %d", kKernel, int(num_args));
-  }
-  DLTensor* tensors[${num_args}];
-  for (int i = 0; i < ${num_args}; ++i) {
-    tensors[i] = tvm_evt::tensor_of(ffi_args[i]);
-    if (!tensors[i]) return tvm_evt::fail("TypeError", "%s: argument %d is not a tensor", kKernel, i);
-  }
-${bind}
-  int device_id = ${first_tensor}->device.device_id;
-${checks}
-  // activation x [N, H, W, C], filter w [K, R, S, C]; padding (top, left) and (bottom, right)
-  ProblemShape problem(
+// activation x [N, H, W, C] of `batch` images, filter w [K, R, S, C]; padding (top, left), (bottom, right)
+ProblemShape make_problem(int batch) {
+  return ProblemShape(
       cutlass::conv::Mode::kCrossCorrelation,
-      ProblemShape::TensorExtent{${x}}, ProblemShape::TensorExtent{${w}},
+      ProblemShape::TensorExtent{batch, ${x_hwc}}, ProblemShape::TensorExtent{${w}},
       ProblemShape::ShapePadding{${pad_lower}}, ProblemShape::ShapePadding{${pad_upper}},
       ProblemShape::TraversalStride{${stride}}, ProblemShape::ShapeDilation{${dilation}}, 1);
-  auto const& xformed = problem.${xformed};  // the convolution's output [N, P, Q, K] as CUTLASS computes it
-  if (xformed[0] != ${y0} || xformed[1] != ${y1} || xformed[2] != ${y2} || xformed[3] != ${y3}) {
-    return tvm_evt::fail("ValueError", "%s: CUTLASS computes the output as [%d, %d, %d, %d], the kernel was generated for [${y}]",
-                         kKernel, xformed[0], xformed[1], xformed[2], xformed[3]);
-  }
+}
+
+int launch(ProblemShape const& problem, Element const* a, Element const* b, ElementD* d, int device_id,
+           cudaStream_t stream, const char* kKernel) {
   StrideD stride_d{};
 ${stride_d}
-  typename Conv::Arguments args(
-      problem,
-      {tvm_evt::data_of<Element const>(${operand_a}), tvm_evt::data_of<Element const>(${operand_b})},
-      {{}, nullptr, stride_d, tvm_evt::data_of<Element>(${operand_d}), stride_d});
+  typename Conv::Arguments args(problem, {a, b}, {{}, nullptr, stride_d, d, stride_d});
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   args.hw_info.device_id = device_id;
-  cudaSetDevice(device_id);
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
   Conv conv;
   cutlass::Status status = conv.can_implement(args);
   if (status != cutlass::Status::kSuccess) {
@@ -145,6 +128,23 @@ ${stride_d}
   }
   return 0;
 }
+
+int run(TVMFFIAny const* ffi_args, int32_t num_args) {
+  constexpr const char* kKernel = "${symbol}";
+  if (num_args != ${num_args}) {
+    return tvm_evt::fail("TypeError", "%s: expects ${num_args} tensors, got %d", kKernel, int(num_args));
+  }
+  DLTensor* tensors[${num_args}];
+  for (int i = 0; i < ${num_args}; ++i) {
+    tensors[i] = tvm_evt::tensor_of(ffi_args[i]);
+    if (!tensors[i]) return tvm_evt::fail("TypeError", "%s: argument %d is not a tensor", kKernel, i);
+  }
+${bind}
+  int device_id = ${first_tensor}->device.device_id;
+${checks}
+${launch}
+  return 0;
+}
 }  // namespace ${namespace}
 
 // TVM FFI safe-call entry (what TVM_FFI_DLL_EXPORT_TYPED_FUNC would produce, without exceptions).
@@ -154,3 +154,99 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_${symbol}(void*, TVMFFIAny const* ar
   return ${namespace}::run(args, num_args);
 }
 """)
+
+# One launch over the whole batch.
+SINGLE_LAUNCH = Template("""\
+  ProblemShape problem = make_problem(${batch});
+  auto const& xformed = problem.${xformed};  // the convolution's output [N, P, Q, K] as CUTLASS computes it
+  if (xformed[0] != ${y0} || xformed[1] != ${y1} || xformed[2] != ${y2} || xformed[3] != ${y3}) {
+    return tvm_evt::fail("ValueError", "%s: CUTLASS computes the output as [%d, %d, %d, %d], the kernel was generated for [${y}]",
+                         kKernel, xformed[0], xformed[1], xformed[2], xformed[3]);
+  }
+  cudaSetDevice(device_id);
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
+  return launch(problem, tvm_evt::data_of<Element const>(${operand_a}), tvm_evt::data_of<Element const>(${operand_b}),
+                tvm_evt::data_of<Element>(${operand_d}), device_id, stream, kKernel);""")
+
+# A weight gradient split over the batch (split-K by hand: CUTLASS 4.2's SM90 convolutions have no
+# persistent schedule, so no stream-K): ${splits} launches of ${chunk} images each, concurrent on the
+# side streams, write float32 partial filter gradients; one kernel on TVM's stream sums them into dw.
+SPLIT_LAUNCH = Template("""\
+  ProblemShape problem = make_problem(${chunk});
+  auto const& xformed = problem.${xformed};
+  if (xformed[0] != ${chunk} || xformed[1] != ${y1} || xformed[2] != ${y2} || xformed[3] != ${y3}) {
+    return tvm_evt::fail("ValueError", "%s: CUTLASS computes a chunk's output as [%d, %d, %d, %d], the kernel was "
+                         "generated for [${chunk}, ${y1}, ${y2}, ${y3}]", kKernel, xformed[0], xformed[1], xformed[2], xformed[3]);
+  }
+  cudaSetDevice(device_id);
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
+  constexpr int kSplits = ${splits};
+  constexpr int64_t kOut = ${out_elems};  // K * R * S * C
+  constexpr int64_t kStrideDy = ${chunk_dy}, kStrideX = ${chunk_x};  // elements of a chunk of images
+  tvm_evt::SideStreams* side = tvm_evt::side_streams(device_id);
+  if (!side) return tvm_evt::fail("RuntimeError", "%s: cannot create side streams on device %d", kKernel, device_id);
+  float* partial = nullptr;
+  if (cudaMallocAsync(reinterpret_cast<void**>(&partial), kSplits * kOut * sizeof(float), stream) != cudaSuccess) {
+    return tvm_evt::fail("RuntimeError", "%s: cannot allocate %zu bytes of partial sums", kKernel,
+                         size_t(kSplits * kOut * sizeof(float)));
+  }
+  cudaEventRecord(side->start, stream);
+  Element const* a = tvm_evt::data_of<Element const>(${operand_a});  // dy
+  Element const* b = tvm_evt::data_of<Element const>(${operand_b});  // x
+  int rc = 0;
+  for (int i = 0; i < kSplits && !rc; ++i) {
+    cudaStreamWaitEvent(side->streams[i], side->start, 0);
+    rc = launch(problem, a + i * kStrideDy, b + i * kStrideX, partial + i * kOut, device_id, side->streams[i], kKernel);
+    cudaEventRecord(side->done[i], side->streams[i]);
+    cudaStreamWaitEvent(stream, side->done[i], 0);
+  }
+  if (!rc) {
+    tvm_evt::sum_partials<<<int((kOut + 255) / 256), 256, 0, stream>>>(partial, kSplits, kOut,
+                                                                      tvm_evt::data_of<Element>(${operand_d}));
+  }
+  cudaFreeAsync(partial, stream);
+  cudaError_t err = cudaGetLastError();
+  if (!rc && err != cudaSuccess) {
+    return tvm_evt::fail("RuntimeError", "%s: %s", kKernel, cudaGetErrorString(err));
+  }
+  return rc;""")
+
+# What the split launches share: per device, side streams and events made once (the VM calls
+# kernels from one host thread, so reusing them orders correctly), and the partials' sum.
+SPLIT_PRELUDE = """\
+#ifndef TVM_EVT_CONV_SPLIT
+#define TVM_EVT_CONV_SPLIT
+namespace tvm_evt {
+constexpr int kMaxSplits = 8;
+struct SideStreams {
+  cudaStream_t streams[kMaxSplits];
+  cudaEvent_t start;
+  cudaEvent_t done[kMaxSplits];
+};
+inline SideStreams* side_streams(int device_id) {
+  static SideStreams pool[64];
+  static bool made[64] = {};
+  if (device_id < 0 || device_id >= 64) return nullptr;
+  SideStreams& s = pool[device_id];
+  if (!made[device_id]) {
+    bool ok = cudaEventCreateWithFlags(&s.start, cudaEventDisableTiming) == cudaSuccess;
+    for (int i = 0; i < kMaxSplits && ok; ++i) {
+      ok = cudaStreamCreateWithFlags(&s.streams[i], cudaStreamNonBlocking) == cudaSuccess &&
+           cudaEventCreateWithFlags(&s.done[i], cudaEventDisableTiming) == cudaSuccess;
+    }
+    if (!ok) return nullptr;
+    made[device_id] = true;
+  }
+  return &s;
+}
+template <class Element>
+__global__ void sum_partials(float const* partial, int splits, int64_t n, Element* out) {
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float sum = 0.f;
+  for (int k = 0; k < splits; ++k) sum += partial[k * n + i];
+  out[i] = Element(sum);
+}
+}  // namespace tvm_evt
+#endif  // TVM_EVT_CONV_SPLIT
+"""

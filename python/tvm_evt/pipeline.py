@@ -98,7 +98,7 @@ OPTIONAL = {
     "implicit_conv": Rewrite("Conv2dToMatmul(implicit=True): an NHWC convolution with overlapping windows (3x3) "
                              "of a bf16/fp16 step as tvm_evt.conv2d, run with its two gradients as CUTLASS SM90 "
                              "implicit-GEMM kernels on CUDA (OffloadConv): no im2col gathers or col2im sums "
-                             "(H100 bf16: ResNet-50 conv3_x 7.83 -> 7.22 ms per step)"),
+                             "(H100 bf16: ResNet-50 conv3_x 7.83 -> 7.05 ms per step)"),
     "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
                           "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass "
                           "(H100 bf16, with RecomputeElementwise: ResNet-50 conv3_x 19.16 -> 12.03 ms per step)"),
