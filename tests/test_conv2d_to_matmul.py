@@ -96,7 +96,7 @@ def test_large_overlapping_windows_and_groups_stay_conv2d():
 
 
 
-def test_nhwc_window_gather_moves_whole_channel_vectors():
+def test_nhwc_window_gather_moves_whole_channel_vectors(monkeypatch):
     """NHWC taps stack on their own axis, so the gather kernel (relu, pad, slices, concat, as the
     CUDA pipeline fuses them, the GEMM's reshape left to its partition) picks its tap by an outer
     index and VectorizedElementwise gives it 16-byte vectors.  Stacked along C, the tap varied
@@ -107,6 +107,9 @@ def test_nhwc_window_gather_moves_whole_channel_vectors():
     from tvm_evt import models, tuning
     from tvm_evt.relax_passes.vectorized_elementwise import VectorizedElementwise
 
+    from tvm_evt import pipeline
+
+    monkeypatch.setenv(pipeline.DISABLE_ENV, "implicit_conv")  # the im2col route (on by default: kernels)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     _, graph = tuning.training_graph(models.ZOO["resnet_basic"](), "bf16")
     fused = tuning.tir_module(graph.mod, cuda)

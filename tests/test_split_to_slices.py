@@ -60,12 +60,13 @@ def test_piece_bounds(extent, arg, want):
         assert [b - a for a, b in want] == [p.shape[0] for p in np.split(np.arange(extent), arg)]
 
 
-def test_col2im_of_a_3x3_convolution_is_one_kernel():
+def test_col2im_of_a_3x3_convolution_is_one_kernel(monkeypatch):
     """ResNet's 3x3 NHWC convolution: the gradient of its im2col (concat's split, then a pad per
     tap and the sum) fuses into one gather kernel reading the column gradient; before, the split
     was one kernel writing 9 pieces and four taps were padded in kernels of their own."""
-    from tvm_evt import models, tuning
+    from tvm_evt import models, pipeline, tuning
 
+    monkeypatch.setenv(pipeline.DISABLE_ENV, "implicit_conv")  # the im2col route (on by default: kernels)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     _, graph = tuning.training_graph(models.ZOO["resnet_basic"](), "bf16")
     fused = tuning.tir_module(graph.mod, cuda)
