@@ -95,12 +95,14 @@ def emit_call_tir(builder: relax.BlockBuilder, gvar: relax.GlobalVar, args: list
     return [builder.emit(relax.TupleGetItem(call, i)) for i in range(len(types))]
 
 
-def has_call(expr: relax.Expr, op: tvm.ir.Op) -> bool:
-    """Does `expr` (a function body, say) call `op` anywhere?"""
+def has_call(expr: relax.Expr, op) -> bool:
+    """Does `expr` (a function body, say) call `op` (an ``Op``, or any of a collection of them)
+    anywhere?"""
+    ops = [op] if isinstance(op, tvm.ir.Op) else list(op)
     found = []
 
     def note(e) -> None:
-        if isinstance(e, relax.Call) and e.op == op:
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and any(e.op.same_as(o) for o in ops):
             found.append(e)
 
     relax.analysis.post_order_visit(expr, note)

@@ -45,6 +45,7 @@ from ..codegen.frontend.attention_call import (
     heads_transposed,
 )
 from . import attention_op
+from ._rewrite import has_call
 from .cancel_transposes import CancelTransposes, bound_value
 
 CODEGEN = "evt_attention"
@@ -99,13 +100,6 @@ def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
     if sources:
         func = func.with_attr(LAYOUT_ATTR, spec.layout)
     return func, args
-
-
-def _has_attention(func: relax.Function) -> bool:
-    found = []
-    relax.analysis.post_order_visit(
-        func.body, lambda e: found.append(1) if isinstance(e, relax.Call) and e.op in OPS else None)
-    return bool(found)
 
 
 def _dropout_site(spec) -> tuple:
@@ -188,7 +182,7 @@ class OffloadAttention:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         targets = [(gv, f) for gv, f in mod.functions_items()
                    if isinstance(f, relax.Function) and not (f.attrs and "Codegen" in f.attrs)
-                   and _has_attention(f)]
+                   and has_call(f.body, OPS)]
         if not targets:
             return mod
         shared: dict = {}

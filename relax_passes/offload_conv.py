@@ -28,6 +28,7 @@ from ..codegen.errors import Unsupported
 from ..codegen.backend import conv
 from ..codegen.frontend.conv_call import conv_of_call
 from . import conv_op
+from ._rewrite import has_call
 
 CODEGEN = "evt_conv"
 OPS = {tvm.ir.Op.get(name): name for name in conv_op.DECOMPOSE}
@@ -52,13 +53,6 @@ def _kernel_function(call: relax.Call) -> relax.Function:
         out = bb.emit(relax.Call(call.op, [*params, *call.args[2:]]))
         bb.emit_func_output(out)
     return bb.get()["conv"]
-
-
-def _has_conv(func: relax.Function) -> bool:
-    found = []
-    relax.analysis.post_order_visit(
-        func.body, lambda e: found.append(1) if isinstance(e, relax.Call) and e.op in OPS else None)
-    return bool(found)
 
 
 @mutator
@@ -101,7 +95,7 @@ class OffloadConv:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         targets = [(gv, f) for gv, f in mod.functions_items()
-                   if isinstance(f, relax.Function) and not (f.attrs and "Codegen" in f.attrs) and _has_conv(f)]
+                   if isinstance(f, relax.Function) and not (f.attrs and "Codegen" in f.attrs) and has_call(f.body, OPS)]
         shared: dict = {}
         for gv, func in targets:
             offloader = _Offloader(mod, gv.name_hint, shared, self.fallbacks)

@@ -53,7 +53,7 @@ def test_entry_checks_every_argument_and_binds_the_operands(kind, operator, chec
     assert "ProblemShape::TensorExtent{batch, 28, 28, 128}, ProblemShape::TensorExtent{128, 3, 3, 128}" in src
     assert "make_problem(2);" in src
     assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90" in src
-    assert "TVMFFIEnvGetStream(kDLCUDA, device_id)" in src and "conv.can_implement(args)" in src
+    assert "TVMFFIEnvGetStream(kDLCUDA, device_id)" in src and "tvm_evt::launch<Conv>(args, stream, kKernel," in src
 
 
 def test_geometry_epilogue_and_dtype_reach_the_source():

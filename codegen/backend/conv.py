@@ -2,10 +2,10 @@
 
 The entry bakes in the shapes, padding, stride and dilation, checks every DPS argument against
 them (``tvm_evt::check_tensor``; TVM's tensors are 64-byte aligned, as TMA needs), builds the
-``ConvProblemShape`` from the
-activation and filter shapes, asks ``can_implement`` and launches on TVM's current CUDA stream.
-The tile follows the GEMM's shape (``tile``): 128 or 64 along M and N, so that 64-channel
-layers get no half-empty tiles; K steps are 64 channels.
+``ConvProblemShape`` from the activation and filter shapes, asks ``can_implement`` and launches on
+TVM's current CUDA stream.  The tile follows the GEMM's shape (``tile``): 128 or 64 along M and N,
+so that 64-channel layers get no half-empty tiles; K steps are 64 channels.  A weight gradient of
+few tiles over a long reduction is split over the batch (``splits``).
 """
 from __future__ import annotations
 

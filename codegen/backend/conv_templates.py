@@ -105,28 +105,9 @@ ${stride_d}
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   args.hw_info.device_id = device_id;
-  Conv conv;
-  cutlass::Status status = conv.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    return tvm_evt::fail("RuntimeError",
-                         "%s: CUTLASS's SM90 implicit GEMM (${operator}) cannot implement this convolution (%s): "
-                         "x [${x}], w [${w}], pad [${pad}], stride [${stride}], dilation [${dilation}]",
-                         kKernel, cutlass::cutlassGetStatusString(status));
-  }
-  size_t workspace_size = Conv::get_workspace_size(args);
-  void* workspace = nullptr;
-  if (workspace_size && cudaMallocAsync(&workspace, workspace_size, stream) != cudaSuccess) {
-    return tvm_evt::fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kKernel, workspace_size);
-  }
-  status = conv.initialize(args, workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = conv.run(stream);
-  cudaError_t err = cudaGetLastError();
-  if (workspace) cudaFreeAsync(workspace, stream);
-  if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
-    return tvm_evt::fail("RuntimeError", "%s: launch failed: %s / %s", kKernel,
-                         cutlass::cutlassGetStatusString(status), cudaGetErrorString(err));
-  }
-  return 0;
+  return tvm_evt::launch<Conv>(args, stream, kKernel,
+                               "this convolution with its SM90 implicit GEMM (${operator}): x [${x}], w [${w}], "
+                               "pad [${pad}], stride [${stride}], dilation [${dilation}]");
 }
 
 int run(TVMFFIAny const* ffi_args, int32_t num_args) {

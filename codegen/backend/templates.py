@@ -179,6 +179,32 @@ template <class T>
 T* data_of(DLTensor const* t) {
   return reinterpret_cast<T*>(static_cast<char*>(t->data) + t->byte_offset);
 }
+
+// One CUTLASS device operator (GemmUniversalAdapter, ConvUniversalAdapter) on ``stream``:
+// can_implement (``problem`` says what could not be), its workspace, initialize, run.
+template <class Operator>
+int launch(typename Operator::Arguments const& args, cudaStream_t stream, const char* kernel, const char* problem) {
+  Operator op;
+  cutlass::Status status = op.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    return fail("RuntimeError", "%s: CUTLASS cannot implement %s (%s)", kernel, problem,
+                cutlass::cutlassGetStatusString(status));
+  }
+  size_t workspace_size = Operator::get_workspace_size(args);
+  void* workspace = nullptr;
+  if (workspace_size && cudaMallocAsync(&workspace, workspace_size, stream) != cudaSuccess) {
+    return fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kernel, workspace_size);
+  }
+  status = op.initialize(args, workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = op.run(stream);
+  cudaError_t err = cudaGetLastError();
+  if (workspace) cudaFreeAsync(workspace, stream);
+  if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
+    return fail("RuntimeError", "%s: launch failed: %s / %s", kernel, cutlass::cutlassGetStatusString(status),
+                cudaGetErrorString(err));
+  }
+  return 0;
+}
 }  // namespace tvm_evt
 #endif  // TVM_EVT_PRELUDE
 """
@@ -254,27 +280,8 @@ ${checks}
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::${raster};${scheduler_args}
   cudaSetDevice(device_id);
   cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
-  Gemm gemm;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    return tvm_evt::fail("RuntimeError",
-                         "%s: CUTLASS cannot implement this problem (%s); check operand alignment (16 bytes) and shapes",
-                         kKernel, cutlass::cutlassGetStatusString(status));
-  }
-  size_t workspace_size = Gemm::get_workspace_size(args);
-  void* workspace = nullptr;
-  if (workspace_size && cudaMallocAsync(&workspace, workspace_size, stream) != cudaSuccess) {
-    return tvm_evt::fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kKernel, workspace_size);
-  }
-  status = gemm.initialize(args, workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-  cudaError_t err = cudaGetLastError();
-  if (workspace) cudaFreeAsync(workspace, stream);
-  if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
-    return tvm_evt::fail("RuntimeError", "%s: launch failed: %s / %s", kKernel,
-                         cutlass::cutlassGetStatusString(status), cudaGetErrorString(err));
-  }
-  return 0;
+  return tvm_evt::launch<Gemm>(args, stream, kKernel,
+                               "this problem; check operand alignment (16 bytes) and shapes");
 }
 }  // namespace ${namespace}
 

@@ -15,6 +15,7 @@ from tvm import relax
 
 from ..errors import Unsupported
 from ..ir.attention import AttentionCall
+from .op_call import only_call
 
 FORWARD_OP = "tvm_evt.attention"
 BACKWARD_OP = "tvm_evt.attention_backward"
@@ -100,15 +101,8 @@ def attention_of_function(func: relax.Function) -> AttentionCall:
     in place of the seed (its call's seed argument is then not read).  With ``tvm_evt.layout`` =
     "bshd" the parameters q, k, v, o and dout are [B, S, H, D], transposed inside the function
     before the call, and so are the tensor results (O; dQ, dK, dV)."""
-    symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "attention"
-    body = func.body
-    bindings = [b for block in body.blocks for b in block.bindings] if isinstance(body, relax.SeqExpr) else []
-    values = [b.value for b in bindings] + [body.body if isinstance(body, relax.SeqExpr) else body]
-    calls = [v for v in values if isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name in TENSOR_ARGS]
-    if len(calls) != 1:
-        raise Unsupported(f"{symbol}: expected one attention call in the function, found {len(calls)}")
-    call = calls[0]
-    spec = attention_of_call(call, str(symbol))
+    symbol, call, bound = only_call(func, TENSOR_ARGS, "attention")
+    spec = attention_of_call(call, symbol)
     saved = bool(int(func.attrs[SAVED_MASK_ATTR])) if func.attrs and SAVED_MASK_ATTR in func.attrs else False
     if saved:
         if not spec.has_dropout:
@@ -118,7 +112,6 @@ def attention_of_function(func: relax.Function) -> AttentionCall:
     if layout not in ("bhsd", "bshd"):
         raise Unsupported(f"{symbol}: layout {layout!r}")
     spec = dataclasses.replace(spec, layout=layout)
-    bound = {b.var: b.value for b in bindings}
     n = len(TENSOR_ARGS[BACKWARD_OP if spec.backward else FORWARD_OP])
     args = list(call.args[:n]) + ([call.args[n]] if spec.has_dropout else []) + ([call.args[-1]] if spec.has_bias else [])
     if len(func.params) != len(args):

@@ -31,6 +31,7 @@ from tvm import relax
 
 from ..errors import Unsupported
 from ..ir.conv import ConvCall
+from .op_call import only_call
 
 FPROP_OP, DGRAD_OP, WGRAD_OP = "tvm_evt.conv2d", "tvm_evt.conv2d_dgrad", "tvm_evt.conv2d_wgrad"
 OPS = {FPROP_OP: "fprop", DGRAD_OP: "dgrad", WGRAD_OP: "wgrad"}
@@ -144,14 +145,8 @@ def conv_of_function(func: relax.Function) -> ConvCall:
     """The ``ConvCall`` of a partition function: one op call whose tensor arguments are the
     function's parameters in ``ConvCall.inputs`` order (the DPS order the entry binds), its other
     arguments constant shapes."""
-    symbol = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else "conv"
-    body = func.body
-    bindings = [b for block in body.blocks for b in block.bindings] if isinstance(body, relax.SeqExpr) else []
-    values = [b.value for b in bindings] + [body.body if isinstance(body, relax.SeqExpr) else body]
-    calls = [v for v in values if isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name in OPS]
-    if len(calls) != 1:
-        raise Unsupported(f"{symbol}: expected one convolution call in the function, found {len(calls)}")
-    spec = conv_of_call(calls[0], symbol)
-    if len(func.params) != 2 or not all(arg.same_as(p) for arg, p in zip(calls[0].args[:2], func.params)):
+    symbol, call, _ = only_call(func, OPS, "convolution")
+    spec = conv_of_call(call, symbol)
+    if len(func.params) != 2 or not all(arg.same_as(p) for arg, p in zip(call.args[:2], func.params)):
         raise Unsupported(f"{symbol}: the call's tensor arguments must be the parameters {spec.inputs} in order")
     return spec
