@@ -133,9 +133,7 @@ def evt_codegen(funcs, options, constant_names):
         objects = build_kernels(kernels, jobs=int(jobs) if jobs is not None else None)
     except BuildError as err:
         raise tvm.error.TVMError(str(err)) from err
-    for symbol, path in objects.items():
-        for entry in kernel_entries(path):
-            _KERNEL_PARTITIONS.setdefault(entry, set()).add(symbol)
+    _record_entries(objects)
     obj = link_module([objects[s] for s in kernels], list(kernels))
     return [tvm.runtime.load_static_library(str(obj), list(kernels))]
 
@@ -145,9 +143,16 @@ def evt_codegen(funcs, options, constant_names):
 _KERNEL_PARTITIONS: dict[str, set[str]] = {}
 
 
+def _record_entries(objects: dict) -> None:
+    """Note which symbols' objects launch which CUTLASS kernels (``kernel_partitions``)."""
+    for symbol, path in objects.items():
+        for entry in kernel_entries(path):
+            _KERNEL_PARTITIONS.setdefault(entry, set()).add(symbol)
+
+
 def kernel_partitions(kernel_name: str) -> list[str]:
-    """The evt partitions this process built whose CUTLASS kernel is `kernel_name` (as a profiler
-    reports it), else []."""
+    """The evt partitions (or convolution calls) this process built whose CUTLASS kernel is
+    `kernel_name` (as a profiler reports it), else []."""
     return sorted(_KERNEL_PARTITIONS.get(kernel_name, ()))
 
 
@@ -159,6 +164,7 @@ def _build_library(sources: dict[str, str], codegen: str) -> "tvm.runtime.Module
         if isinstance(result, BuildError):
             raise BuildError(f"relax.ext.{codegen}: nvcc failed for {symbol}: {result.first_error}\n{result}",
                              name=symbol, stderr=result.stderr)
+    _record_entries(objects)  # the convolutions' CUTLASS kernels, named in profiles
     obj = link_module([objects[s] for s in sources], list(sources))
     return tvm.runtime.load_static_library(str(obj), list(sources))
 

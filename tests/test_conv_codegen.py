@@ -194,6 +194,11 @@ def test_nvcc_builds_the_three_kernels_and_entries_check_arguments(cache_home, t
     objects = sorted((cache_home / "tvm_evt").rglob("*.o"))
     kernels = [o for o in objects if kernel_entries(o)]
     assert len(kernels) >= 3 and all(len(kernel_entries(o)) == 1 for o in kernels if "module-" not in o.name)
+    # profiles name each convolution's CUTLASS kernel by its call's symbol, as they do partitions
+    from tvm_evt.codegen.relax_ext import kernel_partitions
+
+    named = {s for o in kernels for e in kernel_entries(o) for s in kernel_partitions(e)}
+    assert {c.symbol for c in calls} <= named, named
     so = tmp_path / "conv.so"
     lib.export_library(str(so))
     syms = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
