@@ -34,10 +34,11 @@ from tvm import relax
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
+from ..codegen.frontend.conv_call import DGRAD_OP, FPROP_OP, WGRAD_OP, output_extent
 from ._rewrite import static_shape
 from .gradient_rules import register_op
 
-FPROP, DGRAD, WGRAD = "tvm_evt.conv2d", "tvm_evt.conv2d_dgrad", "tvm_evt.conv2d_wgrad"
+FPROP, DGRAD, WGRAD = FPROP_OP, DGRAD_OP, WGRAD_OP  # the names the codegen reads the calls by
 FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -64,8 +65,7 @@ class Geometry:
     def out(self, hw, rs) -> tuple[int, int]:
         """The output extent (P, Q) of an input (H, W) and a kernel (R, S)."""
         (pt, pl, pb, pr), (sh, sw), (dh, dw) = self.pad, self.stride, self.dilation
-        return ((hw[0] + pt + pb - dh * (rs[0] - 1) - 1) // sh + 1,
-                (hw[1] + pl + pr - dw * (rs[1] - 1) - 1) // sw + 1)
+        return (output_extent(hw[0], pt, pb, rs[0], sh, dh), output_extent(hw[1], pl, pr, rs[1], sw, dw))
 
 
 def _ints(expr: relax.Expr, what: str) -> list[int]:

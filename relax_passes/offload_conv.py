@@ -69,12 +69,14 @@ class _Offloader(PyExprMutator):
         if name is None:
             return call
         try:
-            spec = conv_of_call(call, symbol="")  # raises where the kernels cannot take the call
-            reason = too_few_tiles(spec)
+            spec = conv_of_call(call, symbol="")  # raises (naming the op) where the kernels cannot take the call
         except Unsupported as err:
             reason = err.reason
+        else:
+            few = too_few_tiles(spec)
+            reason = few and f"{name}: {few}"
         if reason is not None:
-            self.fallbacks.append(f"{name}: {reason}" if not reason.startswith(name) else reason)
+            self.fallbacks.append(reason)
             return conv_op.DECOMPOSE[name](self.builder_, call)
         gvar = self.shared.get(spec)
         if gvar is None:

@@ -84,6 +84,7 @@ def emit_conv(call: ConvCall) -> str:
         for name in names
     )
     tm, tn, tk = tile(call)
+    split = splits(call)
     # wgrad's N mode is (C, S, R): the tile spans channels of one filter tap (CUTLASS's wgrad tiles)
     n_mode = f"Shape<_{tn}>" if call.kind == "wgrad" else f"_{tn}"
     m, n, k = call.gemm
@@ -91,11 +92,10 @@ def emit_conv(call: ConvCall) -> str:
     header = HEADER.substitute(
         version=CODEGEN_VERSION, symbol=call.symbol, kind=call.kind, x=_ints(call.x), w=_ints(call.w),
         y=_ints(call.y), pad=_ints(call.pad), stride=_ints(call.stride), dilation=_ints(call.dilation),
-        dtype=call.dtype, m=m, n=n, k=k, tile=f"{tm}x{tn}x{tk}" + (f", split {splits(call)}" if splits(call) > 1 else ""),
+        dtype=call.dtype, m=m, n=n, k=k, tile=f"{tm}x{tn}x{tk}" + (f", split {split}" if split > 1 else ""),
     )
     a, b, d = OPERANDS[call.kind]
     (n_img, h, wd, c), (kk, r, ss, _), (_, p, q, _) = call.x, call.w, call.y
-    split = splits(call)
     launch = (SPLIT_LAUNCH if split > 1 else SINGLE_LAUNCH).substitute(
         batch=n_img, chunk=n_img // split, splits=split, out_elems=kk * r * ss * c,
         chunk_dy=(n_img // split) * p * q * kk, chunk_x=(n_img // split) * h * wd * c, xformed=XFORMED[call.kind],

@@ -43,8 +43,8 @@ INT32_MAX = 2**31 - 1
 
 
 def output_extent(size: int, pad_lo: int, pad_hi: int, kernel: int, stride: int, dilation: int) -> int:
-    """P (or Q) of an input extent H (or W): ``1 + (H + pads - ((R-1)·d + 1)) // s`` (CUTLASS's,
-    and ``conv_op.Geometry.out``)."""
+    """P (or Q) of an input extent H (or W): ``1 + (H + pads - ((R-1)·d + 1)) // s`` (CUTLASS's;
+    ``conv_op.Geometry.out`` asks it too)."""
     return 1 + (size + pad_lo + pad_hi - ((kernel - 1) * dilation + 1)) // stride
 
 
