@@ -33,6 +33,8 @@ from ._rewrite import has_call
 CODEGEN = "evt_conv"
 OPS = {tvm.ir.Op.get(name): name for name in conv_op.DECOMPOSE}
 KIND = {conv_op.FPROP: "conv", conv_op.DGRAD: "conv_dgrad", conv_op.WGRAD: "conv_wgrad"}
+
+
 def too_few_tiles(spec) -> str | None:
     """Why the kernel would leave most SMs idle for long (fewer than ``conv.MIN_CTAS`` CTAs, even
     with a weight gradient split over the batch, each a reduction of more than ``conv.LONG_K``),
@@ -42,6 +44,17 @@ def too_few_tiles(spec) -> str | None:
         return None
     return (f"{spec.kind} would run {ctas} CTAs, each a reduction of {spec.gemm[2]} (the SM90 convolution "
             f"kernels have no split-K or stream-K)")
+
+
+def kernel_spec(call: relax.Call) -> tuple:
+    """(the call's ``ConvCall``, None) where a kernel runs it, else (its ``ConvCall`` or None, why
+    not): the one decision of `OffloadConv` and of the training report."""
+    try:
+        spec = conv_of_call(call, symbol="")  # raises (naming the op) where the kernels cannot take the call
+    except Unsupported as err:
+        return None, err.reason
+    few = too_few_tiles(spec)
+    return spec, few and f"{call.op.name}: {few}"
 
 
 def _kernel_function(call: relax.Call) -> relax.Function:
@@ -68,13 +81,7 @@ class _Offloader(PyExprMutator):
         name = OPS.get(call.op) if isinstance(call.op, tvm.ir.Op) else None
         if name is None:
             return call
-        try:
-            spec = conv_of_call(call, symbol="")  # raises (naming the op) where the kernels cannot take the call
-        except Unsupported as err:
-            reason = err.reason
-        else:
-            few = too_few_tiles(spec)
-            reason = few and f"{name}: {few}"
+        spec, reason = kernel_spec(call)
         if reason is not None:
             self.fallbacks.append(reason)
             return conv_op.DECOMPOSE[name](self.builder_, call)

@@ -58,22 +58,18 @@ def attention_calls(func: relax.Function) -> list[dict]:
 
 def conv_calls(func: relax.Function) -> list[dict]:
     """The ``tvm_evt.conv2d*`` calls of `func`, and whether the implicit-GEMM kernels take each."""
-    from .codegen.errors import Unsupported
-    from .codegen.frontend.conv_call import OPS, conv_of_call
-    from .relax_passes.offload_conv import too_few_tiles
+    from .codegen.frontend.conv_call import OPS
+    from .relax_passes.offload_conv import kernel_spec
 
     calls = []
     relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
                                     and isinstance(e.op, tvm.ir.Op) and e.op.name in OPS else None)
     rows = []
     for call in calls:
+        spec, reason = kernel_spec(call)
         row = {"op": OPS[call.op.name], "dtype": str(call.args[0].ty.dtype)}
-        try:
-            spec = conv_of_call(call)
-            reason = too_few_tiles(spec)
+        if spec is not None:
             row.update(x=list(spec.x), w=list(spec.w))
-        except Unsupported as err:
-            reason = err.reason
         rows.append({**row, "kernel": reason is None, "reason": reason})
     return rows
 
