@@ -370,24 +370,6 @@ __device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][
   wgmma_wait();
   pin(acc);
 }
-// c0 += p0 t0 and c1 += p1 t1, one wait for both
-template <bool kBf16>
-__device__ __forceinline__ void gemm_pk2(float (&c0)[8][4], const float (&p0)[8][4], const uint16_t* t0,
-                                         float (&c1)[8][4], const float (&p1)[8][4], const uint16_t* t1) {
-  uint32_t a0[4][4], a1[4][4];
-  pack_a<kBf16>(a0, p0);
-  pack_a<kBf16>(a1, p1);
-  pin(c0);
-  pin(c1);
-  wgmma_fence();
-  issue_kn<kBf16>(c0, a0, t0);
-  issue_kn<kBf16>(c1, a1, t1);
-  wgmma_commit();
-  wgmma_wait();
-  pin(c0);
-  pin(c1);
-}
-
 // acc (64 x 64) += A B, A a tile stored [K][M] (read transposed), B a tile stored [K][N]
 template <bool kBf16>
 __device__ __forceinline__ void gemm_tk(float (&acc)[8][4], const uint16_t* at, const uint16_t* tile) {
@@ -400,6 +382,12 @@ __device__ __forceinline__ void gemm_tk(float (&acc)[8][4], const uint16_t* at, 
   pin(acc);
 }
 
+// 2^x on the special-function unit (denormal results flushed to zero: probabilities below 2^-126)
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -430,6 +418,62 @@ __device__ __forceinline__ void store_rows(uint16_t* dst, const float (&acc)[8][
 }
 
 // ---- forward
+// One key tile of the online softmax: the scores s (64 x 64, this thread's fragments) become the
+// probabilities that multiply V (dropped ones zero; the kept ones not yet divided by 1 - p: the
+// output is, once), and the running max / sum of the thread's two rows and its accumulator rows are
+// updated.
+template <bool kCausal, bool kBias, bool kDropout>
+__device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4], float (&m_run)[2], float (&l_run)[2],
+                                            Params const& p, const uint32_t* mask, const int (&row)[2], int n0,
+                                            int warp, int g, int t) {
+  // row r sees the tile's keys [0, visible[r]): those that exist and, causal, do not follow it
+  int visible[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) visible[r] = (kCausal ? min(p.sk, row[r] + 1) : p.sk) - n0;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = frag_col(nt, e, t);
+      float x = s[nt][e] * p.scale_log2;
+      if (kBias) x += (n0 + col < p.sk ? p.bias[n0 + col] : 0.f) * kLog2e;
+      x = col < visible[e >> 1] ? x : -INFINITY;
+      s[nt][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  }
+  float base[2], corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+    base[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
+    corr[r] = ex2(m_run[r] - base[r]);
+    m_run[r] = m_new;
+    l_run[r] *= corr[r];
+  }
+  // the keep bits of the thread's two rows (``mask_tile``'s layout: a row's 64 keys in two words),
+  // shifted so that bit 8 (nt % 4) + (e & 1) of word nt / 4 is column 8 nt + 2 t + (e & 1)
+  uint32_t keep[2][2] = {{~0u, ~0u}, {~0u, ~0u}};
+  if (kDropout) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) keep[r][h] = mask[2 * (warp * 16 + g + 8 * r) + h] >> (2 * t);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      const float pr = ex2(s[nt][e] - base[r]);
+      l_run[r] += pr;  // the softmax normaliser counts dropped probabilities too
+      s[nt][e] = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u ? pr : 0.f;
+      acc[nt][e] *= corr[r];
+    }
+  }
+}
+
 template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
   __shared__ alignas(1024) uint16_t sQ[kTile];
@@ -477,40 +521,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     gemm_nk<kBf16>(s, qf, sK[buf]);
 
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int col = n0 + frag_col(nt, e, t);
-        float x = s[nt][e] * p.scale_log2;
-        if (kBias) x += (col < p.sk ? p.bias[col] : 0.f) * kLog2e;
-        if (col >= p.sk || (kCausal && col > row[e >> 1])) x = -INFINITY;
-        s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
-    }
-    float base[2], corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float m_new = fmaxf(m_run[r], quad_max(mx[r]));
-      base[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
-      corr[r] = exp2f(m_run[r] - base[r]);
-      m_run[r] = m_new;
-      l_run[r] *= corr[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pr = exp2f(s[nt][e] - base[e >> 1]);
-        l_run[e >> 1] += pr;  // the softmax normaliser counts dropped probabilities too
-        if (kDropout)
-          pr = kept(sMask[buf], warp * 16 + frag_row(e, g), frag_col(nt, e, t)) ? pr * p.drop_scale : 0.f;
-        s[nt][e] = pr;
-        acc[nt][e] *= corr[e >> 1];
-      }
-    }
+    // one copy of the softmax, whatever the tile: with a fast copy for unmasked tiles beside it (a
+    // uniform branch), the outputs came out wrong (H100, nvcc 13.0), as each copy alone did not
+    fwd_softmax<kCausal, kBias, kDropout>(s, acc, m_run, l_run, p, sMask[buf], row, n0, warp, g, t);
     gemm_pk<kBf16>(acc, s, sV[buf]);
     cp_async_wait_all();
     __syncthreads();
@@ -521,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = quad_sum(l_run[r]);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    inv[r] = l > 0.f ? p.drop_scale / l : 0.f;  // the kept probabilities were not scaled
     if (t == 0 && row[r] < p.sq)
       p.lse[int64_t(bh) * p.sq + row[r]] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
   }
@@ -557,6 +570,47 @@ __device__ __forceinline__ float prob(float score_log2, float lse_log2, bool vis
   return visible && lse_log2 != -INFINITY ? exp2f(score_log2 - lse_log2) : 0.f;
 }
 
+// -LSE in log2 units, the offset of a query's scaled scores (-inf for a row with no visible key or
+// no query: its probabilities are 0)
+__device__ __forceinline__ float neg_lse_log2(float lse) { return lse == -INFINITY ? -INFINITY : -lse * kLog2e; }
+
+// One query tile of dK/dV: from Sᵀ (s) and dPdᵀ = V dOᵀ (dp), this thread's fragments of the
+// kept probabilities Pᵀ (into s; dropped ones 0, kept ones not yet divided by 1 - p) and of
+// dSᵀ = Pᵀ (dPᵀ - D) (into dp, dPᵀ dropped and scaled like P).  Rows are the CTA's keys, columns
+// the tile's queries: nlse and delta are the tile's -LSE log2(e) and D, mask its keep bits.
+template <bool kCausal, bool kBias, bool kDropout>
+__device__ __forceinline__ void dkdv_scores(float (&s)[8][4], float (&dp)[8][4], Params const& p, const float* nlse,
+                                            const float* delta, const uint32_t* mask, const float (&kb)[2],
+                                            const int (&key)[2], int m0, int warp, int g, int t) {
+  const int shift = (warp & 1) * 16 + g;  // key row g's bit in a query's mask word (row g + 8: 8 above)
+  // key row r sees the tile's queries from first[r] on (a key past the end none; nlse hides
+  // queries past the end)
+  int first[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) first[r] = key[r] >= p.sk ? kBlock : kCausal ? key[r] - m0 : 0;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int c = nt * 8 + 2 * t;  // the fragment's queries: c and c + 1 of the tile
+    const float2 nl = *reinterpret_cast<const float2*>(nlse + c);
+    const float2 dl = *reinterpret_cast<const float2*>(delta + c);
+    uint32_t word[2] = {~0u, ~0u};
+    if (kDropout) {
+      word[0] = mask[2 * c + (warp >> 1)] >> shift;
+      word[1] = mask[2 * c + 2 + (warp >> 1)] >> shift;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = e & 1, r = e >> 1;
+      float x = fmaf(s[nt][e], p.scale_log2, kBias ? (j ? nl.y : nl.x) + kb[r] : (j ? nl.y : nl.x));
+      const float pr = c + j >= first[r] ? ex2(x) : 0.f;
+      const bool kept_e = !kDropout || ((word[j] >> (8 * r)) & 1u);
+      s[nt][e] = kept_e ? pr : 0.f;
+      const float dpe = kept_e ? dp[nt][e] : 0.f;
+      dp[nt][e] = pr * (kDropout ? fmaf(dpe, p.drop_scale, -(j ? dl.y : dl.x)) : dpe - (j ? dl.y : dl.x));
+    }
+  }
+}
+
 // ---- backward: dK and dV, one CTA per 64 keys
 template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
@@ -564,7 +618,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   __shared__ alignas(1024) uint16_t sD[2][kTile];   // dO tiles
   __shared__ alignas(1024) uint16_t sK[kFusedDq ? kTile : 8];  // K (dQ += dS K)
   __shared__ alignas(1024) uint16_t sS[kFusedDq ? kTile : 8];  // dSᵀ of the query tile, [keys][queries]
-  __shared__ alignas(16) float sL[2][kBlock];       // LSE * log2(e) of the tile's queries
+  __shared__ alignas(16) float sL[2][kBlock];       // -LSE * log2(e) of the tile's queries (-inf: no query)
   __shared__ alignas(16) float sDelta[2][kBlock];
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -607,7 +661,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     load_tile(sD[buf], dO, i * kBlock, p.sq, ld, tid);
     // the row statistics by plain loads: read after the barrier that ends the current tile
     const int r = i * kBlock + (tid & 63);
-    if (tid < 64) sL[buf][tid] = r < p.sq ? p.lse[qo + r] : 0.f;
+    if (tid < 64) sL[buf][tid] = neg_lse_log2(r < p.sq ? p.lse[qo + r] : -INFINITY);
     else sDelta[buf][tid - 64] = r < p.sq ? p.delta[qo + r] : 0.f;
   };
   if (first < last) {
@@ -632,37 +686,33 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
     gemm_nk2<kBf16>(s, kf, sQ[buf], dp, vf, sD[buf]);  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
-    uint32_t keep = 0xffffffffu;             // bit 4 nt + e
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = frag_col(nt, e, t), query = m0 + c, k = key[e >> 1];
-        const bool visible = query < p.sq && k < p.sk && !(kCausal && k > query);
-        s[nt][e] = prob(s[nt][e] * p.scale_log2 + kb[e >> 1], sL[buf][c] * kLog2e, visible);
-        if (kDropout && !kept(sMask[buf], c, warp * 16 + frag_row(e, g))) keep &= ~(1u << (4 * nt + e));
-      }
-    }
-    // Pdᵀ (P dropped and scaled); dSᵀ = Pᵀ (dPᵀ - D), dPᵀ = dPdᵀ masked and scaled like P
-    float pd[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool kept_e = (keep >> (4 * nt + e)) & 1u;
-        pd[nt][e] = kept_e ? s[nt][e] * p.drop_scale : 0.f;
-        dp[nt][e] = s[nt][e] * ((kept_e ? dp[nt][e] * p.drop_scale : 0.f) - sDelta[buf][frag_col(nt, e, t)]);
-      }
-    }
-    gemm_pk2<kBf16>(dv, pd, sD[buf], dk, dp, sQ[buf]);  // dV += Pdᵀ dO, dK += dSᵀ Q
+    // Pdᵀ into s (P where kept, else 0: dV is divided by 1 - p once, when stored); dSᵀ into dp
+    dkdv_scores<kCausal, kBias, kDropout>(s, dp, p, sL[buf], sDelta[buf], sMask[buf], kb, key, m0, warp, g, t);
+    uint32_t pa[4][4], da[4][4];  // Pdᵀ and dSᵀ as A operands
+    pack_a<kBf16>(pa, s);
+    pack_a<kBf16>(da, dp);
+    pin(dv);
+    pin(dk);
+    wgmma_fence();
+    issue_kn<kBf16>(dv, pa, sD[buf]);  // dV += Pdᵀ dO
+    issue_kn<kBf16>(dk, da, sQ[buf]);  // dK += dSᵀ Q
+    wgmma_commit();
     if (kFusedDq) {
       // dQ rows of this query tile += dS K over this CTA's 64 keys: dSᵀ into shared memory (each
-      // warp its 16 keys), then each warp 16 queries against all 64 keys, added to dq_accum
+      // warp its 16 keys; while the MMAs above, which only read those registers, run), then each
+      // warp 16 queries against all 64 keys, added to dq_accum.  da[kk]: columns 16 kk.. of rows
+      // g (0, 2) and g + 8 (1, 3), the second 8 columns in 2 and 3.
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        *reinterpret_cast<uint32_t*>(sS + swz(warp * 16 + g, nt) + 2 * t) = pack2<kBf16>(dp[nt][0], dp[nt][1]);
-        *reinterpret_cast<uint32_t*>(sS + swz(warp * 16 + g + 8, nt) + 2 * t) = pack2<kBf16>(dp[nt][2], dp[nt][3]);
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          *reinterpret_cast<uint32_t*>(sS + swz(warp * 16 + g + 8 * (i & 1), 2 * kk + (i >> 1)) + 2 * t) = da[kk][i];
       }
+    }
+    wgmma_wait();
+    pin(dv);
+    pin(dk);
+    if (kFusedDq) {
       fence_async_smem();
       __syncthreads();
       float dq[8][4];
@@ -684,7 +734,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     __syncthreads();
   }
   store_rows<kBf16>(p.dk + head_base(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
-  store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, 1.f, 1.f, n0 + warp * 16, p.sk, ld, g, t);
+  store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld, g, t);
 }
 
 // ---- backward: dQ = scale * dq_accum, into dQ's layout and dtype (eight elements a thread)
