@@ -227,6 +227,59 @@ def decompose_conv2d_dgrad(bb: relax.BlockBuilder, call: relax.Call) -> relax.Ex
     return total if dtype == "float32" else R.astype(total, dtype)
 
 
+def _phase(size: int, pad_lo: int, kernel: int, stride: int, out: int, a: int) -> tuple[int, int, int, int, int]:
+    """One axis of stride phase `a` of a dgrad: (first tap, taps, pad_lo', pad_hi', rows computed).
+
+    The input rows ``i·stride + a`` are reached only by the taps ``first + stride·t`` (``first =
+    (a + pad_lo) % stride``), from output rows ``i + pad_lo' - t`` (``pad_lo' = (a + pad_lo) //
+    stride``): a unit-stride dgrad with that sub-filter.  It computes the phase's first ``rows``
+    rows, whose pad_hi' >= 0 makes its output extent `out`; the phase's other rows (past every
+    window) have zero gradient.  ``rows`` is 0 where no tap reaches the phase."""
+    first, lo = (a + pad_lo) % stride, (a + pad_lo) // stride
+    taps = max(0, (kernel - first + stride - 1) // stride)
+    extent = max(0, (size - a + stride - 1) // stride)
+    rows = min(extent, out - lo + taps - 1) if taps else 0
+    return first, taps, lo, out - rows - lo + taps - 1, max(0, rows)
+
+
+def split_strided_dgrad(emit, call: relax.Call, lower) -> relax.Expr | None:
+    """A strided ``conv2d_dgrad`` as its stride phases, each a unit-stride dgrad (`lower` emits
+    one and returns its value), interleaved; None where the call has unit strides or a dilation.
+
+    The SM90 implicit-GEMM kernels take unit-stride dgrads only; a strided one otherwise runs as
+    the [N·P·Q, R·S·C] float32 product and its col2im (ResNet-50 conv3_x, H100: 0.195 + 0.219 ms
+    for its stride-2 3x3 convolution).  Input rows ``h = i·s + a`` of phase ``a`` take only the
+    taps ``r ≡ a + pad (mod s)`` (`_phase`), so each of the ``sh·sw`` phases is a dgrad with stride
+    1 of the sub-filter ``w[:, r0::sh, s0::sw, :]`` (for a 3x3 filter, stride 2: 1x1, 1x2, 2x1 and
+    2x2).  The phases are interleaved by one concatenation and reshape, an injective producer that
+    TVM fuses into the elementwise consumer of dx."""
+    (n, h, wd, c), (k, r, s, _), (_, p, q, _), g = conv_shapes(call)
+    (pt, pl, pb, pr), (sh, sw), (dh, dw) = g.pad, g.stride, g.dilation
+    if (sh, sw) == (1, 1) or (dh, dw) != (1, 1):
+        return None
+    dy, w = call.args[:2]
+    dtype = str(dy.ty.dtype)
+    hm, wm = -(-h // sh), -(-wd // sw)  # rows and columns of the largest phase
+    rows = []
+    for a in range(sh):
+        r0, rt, top, bottom, ha = _phase(h, pt, r, sh, p, a)
+        cols = []
+        for b in range(sw):
+            s0, st, left, right, wb = _phase(wd, pl, s, sw, q, b)
+            if ha and wb:
+                sub = emit(R.strided_slice(w, [1, 2], [r0, s0], [r, s], [sh, sw]))  # [K, rt, st, C]
+                geometry = Geometry((top, left, bottom, right), (1, 1), (1, 1))
+                phase = lower(conv2d_dgrad(dy, sub, geometry, (n, ha, wb, c)))
+                if (ha, wb) != (hm, wm):  # rows past every window (and a shorter phase): zeros
+                    phase = emit(R.nn.pad(phase, [0, 0, 0, hm - ha, 0, wm - wb, 0, 0]))
+            else:
+                phase = emit(R.zeros(relax.ShapeExpr([n, hm, wm, c]), dtype))
+            cols.append(emit(R.reshape(phase, [n, hm, 1, wm, 1, c])))
+        rows.append(emit(R.concat(cols, axis=4)) if sw > 1 else cols[0])
+    dx = emit(R.reshape(emit(R.concat(rows, axis=2)) if sh > 1 else rows[0], [n, hm * sh, wm * sw, c]))
+    return dx if (hm * sh, wm * sw) == (h, wd) else R.strided_slice(dx, [1, 2], [0, 0], [h, wd])
+
+
 # -------------------------------------------------------------------------------- gradient
 
 

@@ -6,7 +6,8 @@ implicit GEMM implements) becomes a call of a ``Codegen="evt_conv"`` function ho
 call, which ``RunCodegen`` hands to ``relax.ext.evt_conv``; equal calls (the same shapes, geometry
 and dtype) share one function.  A call the kernels cannot take is decomposed into the im2col gather
 and a matmul (`conv_op.DECOMPOSE`) here, before the partitioner, so its GEMM still becomes an EVT
-partition; the reason is kept in ``OffloadConv.fallbacks``.
+partition; the reason is kept in ``OffloadConv.fallbacks``.  A strided dgrad, which the kernels do
+not take, is first split into unit-stride dgrads of its stride phases (`conv_op.split_strided_dgrad`).
 
 So is a call the kernel would run on too few CTAs (`too_few_tiles`): CUTLASS 4.2's SM90
 convolutions have no persistent schedules, so no stream-K or split-K, and a weight gradient's
@@ -57,6 +58,19 @@ def kernel_spec(call: relax.Call) -> tuple:
     return spec, few and f"{call.op.name}: {few}"
 
 
+def stride_phases(call: relax.Call) -> list[relax.Call] | None:
+    """The unit-stride dgrads `OffloadConv` runs for a strided ``conv2d_dgrad`` (None for any other
+    call): what the training report lists in its place."""
+    if call.op.name != conv_op.DGRAD:
+        return None
+    phases: list[relax.Call] = []
+    bb = relax.BlockBuilder()
+    with bb.function("phases", []):  # a scratch scope to emit the split into
+        split = conv_op.split_strided_dgrad(bb.emit, call, lambda phase: phases.append(phase) or bb.emit(phase))
+        bb.emit_func_output(split if split is not None else relax.Tuple([]))
+    return None if split is None else phases
+
+
 def _kernel_function(call: relax.Call) -> relax.Function:
     """fn(a, b) { return op(a, b, <the call's constant shapes>) }: the two tensor operands as
     parameters, in the op's order."""
@@ -81,6 +95,14 @@ class _Offloader(PyExprMutator):
         name = OPS.get(call.op) if isinstance(call.op, tvm.ir.Op) else None
         if name is None:
             return call
+        if name == conv_op.DGRAD:  # a strided one as unit-stride dgrads of its stride phases
+            phases = conv_op.split_strided_dgrad(self.builder_.emit, call, lambda phase: self._lower(phase, name))
+            if phases is not None:
+                return phases
+        return self._lower(call, name)
+
+    def _lower(self, call: relax.Call, name: str) -> relax.Expr:
+        """`call` as a call of its kernel function, or decomposed where no kernel takes it."""
         spec, reason = kernel_spec(call)
         if reason is not None:
             self.fallbacks.append(reason)

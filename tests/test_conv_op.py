@@ -210,3 +210,82 @@ def test_offload_conv_splits_a_long_weight_gradient_or_leaves_it_to_the_gemm():
     one = relax.Var("one", relax.TensorType([1, 128, 128, 64], "bfloat16"))
     lone = conv_of_call(bb.normalize(conv_op.conv2d_wgrad(one, one, g, [64, 3, 3, 64])))
     assert conv.splits(lone) == 1 and "9 CTAs" in too_few_tiles(lone) and "16384" in too_few_tiles(lone)
+
+
+STRIDED = [  # n, h, w, c, k, r, s, pad, stride: dgrads split into stride phases
+    (2, 8, 8, 8, 16, 3, 3, (1, 1, 1, 1), (2, 2)),  # ResNet-50's downsampling 3x3 (56 -> 28, scaled down)
+    (2, 9, 7, 8, 16, 3, 3, (1, 1, 1, 1), (2, 2)),  # odd extents: phases of unequal size, a cropped tail
+    (1, 11, 10, 8, 8, 3, 2, (2, 0, 1, 1), (3, 2)),  # uneven padding, stride 3: a phase past every window
+    (2, 8, 8, 8, 8, 1, 1, (0, 0, 0, 0), (2, 2)),  # 1x1, stride 2: three phases no tap reaches
+    (1, 12, 12, 8, 8, 5, 5, (2, 2, 2, 2), (4, 4)),  # 16 phases of 1x1 and 2x2 sub-filters
+]
+
+
+@pytest.mark.parametrize("geometry", STRIDED, ids=lambda g: "x".join(map(str, g[:7])) + f"_s{g[8][0]}{g[8][1]}")
+def test_split_strided_dgrad_matches_torch(geometry):
+    """split_strided_dgrad writes a strided dgrad as unit-stride dgrads of sub-filters (each kept
+    as the op here, legalized on llvm) interleaved: against float64 torch's input gradient."""
+    n, h, w, c, k, r, s, pad, stride = geometry
+    g = conv_op.Geometry(pad, stride, (1, 1))
+    p, q = g.out((h, w), (r, s))
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType([n, p, q, k], "float32"))
+    wt = relax.Var("w", relax.TensorType([k, r, s, c], "float32"))
+    phases = []
+    with bb.function("main", [dy, wt]):
+        with bb.dataflow():
+            call = bb.normalize(conv_op.conv2d_dgrad(dy, wt, g, [n, h, w, c]))
+            dx = conv_op.split_strided_dgrad(bb.emit, call, lambda ph: phases.append(ph) or bb.emit(ph))
+            out = bb.emit_output(dx)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert all(conv_op.Geometry.of(ph.args[2]).stride == (1, 1) for ph in phases)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+    rng = np.random.default_rng(1)
+    dyn, wn = rng.standard_normal((n, p, q, k), "float32"), rng.standard_normal((k, r, s, c), "float32")
+    got = vm["main"](tvm.runtime.tensor(dyn), tvm.runtime.tensor(wn)).numpy()
+
+    xt = torch.zeros(n, c, h, w, dtype=torch.float64, requires_grad=True)
+    padded = torch.nn.functional.pad(xt, (pad[1], pad[3], pad[0], pad[2]))
+    yt = torch.nn.functional.conv2d(padded, torch.tensor(wn, dtype=torch.float64).permute(0, 3, 1, 2), stride=stride)
+    yt.backward(torch.tensor(dyn, dtype=torch.float64).permute(0, 3, 1, 2))
+    assert rel_err(torch.from_numpy(got), xt.grad.permute(0, 2, 3, 1)) <= 1e-5
+
+
+def test_offload_conv_splits_a_strided_dgrad_into_unit_stride_kernels():
+    """ResNet-50 conv3_x's stride-2 3x3 dgrad (28x28 -> 56x56, 128 channels) becomes four
+    unit-stride dgrad kernels (sub-filters 1x1, 1x2, 2x1, 2x2) instead of the im2col fallback."""
+    from tvm_evt.relax_passes.offload_conv import CODEGEN, OffloadConv
+
+    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType([8, 28, 28, 128], "bfloat16"))
+    wt = relax.Var("w", relax.TensorType([128, 3, 3, 128], "bfloat16"))
+    with bb.function("main", [dy, wt]):
+        with bb.dataflow():
+            out = bb.emit_output(conv_op.conv2d_dgrad(dy, wt, g, [8, 56, 56, 128]))
+        bb.emit_func_output(out)
+    offload = OffloadConv()
+    mod = offload(bb.get())
+    kernels = {gv.name_hint: f for gv, f in mod.functions_items()
+               if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+    assert offload.fallbacks == [] and len(kernels) == 4, (offload.fallbacks, sorted(kernels))
+    filters = sorted(tuple(int(d) for d in f.params[1].ty.shape)[1:3] for f in kernels.values())
+    assert filters == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert "relax.matmul" not in _ops(mod["main"])
+
+
+def test_training_report_lists_a_strided_dgrad_by_its_stride_phases():
+    from tvm_evt.report import conv_calls
+
+    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType([8, 28, 28, 128], "bfloat16"))
+    wt = relax.Var("w", relax.TensorType([128, 3, 3, 128], "bfloat16"))
+    with bb.function("main", [dy, wt]):
+        out = bb.emit(conv_op.conv2d_dgrad(dy, wt, g, [8, 56, 56, 128]))
+        bb.emit_func_output(out)
+    rows = conv_calls(bb.get()["main"])
+    assert [(r["op"], r["w"][1:3], r["kernel"], r["stride_phase_of"]) for r in rows] == [
+        ("dgrad", [1, 1], True, [8, 56, 56, 128]), ("dgrad", [1, 2], True, [8, 56, 56, 128]),
+        ("dgrad", [2, 1], True, [8, 56, 56, 128]), ("dgrad", [2, 2], True, [8, 56, 56, 128])], rows

@@ -18,11 +18,17 @@ CASES = [
     # id, (N, H, W, C), (K, R, S), pad (top, left, bottom, right), stride, dilation, kinds the kernels take
     ("resnet_conv3", (4, 28, 28, 128), (128, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     # ResNet's strided 3x3 (H + 2 - 3 odd: the last padded row is never read); no strided dgrad on SM90
+    # (OffloadConv runs it as the unit-stride dgrads of its stride phases, the phase_* cases)
     ("stride2", (2, 16, 16, 64), (128, 3, 3), (1, 1, 1, 1), (2, 2), (1, 1), ("fprop", "wgrad")),
     ("downsample_1x1", (2, 14, 14, 64), (256, 1, 1), (0, 0, 0, 0), (2, 2), (1, 1), ("fprop", "wgrad")),
     # non-square input and filter, asymmetric padding, 32 channels (a partial 64-channel K step)
     ("nonsquare", (2, 12, 20, 32), (64, 3, 5), (1, 2, 0, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     ("dilated", (2, 16, 16, 64), (64, 3, 3), (2, 2, 2, 2), (1, 1), (2, 2), ("fprop", "dgrad", "wgrad")),
+    # the stride phases of "stride2"'s dgrad (relax_passes/conv_op.split_strided_dgrad): unit-stride
+    # dgrads of its 2x2, 2x1, 1x2 and 1x1 sub-filters, padded before only
+    ("phase_2x2", (2, 8, 8, 64), (128, 2, 2), (1, 1, 0, 0), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
+    ("phase_2x1", (2, 8, 8, 64), (128, 2, 1), (1, 0, 0, 0), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
+    ("phase_1x1", (2, 8, 8, 64), (128, 1, 1), (0, 0, 0, 0), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     # a weight gradient of 9 tiles over K = 25088: split over the batch into 8 concurrent launches
     ("wgrad_split", (8, 56, 56, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
 ]

@@ -32,6 +32,8 @@ SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, o
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
     "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
     "resnet_basic_cl": dict(batch=8, in_channels=32, channels=32, size=8),  # channels-last inputs
+    # stride 2: the 3x3 convolution's input gradient runs as four unit-stride dgrads (stride phases)
+    "resnet_basic_s2_cl": dict(batch=8, in_channels=32, channels=32, size=8, stride=2),
     # conv1d outputs of 63, 61 and 57 positions into 4 adaptive max-pool windows
     "xml_cnn": dict(batch=8, seq=64, vocab=500, embed=64, filters=16, pool_chunks=4, bottleneck=64, labels=128),
 }
@@ -43,6 +45,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("bert_layer_d64", "default"), ("gpt2_block_d64", "default"),  # flash attention (head dim 64)
     ("gpt2_block_d64", "disable=split_projection"), ("resnet_basic_cl", "default"),
     ("resnet_basic_cl", "disable=implicit_conv"),  # 3x3 convolutions as im2col + GEMM
+    ("resnet_basic_s2_cl", "default"),
     ("xml_cnn", "default"),
 ]
 
@@ -54,7 +57,7 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     if switch != "default":
         how, names = switch.split("=")
         monkeypatch.setenv(pipeline.DISABLE_ENV if how == "disable" else pipeline.ENABLE_ENV, names)
-    entry = models.ZOO[name.removesuffix("_d64").removesuffix("_cl")](**SMALL[name])
+    entry = models.ZOO[name.removesuffix("_d64").removesuffix("_cl").removesuffix("_s2")](**SMALL[name])
     no_dropout(entry.model)
     example_inputs = entry.example_inputs
     if name.endswith("_cl"):  # the step takes the image and target as NHWC, in place

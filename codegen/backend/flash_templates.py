@@ -481,7 +481,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
   __shared__ alignas(1024) uint16_t sV[2][kTile];
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride(p);
+  // causal: the last query tiles, which see the most keys, are started first (the CTAs of a
+  // launch start in blockIdx order), so that the short ones fill the last wave
+  const int m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlock, bh = blockIdx.y, ld = row_stride(p);
   const uint16_t* Q = p.q + head_base(p, bh, p.sq);
   const uint16_t* K = p.k + head_base(p, bh, p.sk);
   const uint16_t* V = p.v + head_base(p, bh, p.sk);

@@ -59,18 +59,22 @@ def attention_calls(func: relax.Function) -> list[dict]:
 def conv_calls(func: relax.Function) -> list[dict]:
     """The ``tvm_evt.conv2d*`` calls of `func`, and whether the implicit-GEMM kernels take each."""
     from .codegen.frontend.conv_call import OPS
-    from .relax_passes.offload_conv import kernel_spec
+    from .relax_passes.offload_conv import kernel_spec, stride_phases
 
     calls = []
     relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
                                     and isinstance(e.op, tvm.ir.Op) and e.op.name in OPS else None)
     rows = []
-    for call in calls:
-        spec, reason = kernel_spec(call)
-        row = {"op": OPS[call.op.name], "dtype": str(call.args[0].ty.dtype)}
-        if spec is not None:
-            row.update(x=list(spec.x), w=list(spec.w))
-        rows.append({**row, "kernel": reason is None, "reason": reason})
+    for whole in calls:
+        phases = stride_phases(whole)  # a strided dgrad: a row per stride phase, which says so
+        for call in phases or [whole]:
+            spec, reason = kernel_spec(call)
+            row = {"op": OPS[call.op.name], "dtype": str(call.args[0].ty.dtype)}
+            if spec is not None:
+                row.update(x=list(spec.x), w=list(spec.w))
+            if phases:
+                row["stride_phase_of"] = [int(d) for d in whole.args[3].values]
+            rows.append({**row, "kernel": reason is None, "reason": reason})
     return rows
 
 
