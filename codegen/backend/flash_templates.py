@@ -146,9 +146,6 @@ __device__ __forceinline__ void mask_tile(uint32_t* bits, Params const& p, int b
   }
   bits[tid] = word;  // tid == 2 * r + half
 }
-__device__ __forceinline__ bool kept(const uint32_t* bits, int query, int key) {
-  return (bits[2 * query + (key >> 5)] >> (key & 31)) & 1u;
-}
 
 // ---- conversions and shared-memory primitives
 template <bool kBf16>
@@ -567,11 +564,6 @@ __global__ void __launch_bounds__(kThreads) flash_delta(Params p, int rows) {
   if (r < rows && part == 0) p.delta[r] = x;
 }
 
-// P (or Pᵀ) of one fragment element from its scaled score and row statistics
-__device__ __forceinline__ float prob(float score_log2, float lse_log2, bool visible) {
-  return visible && lse_log2 != -INFINITY ? exp2f(score_log2 - lse_log2) : 0.f;
-}
-
 // -LSE in log2 units, the offset of a query's scaled scores (-inf for a row with no visible key or
 // no query: its probabilities are 0)
 __device__ __forceinline__ float neg_lse_log2(float lse) { return lse == -INFINITY ? -INFINITY : -lse * kLog2e; }
@@ -779,10 +771,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   __syncthreads();
 
   const int row[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
-  float lse[2], dlt[2];
+  float nlse[2], dlt[2];  // -LSE log2(e) (-inf: no query) and D of the thread's two rows
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    lse[r] = row[r] < p.sq ? p.lse[qo + row[r]] * kLog2e : -INFINITY;
+    nlse[r] = neg_lse_log2(row[r] < p.sq ? p.lse[qo + row[r]] : -INFINITY);
     dlt[r] = row[r] < p.sq ? p.delta[qo + row[r]] : 0.f;
   }
   int blocks = (p.sk + kBlock - 1) / kBlock;
@@ -811,18 +803,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
     gemm_nk2<kBf16>(s, qf, sK[buf], dp, df, sV[buf]);  // S = Q Kᵀ, dPd = dO Vᵀ
+    // dS = P (dP - D), dP = dPd dropped and scaled like P; as the forward's softmax: one compare
+    // a score against its row's visible keys, the keep bits a word per row (``fwd_softmax``)
+    int visible[2];
+    uint32_t keep[2][2] = {{~0u, ~0u}, {~0u, ~0u}};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      visible[r] = (kCausal ? min(p.sk, row[r] + 1) : p.sk) - n0;
+      if (kDropout) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) keep[r][h] = sMask[buf][2 * (warp * 16 + g + 8 * r) + h] >> (2 * t);
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = n0 + frag_col(nt, e, t), r = row[e >> 1];
-        const bool visible = r < p.sq && col < p.sk && !(kCausal && col > r);
-        float x = s[nt][e] * p.scale_log2;
-        if (kBias) x += (col < p.sk ? p.bias[col] : 0.f) * kLog2e;
-        const float pr = prob(x, lse[e >> 1], visible);
-        float dpe = dp[nt][e];  // dP = dPd masked and scaled like P
-        if (kDropout) dpe = kept(sMask[buf], warp * 16 + frag_row(e, g), col - n0) ? dpe * p.drop_scale : 0.f;
-        s[nt][e] = pr * (dpe - dlt[e >> 1]);  // dS
+        const int col = frag_col(nt, e, t), r = e >> 1;
+        float x = fmaf(s[nt][e], p.scale_log2, nlse[r]);
+        if (kBias) x += (n0 + col < p.sk ? p.bias[n0 + col] : 0.f) * kLog2e;
+        const float pr = col < visible[r] ? ex2(x) : 0.f;
+        const bool kept_e = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u;
+        const float dpe = kept_e ? dp[nt][e] : 0.f;
+        s[nt][e] = pr * (kDropout ? fmaf(dpe, p.drop_scale, -dlt[r]) : dpe - dlt[r]);  // dS
       }
     }
     gemm_pk<kBf16>(acc, s, sK[buf]);  // dQ += dS K
