@@ -26,6 +26,18 @@ re-packed as the A operand of the next (P -> P V) without leaving registers.  wg
 mma.sync kernels it replaced (H100, scripts/bench_attention.py --layout bshd, forward + backward
 ms, two runs each): BERT-Large 0.967-0.969 -> 0.931-0.936, GPT-2 1.038-1.049 -> 0.996-0.999,
 ViT-B/16 0.802-0.807 -> 0.768-0.769, BERT-Large without dropout 0.793-0.794 -> 0.735-0.747.
+
+The elementwise work between the MMAs is the kernels' bottleneck (one warpgroup a CTA, two or
+three CTAs an SM), so it is kept to a few instructions a score:
+- one FMA against -LSE·log2(e), staged once per query;
+- ``ex2.approx.ftz``;
+- one compare against the row's (or key's) visible bound;
+- the keep bits read a word at a time;
+- 1/(1-p) applied once, to O and to dV.
+Each kernel has one copy of this code: with an unmasked fast copy beside the masked one (a uniform
+branch per tile) every output came out wrong on H100 with nvcc 13.0, although each copy alone was
+right.  Forward + backward, H100, alternating builds: BERT-Large 0.93-0.99 -> 0.85 ms, GPT-2
+0.99 -> 0.89-0.94, ViT-B/16 0.76-0.78 -> 0.72 (docs/bench/h100-2026-11-26-e).
 """
 from string import Template
 
