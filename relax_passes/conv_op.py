@@ -238,8 +238,8 @@ def _phase(size: int, pad_lo: int, kernel: int, stride: int, out: int, a: int) -
     first, lo = (a + pad_lo) % stride, (a + pad_lo) // stride
     taps = max(0, (kernel - first + stride - 1) // stride)
     extent = max(0, (size - a + stride - 1) // stride)
-    rows = min(extent, out - lo + taps - 1) if taps else 0
-    return first, taps, lo, out - rows - lo + taps - 1, max(0, rows)
+    rows = max(0, min(extent, out - lo + taps - 1)) if taps else 0
+    return first, taps, lo, out - rows - lo + taps - 1, rows
 
 
 def split_strided_dgrad(emit, call: relax.Call, lower) -> relax.Expr | None:
