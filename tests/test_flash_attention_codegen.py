@@ -114,3 +114,12 @@ def test_bench_cases_emit_in_both_layouts():
            "ours_ms": 3.0, "sdpa_fwd_ms": 1.0, "sdpa_ms": 3.0, "speedup": 1.0}
     assert "| vit (bshd) | 1 x 2 x 3 x 4 | 1.000 | 2.000 | 3.000 | 1.000 | 3.000 | 1.00x |" in \
         bench_attention.markdown([row], "GPU")
+
+
+def test_each_kernel_calls_one_copy_of_its_softmax():
+    """A masking-free copy of the softmax beside the masked one (a uniform branch per tile) made
+    every output wrong on H100 with nvcc 13.0, though each copy alone was right
+    (docs/bench/h100-2026-11-26-e): the forward and dK/dV kernels call their softmax once."""
+    src = emit_attention(call(backward=True))
+    kernels = src[src.index("__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd"):]
+    assert kernels.count("fwd_softmax<") == 1 and kernels.count("dkdv_scores<") == 1
