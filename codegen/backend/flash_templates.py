@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     gemm_nk<kBf16>(s, qf, sK[buf]);
 
     // one copy of the softmax, whatever the tile: with a fast copy for unmasked tiles beside it (a
-    // uniform branch), the outputs came out wrong (H100, nvcc 13.0), as each copy alone did not
+    // uniform branch), every output came out wrong (H100, nvcc 13.0), though each copy alone was right
     fwd_softmax<kCausal, kBias, kDropout>(s, acc, m_run, l_run, p, sMask[buf], row, n0, warp, g, t);
     gemm_pk<kBf16>(acc, s, sV[buf]);
     cp_async_wait_all();
