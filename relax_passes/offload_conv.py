@@ -7,7 +7,8 @@ call, which ``RunCodegen`` hands to ``relax.ext.evt_conv``; equal calls (the sam
 and dtype) share one function.  A call the kernels cannot take is decomposed into the im2col gather
 and a matmul (`conv_op.DECOMPOSE`) here, before the partitioner, so its GEMM still becomes an EVT
 partition; the reason is kept in ``OffloadConv.fallbacks``.  A strided dgrad, which the kernels do
-not take, is first split into unit-stride dgrads of its stride phases (`conv_op.split_strided_dgrad`).
+not take, runs as the unit-stride dgrads of its stride phases (`conv_op.split_strided_dgrad`) where
+the kernels take every phase.
 
 So is a call the kernel would run on too few CTAs (`too_few_tiles`): CUTLASS 4.2's SM90
 convolutions have no persistent schedules, so no stream-K or split-K, and a weight gradient's
@@ -95,10 +96,11 @@ class _Offloader(PyExprMutator):
         name = OPS.get(call.op) if isinstance(call.op, tvm.ir.Op) else None
         if name is None:
             return call
-        if name == conv_op.DGRAD:  # a strided one as unit-stride dgrads of its stride phases
-            phases = conv_op.split_strided_dgrad(self.builder_.emit, call, lambda phase: self._lower(phase, name))
-            if phases is not None:
-                return phases
+        phases = stride_phases(call)
+        # a strided dgrad as the unit-stride dgrads of its stride phases, where kernels run them
+        # all (else im2col + GEMM for the whole call: one col2im instead of one a phase)
+        if phases and all(kernel_spec(phase)[1] is None for phase in phases):
+            return conv_op.split_strided_dgrad(self.builder_.emit, call, lambda phase: self._lower(phase, name))
         return self._lower(call, name)
 
     def _lower(self, call: relax.Call, name: str) -> relax.Expr:

@@ -289,3 +289,22 @@ def test_training_report_lists_a_strided_dgrad_by_its_stride_phases():
     assert [(r["op"], r["w"][1:3], r["kernel"], r["stride_phase_of"]) for r in rows] == [
         ("dgrad", [1, 1], True, [8, 56, 56, 128]), ("dgrad", [1, 2], True, [8, 56, 56, 128]),
         ("dgrad", [2, 1], True, [8, 56, 56, 128]), ("dgrad", [2, 2], True, [8, 56, 56, 128])], rows
+
+
+def test_offload_conv_keeps_a_strided_dgrad_whole_where_a_phase_has_no_kernel():
+    """4 channels are not 16-byte rows: no phase would run as a kernel, so the strided dgrad is
+    one im2col product and col2im (not one per phase), with the reason kept."""
+    from tvm_evt.relax_passes.offload_conv import OffloadConv
+
+    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType([2, 4, 4, 4], "bfloat16"))
+    wt = relax.Var("w", relax.TensorType([4, 3, 3, 4], "bfloat16"))
+    with bb.function("main", [dy, wt]):
+        with bb.dataflow():
+            out = bb.emit_output(conv_op.conv2d_dgrad(dy, wt, g, [2, 8, 8, 4]))
+        bb.emit_func_output(out)
+    offload = OffloadConv()
+    mod = offload(bb.get())
+    assert _ops(mod["main"]).count("relax.matmul") == 1, _ops(mod["main"])
+    assert len(offload.fallbacks) == 1 and "multiples of 8" in offload.fallbacks[0], offload.fallbacks
