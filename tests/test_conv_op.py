@@ -252,21 +252,27 @@ def test_split_strided_dgrad_matches_torch(geometry):
     assert rel_err(torch.from_numpy(got), xt.grad.permute(0, 2, 3, 1)) <= 1e-5
 
 
+def _strided_dgrad_module(batch: int, out: int, channels: int) -> tvm.IRModule:
+    """main(dy, w): the input gradient of a stride-2 3x3 bf16 convolution (pad 1) whose output is
+    out x out, with `channels` channels in and out."""
+    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType([batch, out, out, channels], "bfloat16"))
+    wt = relax.Var("w", relax.TensorType([channels, 3, 3, channels], "bfloat16"))
+    with bb.function("main", [dy, wt]):
+        with bb.dataflow():
+            dx = bb.emit_output(conv_op.conv2d_dgrad(dy, wt, g, [batch, 2 * out, 2 * out, channels]))
+        bb.emit_func_output(dx)
+    return bb.get()
+
+
 def test_offload_conv_splits_a_strided_dgrad_into_unit_stride_kernels():
     """ResNet-50 conv3_x's stride-2 3x3 dgrad (28x28 -> 56x56, 128 channels) becomes four
     unit-stride dgrad kernels (sub-filters 1x1, 1x2, 2x1, 2x2) instead of the im2col fallback."""
     from tvm_evt.relax_passes.offload_conv import CODEGEN, OffloadConv
 
-    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
-    bb = relax.BlockBuilder()
-    dy = relax.Var("dy", relax.TensorType([8, 28, 28, 128], "bfloat16"))
-    wt = relax.Var("w", relax.TensorType([128, 3, 3, 128], "bfloat16"))
-    with bb.function("main", [dy, wt]):
-        with bb.dataflow():
-            out = bb.emit_output(conv_op.conv2d_dgrad(dy, wt, g, [8, 56, 56, 128]))
-        bb.emit_func_output(out)
     offload = OffloadConv()
-    mod = offload(bb.get())
+    mod = offload(_strided_dgrad_module(8, 28, 128))
     kernels = {gv.name_hint: f for gv, f in mod.functions_items()
                if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
     assert offload.fallbacks == [] and len(kernels) == 4, (offload.fallbacks, sorted(kernels))
@@ -278,14 +284,7 @@ def test_offload_conv_splits_a_strided_dgrad_into_unit_stride_kernels():
 def test_training_report_lists_a_strided_dgrad_by_its_stride_phases():
     from tvm_evt.report import conv_calls
 
-    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
-    bb = relax.BlockBuilder()
-    dy = relax.Var("dy", relax.TensorType([8, 28, 28, 128], "bfloat16"))
-    wt = relax.Var("w", relax.TensorType([128, 3, 3, 128], "bfloat16"))
-    with bb.function("main", [dy, wt]):
-        out = bb.emit(conv_op.conv2d_dgrad(dy, wt, g, [8, 56, 56, 128]))
-        bb.emit_func_output(out)
-    rows = conv_calls(bb.get()["main"])
+    rows = conv_calls(_strided_dgrad_module(8, 28, 128)["main"])
     assert [(r["op"], r["w"][1:3], r["kernel"], r["stride_phase_of"]) for r in rows] == [
         ("dgrad", [1, 1], True, [8, 56, 56, 128]), ("dgrad", [1, 2], True, [8, 56, 56, 128]),
         ("dgrad", [2, 1], True, [8, 56, 56, 128]), ("dgrad", [2, 2], True, [8, 56, 56, 128])], rows
@@ -296,15 +295,7 @@ def test_offload_conv_keeps_a_strided_dgrad_whole_where_a_phase_has_no_kernel():
     one im2col product and col2im (not one per phase), with the reason kept."""
     from tvm_evt.relax_passes.offload_conv import OffloadConv
 
-    g = conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
-    bb = relax.BlockBuilder()
-    dy = relax.Var("dy", relax.TensorType([2, 4, 4, 4], "bfloat16"))
-    wt = relax.Var("w", relax.TensorType([4, 3, 3, 4], "bfloat16"))
-    with bb.function("main", [dy, wt]):
-        with bb.dataflow():
-            out = bb.emit_output(conv_op.conv2d_dgrad(dy, wt, g, [2, 8, 8, 4]))
-        bb.emit_func_output(out)
     offload = OffloadConv()
-    mod = offload(bb.get())
+    mod = offload(_strided_dgrad_module(2, 4, 4))
     assert _ops(mod["main"]).count("relax.matmul") == 1, _ops(mod["main"])
     assert len(offload.fallbacks) == 1 and "multiples of 8" in offload.fallbacks[0], offload.fallbacks
