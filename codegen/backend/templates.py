@@ -209,6 +209,39 @@ int launch(typename Operator::Arguments const& args, cudaStream_t stream, const 
 #endif  // TVM_EVT_PRELUDE
 """
 
+# What every entry's source shares (``${symbol}``, ``${num_args}``, ``${namespace}``, ``${bind}``,
+# ``${first_tensor}``, ``${checks}`` substituted with the rest of its template): the argument checks
+# that open ``run``, and the TVM FFI safe-call entry that closes the source.  The GEMM and
+# convolution entries open with ENTRY_OPEN and close with ENTRY_CLOSE; the flash-attention entries,
+# whose helpers live in their own namespace, end with FFI_EXPORT.
+ENTRY_OPEN = """\
+int run(TVMFFIAny const* ffi_args, int32_t num_args) {
+  constexpr const char* kKernel = "${symbol}";
+  if (num_args != ${num_args}) {
+    return tvm_evt::fail("TypeError", "%s: expects ${num_args} tensors, got %d", kKernel, int(num_args));
+  }
+  DLTensor* tensors[${num_args}];
+  for (int i = 0; i < ${num_args}; ++i) {
+    tensors[i] = tvm_evt::tensor_of(ffi_args[i]);
+    if (!tensors[i]) return tvm_evt::fail("TypeError", "%s: argument %d is not a tensor", kKernel, i);
+  }
+${bind}
+  int device_id = ${first_tensor}->device.device_id;
+${checks}
+"""
+FFI_EXPORT = """\
+extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_${symbol}(void*, TVMFFIAny const* args, int32_t num_args,
+                                                      TVMFFIAny* result) {
+  result->type_index = kTVMFFINone;
+  return ${namespace}::run(args, num_args);
+}
+"""
+ENTRY_CLOSE = """\
+}  // namespace ${namespace}
+
+// TVM FFI safe-call entry (what TVM_FFI_DLL_EXPORT_TYPED_FUNC would produce, without exceptions).
+""" + FFI_EXPORT
+
 KERNEL = Template("""
 namespace ${namespace} {
 using namespace cute;
@@ -253,20 +286,9 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
     Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, ${tile_scheduler}>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
-int run(TVMFFIAny const* ffi_args, int32_t num_args) {
-  constexpr const char* kKernel = "${symbol}";
-  if (num_args != ${num_args}) {
-    return tvm_evt::fail("TypeError", "%s: expects ${num_args} tensors, got %d", kKernel, int(num_args));
-  }
-  DLTensor* tensors[${num_args}];
-  for (int i = 0; i < ${num_args}; ++i) {
-    tensors[i] = tvm_evt::tensor_of(ffi_args[i]);
-    if (!tensors[i]) return tvm_evt::fail("TypeError", "%s: argument %d is not a tensor", kKernel, i);
-  }
-${bind}
-  int device_id = ${first_tensor}->device.device_id;
-${checks}
-  using StrideA = typename Gemm::GemmKernel::StrideA;
+"""
+    + ENTRY_OPEN
+    + """  using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
   StrideA stride_a = ${stride_a};
   StrideB stride_b = ${stride_b};
@@ -283,15 +305,9 @@ ${checks}
   return tvm_evt::launch<Gemm>(args, stream, kKernel,
                                "this problem; check operand alignment (16 bytes) and shapes");
 }
-}  // namespace ${namespace}
-
-// TVM FFI safe-call entry (what TVM_FFI_DLL_EXPORT_TYPED_FUNC would produce, without exceptions).
-extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_${symbol}(void*, TVMFFIAny const* args, int32_t num_args,
-                                                      TVMFFIAny* result) {
-  result->type_index = kTVMFFINone;
-  return ${namespace}::run(args, num_args);
-}
-""")
+"""
+    + ENTRY_CLOSE
+)
 
 # Tile scheduler per ``Decomposition`` (CUTLASS 3 ``GemmUniversal``'s last template argument) and
 # the scheduler arguments set after the raster order (empty for the data-parallel default, so its
