@@ -38,6 +38,13 @@ Each kernel has one copy of this code: with an unmasked fast copy beside the mas
 branch per tile) every output came out wrong on H100 with nvcc 13.0, although each copy alone was
 right.  Forward + backward, H100, alternating builds: BERT-Large 0.93-0.99 -> 0.85 ms, GPT-2
 0.99 -> 0.89-0.94, ViT-B/16 0.76-0.78 -> 0.72 (docs/bench/h100-2026-11-26-e).
+
+No load is consumed where it is issued: dK/dV had stored each next tile's LSE, D and keep bits to
+shared memory right after loading them, so every tile waited out a global-memory latency.  It now
+holds them in registers until the end of the tile before (``fetch`` / ``stage``): backward, H100,
+BERT-Large 0.62-0.64 -> 0.51 ms, GPT-2 0.59 -> 0.52, ViT-B/16 0.49 -> 0.43 (docs/bench/h100-2026-11-26-f).
+Overlapping the MMAs with the arithmetic inside a CTA (Pᵀ while dPᵀ runs, dSᵀ while dV runs, dQ's
+atomics while the next Sᵀ runs) was slower (BERT 0.58 -> 0.61-0.64): two CTAs an SM already overlap.
 """
 from string import Template
 
@@ -145,20 +152,21 @@ __device__ __forceinline__ uint32_t keep_bits(uint64_t first, int count, uint32_
 // fragment layout of the kernel that reads it.  The forward pass can save the bits (128 words a
 // tile, [B*H, q_blocks, k_blocks, 128]) and the backward kernels read them instead of drawing.
 constexpr int kMaskWords = kBlock * kBlock / 32;
-__device__ __forceinline__ void mask_tile(uint32_t* bits, Params const& p, int bh, int m0, int n0, int tid) {
+// thread ``tid``'s word of the tile's mask: read (saved by the forward pass) or drawn (and saved)
+__device__ __forceinline__ uint32_t mask_word(Params const& p, int bh, int m0, int n0, int tid) {
   const int r = tid >> 1, half = tid & 1;
   const int64_t tile = (int64_t(bh) * p.q_blocks + m0 / kBlock) * p.k_blocks + n0 / kBlock;
+  if (p.mask_in) return p.mask_in[tile * kMaskWords + tid];  // the forward pass saved it
   uint32_t word = 0;
-  if (p.mask_in) {  // the forward pass saved it
-    word = p.mask_in[tile * kMaskWords + tid];
-  } else {
-    const int count = min(32, p.sk - (n0 + half * 32));
-    if (m0 + r < p.sq && count > 0)
-      word = keep_bits((uint64_t(bh) * p.sq + m0 + r) * uint64_t(p.sk) + n0 + half * 32, count, p.site, p.seed[0],
-                       p.seed[1], p.threshold);
-    if (p.mask_out) p.mask_out[tile * kMaskWords + tid] = word;
-  }
-  bits[tid] = word;  // tid == 2 * r + half
+  const int count = min(32, p.sk - (n0 + half * 32));
+  if (m0 + r < p.sq && count > 0)
+    word = keep_bits((uint64_t(bh) * p.sq + m0 + r) * uint64_t(p.sk) + n0 + half * 32, count, p.site, p.seed[0],
+                     p.seed[1], p.threshold);
+  if (p.mask_out) p.mask_out[tile * kMaskWords + tid] = word;
+  return word;
+}
+__device__ __forceinline__ void mask_tile(uint32_t* bits, Params const& p, int bh, int m0, int n0, int tid) {
+  bits[tid] = mask_word(p, bh, m0, n0, tid);  // tid == 2 * row + half
 }
 
 // ---- conversions and shared-memory primitives
@@ -664,17 +672,30 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
 
   const int first = kCausal ? n0 / kBlock : 0;
   const int last = (p.sq + kBlock - 1) / kBlock;
+  // a query tile's Q and dO (cp.async), and this thread's value of its row statistics (-LSE log2(e)
+  // for tid < 64, else D) and word of its keep bits.  These two are loaded into registers as the
+  // tile's copies are issued and stored to shared memory only when the tile before it is done
+  // (``stage``): stored as soon as loaded, each tile waited on their global-memory latency.
   auto load_queries = [&](int i, int buf) {
     load_tile(sQ[buf], Q, i * kBlock, p.sq, ld, tid);
     load_tile(sD[buf], dO, i * kBlock, p.sq, ld, tid);
-    // the row statistics by plain loads: read after the barrier that ends the current tile
+  };
+  float stat = 0.f;
+  uint32_t keep = 0;
+  auto fetch = [&](int i) {
     const int r = i * kBlock + (tid & 63);
-    if (tid < 64) sL[buf][tid] = neg_lse_log2(r < p.sq ? p.lse[qo + r] : -INFINITY);
-    else sDelta[buf][tid - 64] = r < p.sq ? p.delta[qo + r] : 0.f;
+    stat = r < p.sq ? (tid < 64 ? p.lse[qo + r] : p.delta[qo + r]) : (tid < 64 ? -INFINITY : 0.f);
+    if (kDropout) keep = mask_word(p, bh, i * kBlock, n0, tid);
+  };
+  auto stage = [&](int buf) {
+    if (tid < 64) sL[buf][tid] = neg_lse_log2(stat);
+    else sDelta[buf][tid - 64] = stat;
+    if (kDropout) sMask[buf][tid] = keep;
   };
   if (first < last) {
     load_queries(first, 0);
-    if (kDropout) mask_tile(sMask[0], p, bh, first * kBlock, n0, tid);
+    fetch(first);
+    stage(0);
   }
   cp_async_commit();
   cp_async_wait_all();
@@ -684,7 +705,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     const int buf = (i - first) & 1, m0 = i * kBlock;
     if (i + 1 < last) {
       load_queries(i + 1, buf ^ 1);
-      if (kDropout) mask_tile(sMask[buf ^ 1], p, bh, m0 + kBlock, n0, tid);
+      fetch(i + 1);
     }
     cp_async_commit();
 
@@ -738,6 +759,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
         }
       }
     }
+    if (i + 1 < last) stage(buf ^ 1);
     cp_async_wait_all();
     __syncthreads();
   }
