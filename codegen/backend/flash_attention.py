@@ -12,7 +12,7 @@ import re
 from ..errors import Unsupported
 from ..ir.attention import AttentionCall
 from ..philox import dropout_scale, keep_threshold
-from .flash_templates import BACKWARD_ENTRY, DQ_FUSED, DQ_SEPARATE, FORWARD_ENTRY, HEADER, KERNELS
+from .flash_templates import BACKWARD_ENTRY, FORWARD_ENTRY, HEADER, KERNELS
 from .sm90_emitter import CODEGEN_VERSION
 
 DL_CODE = {"bfloat16": ("kDLBfloat", 16), "float16": ("kDLFloat", 16)}
@@ -75,13 +75,12 @@ def emit_attention(call: AttentionCall) -> str:
         sq=call.sq, sk=call.sk, batch_heads=call.batch * call.heads, bf16="true" if call.dtype == "bfloat16" else "false",
         causal=str(call.causal).lower(), has_bias=str(call.has_bias).lower(), has_dropout=str(call.has_dropout).lower(),
     )
-    launches = (DQ_FUSED if call.has_dropout else DQ_SEPARATE).substitute(**flags) if call.backward else ""
     entry = template.substitute(
         namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, num_args=len(names), bind=bind, checks=checks,
         optional="\n".join(optional), heads=call.heads, bshd=int(call.layout == "bshd"),
         scale=_float(call.scale), scale_log2=_float(call.scale * math.log2(math.e)),
         drop_scale=_float(dropout_scale(call.dropout) if call.has_dropout else 1.0),
-        threshold=keep_threshold(call.dropout) if call.has_dropout else 0, site=call.site, launches=launches,
+        threshold=keep_threshold(call.dropout) if call.has_dropout else 0, site=call.site,
         **flags,
     )
     return header + KERNELS + entry

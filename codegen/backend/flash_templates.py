@@ -12,12 +12,9 @@ m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), written for h
              the row log-sum-exp (natural log, fp32) that the backward pass recomputes P from.
 * ``delta``  D = rowsum(dO * O), FlashAttention's backward statistic (eight lanes a row).
 * ``dkdv``   one CTA per 64 keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ per query tile, dV += Pdᵀ dO and
-             dK += dSᵀ Q with K and V in registers.  With dropout it also adds dS K to an fp32 dQ
-             in global memory (dSᵀ through shared memory, float2 atomics; ``dq_convert`` scales
-             and narrows it): the order of those adds varies from run to run, as in
-             FlashAttention-2 and cuDNN (``DQ_FUSED``, measured below).
-* ``dq``     without dropout, one CTA per 64 query rows: dQ += dS K (recomputing S and dP; no
-             atomics, so those gradients are deterministic).
+             dK += dSᵀ Q with K and V in registers.
+* ``dq``     one CTA per 64 query rows: dQ += dS K, recomputing S and dP.  No atomics, so every
+             gradient is deterministic (see ``BACKWARD_ENTRY`` for the atomic version it replaced).
 
 Shared-memory tiles are 64 rows of 128 bytes with the 16-byte chunks XOR-swizzled by the row: the
 layout wgmma reads through a 128-byte-swizzle descriptor, and conflict-free for ``ldmatrix``.  A
@@ -92,7 +89,6 @@ struct Params {
   float* lse;            // forward writes it, backward reads it ([B*H, Sq], natural log)
   float* delta;          // backward workspace: rowsum(dO * O)
   uint16_t* dq;
-  float* dq_accum;       // backward workspace: dQ / scale in fp32, [B*H, Sq, 64], added to by the dK/dV CTAs
   uint16_t* dk;
   uint16_t* dv;
   const float* bias;     // [Sk] added to the scaled scores, or null
@@ -200,6 +196,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   int n = valid ? 16 : 0;  // zero-fill rows past the end
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
+// the first ``bytes`` (0..16) of a 16-byte chunk, the rest zero-filled
+__device__ __forceinline__ void cp_async_bytes(void* smem, const void* gmem, int bytes) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // waits for this thread's copies and makes them visible to wgmma (the async proxy): a barrier after
 // it gives the whole tile to the CTA's MMAs
@@ -216,6 +217,15 @@ __device__ __forceinline__ int row_stride(Params const& p) { return p.bshd ? p.h
 // the first element of query row ``r`` = (bh, query) of a [Sq]-row tensor (q, o, dO, dQ)
 __device__ __forceinline__ int64_t query_row(Params const& p, int64_t r) {
   return head_base(p, int(r / p.sq), p.sq) + r % p.sq * row_stride(p);
+}
+
+// the key bias of keys [n0, n0 + 64) into shared memory (0 past the last key), with a tile's copies:
+// read from global memory by each score, it had put a load latency in every tile's softmax
+__device__ __forceinline__ void load_bias(float* dst, Params const& p, int n0, int tid) {
+  if (tid < kBlock / 4) {
+    const int first = n0 + 4 * tid, bytes = 4 * max(0, min(4, p.sk - first));
+    cp_async_bytes(dst + 4 * tid, p.bias + (bytes ? first : 0), bytes);
+  }
 }
 
 // rows [row0, row0 + 64) of a [rows, 64] matrix (rows ``ld`` elements apart) into a swizzled tile
@@ -443,8 +453,8 @@ __device__ __forceinline__ void store_rows(uint16_t* dst, const float (&acc)[8][
 // updated.
 template <bool kCausal, bool kBias, bool kDropout>
 __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4], float (&m_run)[2], float (&l_run)[2],
-                                            Params const& p, const uint32_t* mask, const int (&row)[2], int n0,
-                                            int warp, int g, int t) {
+                                            Params const& p, const uint32_t* mask, const float* bias,
+                                            const int (&row)[2], int n0, int warp, int g, int t) {
   // row r sees the tile's keys [0, visible[r]): those that exist and, causal, do not follow it
   int visible[2];
 #pragma unroll
@@ -456,7 +466,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4]
     for (int e = 0; e < 4; ++e) {
       const int col = frag_col(nt, e, t);
       float x = s[nt][e] * p.scale_log2;
-      if (kBias) x += (n0 + col < p.sk ? p.bias[n0 + col] : 0.f) * kLog2e;
+      if (kBias) x = fmaf(bias[col], kLog2e, x);
       x = col < visible[e >> 1] ? x : -INFINITY;
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -499,6 +509,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
   __shared__ alignas(1024) uint16_t sK[2][kTile];
   __shared__ alignas(1024) uint16_t sV[2][kTile];
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
+  __shared__ alignas(16) float sBias[2][kBias ? kBlock : 4];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   // causal: the last query tiles, which see the most keys, are started first (the CTAs of a
   // launch start in blockIdx order), so that the short ones fill the last wave
@@ -512,6 +523,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
   load_tile(sQ, Q, m0, p.sq, ld, tid);
   load_tile(sK[0], K, 0, p.sk, ld, tid);
   load_tile(sV[0], V, 0, p.sk, ld, tid);
+  if (kBias) load_bias(sBias[0], p, 0, tid);
   cp_async_commit();
   if (kDropout) mask_tile(sMask[0], p, bh, m0, 0, tid);
   cp_async_wait_all();
@@ -531,6 +543,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     if (j + 1 < blocks) {
       load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
       load_tile(sV[buf ^ 1], V, n0 + kBlock, p.sk, ld, tid);
+      if (kBias) load_bias(sBias[buf ^ 1], p, n0 + kBlock, tid);
     }
     cp_async_commit();
     // the next tile's mask, read after this tile's closing barrier.  It is drawn before S = Q Kᵀ:
@@ -544,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
 
     // one copy of the softmax, whatever the tile: with a fast copy for unmasked tiles beside it (a
     // uniform branch), every output came out wrong (H100, nvcc 13.0), though each copy alone was right
-    fwd_softmax<kCausal, kBias, kDropout>(s, acc, m_run, l_run, p, sMask[buf], row, n0, warp, g, t);
+    fwd_softmax<kCausal, kBias, kDropout>(s, acc, m_run, l_run, p, sMask[buf], sBias[buf], row, n0, warp, g, t);
     gemm_pk<kBf16>(acc, s, sV[buf]);
     cp_async_wait_all();
     __syncthreads();
@@ -628,12 +641,10 @@ __device__ __forceinline__ void dkdv_scores(float (&s)[8][4], float (&dp)[8][4],
 }
 
 // ---- backward: dK and dV, one CTA per 64 keys
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kFusedDq>
+template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
 __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   __shared__ alignas(1024) uint16_t sQ[2][kTile];
   __shared__ alignas(1024) uint16_t sD[2][kTile];   // dO tiles
-  __shared__ alignas(1024) uint16_t sK[kFusedDq ? kTile : 8];  // K (dQ += dS K)
-  __shared__ alignas(1024) uint16_t sS[kFusedDq ? kTile : 8];  // dSᵀ of the query tile, [keys][queries]
   __shared__ alignas(16) float sL[2][kBlock];       // -LSE * log2(e) of the tile's queries (-inf: no query)
   __shared__ alignas(16) float sDelta[2][kBlock];
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
@@ -643,8 +654,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   const uint16_t* Q = p.q + head_base(p, bh, p.sq);
   const uint16_t* dO = p.dout + head_base(p, bh, p.sq);
 
-  // K and V of this CTA into registers (through the first buffers; K stays in sK for dQ)
-  uint16_t* k_tile = kFusedDq ? sK : sQ[0];
+  // K and V of this CTA into registers (through the first buffers)
+  uint16_t* k_tile = sQ[0];
   load_tile(k_tile, p.k + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
   load_tile(sD[0], p.v + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
   cp_async_commit();
@@ -726,39 +737,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     issue_kn<kBf16>(dv, pa, sD[buf]);  // dV += Pdᵀ dO
     issue_kn<kBf16>(dk, da, sQ[buf]);  // dK += dSᵀ Q
     wgmma_commit();
-    if (kFusedDq) {
-      // dQ rows of this query tile += dS K over this CTA's 64 keys: dSᵀ into shared memory (each
-      // warp its 16 keys; while the MMAs above, which only read those registers, run), then each
-      // warp 16 queries against all 64 keys, added to dq_accum.  da[kk]: columns 16 kk.. of rows
-      // g (0, 2) and g + 8 (1, 3), the second 8 columns in 2 and 3.
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          *reinterpret_cast<uint32_t*>(sS + swz(warp * 16 + g + 8 * (i & 1), 2 * kk + (i >> 1)) + 2 * t) = da[kk][i];
-      }
-    }
     wgmma_wait();
     pin(dv);
     pin(dk);
-    if (kFusedDq) {
-      fence_async_smem();
-      __syncthreads();
-      float dq[8][4];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
-      gemm_tk<kBf16>(dq, sS, sK);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int query = m0 + warp * 16 + g + 8 * r;
-        if (query < p.sq) {
-          float* row = p.dq_accum + (qo + query) * kHead;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            atomicAdd(reinterpret_cast<float2*>(row + nt * 8 + 2 * t), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
-        }
-      }
-    }
     if (i + 1 < last) stage(buf ^ 1);
     cp_async_wait_all();
     __syncthreads();
@@ -767,26 +748,13 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld, g, t);
 }
 
-// ---- backward: dQ = scale * dq_accum, into dQ's layout and dtype (eight elements a thread)
-template <bool kBf16>
-__global__ void __launch_bounds__(kThreads) flash_dq_convert(Params p, int rows) {
-  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // 8-element chunk
-  if (i >= int64_t(rows) * (kHead / 8)) return;
-  const int64_t r = i / (kHead / 8);  // (bh, query)
-  const int c = int(i % (kHead / 8));
-  const float4 a = reinterpret_cast<const float4*>(p.dq_accum)[2 * i];
-  const float4 b = reinterpret_cast<const float4*>(p.dq_accum)[2 * i + 1];
-  const uint4 out = make_uint4(pack2<kBf16>(a.x * p.scale, a.y * p.scale), pack2<kBf16>(a.z * p.scale, a.w * p.scale),
-                               pack2<kBf16>(b.x * p.scale, b.y * p.scale), pack2<kBf16>(b.z * p.scale, b.w * p.scale));
-  *reinterpret_cast<uint4*>(p.dq + query_row(p, r) + c * 8) = out;
-}
-
 // ---- backward: dQ, one CTA per 64 query rows
 template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   __shared__ alignas(1024) uint16_t sK[2][kTile];
   __shared__ alignas(1024) uint16_t sV[2][kTile];
   __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
+  __shared__ alignas(16) float sBias[2][kBias ? kBlock : 4];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride(p);
   const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
@@ -817,11 +785,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   if (kCausal) blocks = min(blocks, (m0 + kBlock - 1) / kBlock + 1);
   load_tile(sK[0], K, 0, p.sk, ld, tid);
   load_tile(sV[0], V, 0, p.sk, ld, tid);
+  if (kBias) load_bias(sBias[0], p, 0, tid);
   cp_async_commit();
   if (kDropout) mask_tile(sMask[0], p, bh, m0, 0, tid);
   cp_async_wait_all();
   __syncthreads();
 
+  uint32_t keep_next = 0;  // the next tile's keep bits (this thread's word), stored when this tile is done
   float acc[8][4];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -830,7 +800,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
     if (j + 1 < blocks) {
       load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
       load_tile(sV[buf ^ 1], V, n0 + kBlock, p.sk, ld, tid);
-      if (kDropout) mask_tile(sMask[buf ^ 1], p, bh, m0, n0 + kBlock, tid);
+      if (kBias) load_bias(sBias[buf ^ 1], p, n0 + kBlock, tid);
+      if (kDropout) keep_next = mask_word(p, bh, m0, n0 + kBlock, tid);
     }
     cp_async_commit();
     float s[8][4], dp[8][4];
@@ -857,7 +828,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
       for (int e = 0; e < 4; ++e) {
         const int col = frag_col(nt, e, t), r = e >> 1;
         float x = fmaf(s[nt][e], p.scale_log2, nlse[r]);
-        if (kBias) x += (n0 + col < p.sk ? p.bias[n0 + col] : 0.f) * kLog2e;
+        if (kBias) x = fmaf(sBias[buf][col], kLog2e, x);
         const float pr = col < visible[r] ? ex2(x) : 0.f;
         const bool kept_e = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u;
         const float dpe = kept_e ? dp[nt][e] : 0.f;
@@ -865,6 +836,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
       }
     }
     gemm_pk<kBf16>(acc, s, sK[buf]);  // dQ += dS K
+    if (kDropout && j + 1 < blocks) sMask[buf ^ 1][tid] = keep_next;
     cp_async_wait_all();
     __syncthreads();
   }
@@ -986,6 +958,13 @@ FORWARD_ENTRY = Template(
     + FFI_EXPORT
 )
 
+# The backward: D, then dK/dV and dQ as two kernels that each recompute S and dP.  With dropout, dQ
+# used to be added up by the dK/dV kernel instead (dSᵀ K to an fp32 workspace by float2 atomics, then
+# converted): one pass over S and dP instead of two, which won while dK/dV waited on a global load a
+# tile.  Once it did not, its 16 KB of atomics a tile were its bottleneck (ncu: their operand reads
+# stalled the warps, and the next tile's copies queued behind them), and the two kernels won (H100,
+# scripts/bench_attention.py --layout bshd, backward ms): BERT-Large 0.552-0.555 -> 0.437-0.440,
+# GPT-2 0.523-0.524 -> 0.474, ViT-B/16 0.428 -> 0.414 (docs/bench/h100-2026-11-26-f).
 BACKWARD_ENTRY = Template(
     ENTRY_OPEN
     + """  p.o = data_of<const uint16_t>(o);
@@ -1000,10 +979,12 @@ BACKWARD_ENTRY = Template(
   if (cudaMallocAsync(reinterpret_cast<void**>(&p.delta), sizeof(float) * rows, stream) != cudaSuccess)
     return fail("RuntimeError", "%s: cannot allocate %d floats of workspace", kKernel, rows);
   flash_delta<${bf16}><<<(rows + kDeltaRows - 1) / kDeltaRows, kThreads, 0, stream>>>(p, rows);
-${launches}
+  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
+      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
+  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
+      <<<dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
   int status = launched(kKernel);
   cudaFreeAsync(p.delta, stream);
-  if (p.dq_accum) cudaFreeAsync(p.dq_accum, stream);
   return status;
 }
 }  // namespace ${namespace}
@@ -1011,25 +992,3 @@ ${launches}
 """
     + FFI_EXPORT
 )
-
-# The backward entry's launches after ``flash_delta``.  With dropout, dQ is accumulated by the dK/dV
-# kernel (fp32 atomics, then ``flash_dq_convert``): one pass over S and dP instead of two, which
-# won on H200 (scripts/bench_attention.py --layout bshd, backward ms): BERT-Large 0.735 -> 0.646,
-# the same with the keep bits drawn again 0.893 -> 0.708, GPT-2 0.758 -> 0.685.  Without dropout
-# the separate, deterministic dQ kernel was faster (BERT 0.61-0.65 against 0.67-0.72), so it stays.
-DQ_SEPARATE = Template("""\
-  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, false>
-      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
-  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
-      <<<dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);""")
-
-DQ_FUSED = Template("""\
-  const size_t dq_bytes = sizeof(float) * size_t(rows) * kHead;
-  if (cudaMallocAsync(reinterpret_cast<void**>(&p.dq_accum), dq_bytes, stream) != cudaSuccess) {
-    cudaFreeAsync(p.delta, stream);
-    return fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kKernel, dq_bytes);
-  }
-  cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream);
-  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, true>
-      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
-  flash_dq_convert<${bf16}><<<(rows * (kHead / 8) + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, rows);""")
