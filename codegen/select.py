@@ -181,7 +181,10 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       overlaps the other warp group's main loop (H200, ms / default): GPT-2's FFN2 forward with
       the loss gradient (4 loads, 3 stores) 0.233 / 0.343, BERT-Large's FFN1 dX (2 stores) 0.203
       / 0.240, its FFN2 forward (dropout mask and residual loads) 0.194 / 0.200, GPT-2's FFN1 dX
-      0.189 / 0.204; ViT-B/16's (K 2304, 3072) 0.132 / 0.146, 0.170 / 0.183, 0.168 / 0.178;
+      0.189 / 0.204; ViT-B/16's (K 2304, 3072) 0.132 / 0.146, 0.170 / 0.183, 0.168 / 0.178.
+      On H100 that FFN2 forward went the other way: 0.230 against 0.189 for a cooperative 128x256
+      tile and 0.191 without the narrow epilogue tile (docs/bench/h100-2026-11-26-f); a tuned
+      build times both;
     * K >= 4096 over a full wave of 128x256 tiles with at most one stored output and no loaded
       one: 128x256 (H100: 0.200 / 0.233).
 
