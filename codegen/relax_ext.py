@@ -22,6 +22,7 @@ import os
 
 import tvm
 import tvm_ffi
+from tvm import relax
 
 from . import select
 from .backend import KernelConfig, default_config, emit, smem
@@ -104,6 +105,37 @@ def build_kernels(kernels: dict[str, tuple[Partition, KernelConfig, str]], jobs=
         if isinstance(results[symbol], BuildError):
             raise _build_failure(symbol, config, result, (retry, results[symbol].first_error)) from result
     return results
+
+
+def kernel_sources(mod: "tvm.IRModule") -> dict[str, str]:
+    """symbol -> C++ of every kernel ``RunCodegen`` will ask the codegens for in ``mod``: the evt
+    partitions under the configuration ``relax.ext.evt`` picks without options, the attention and
+    the convolution calls.  A function its codegen cannot take is left out, for that codegen to
+    report when ``RunCodegen`` calls it."""
+    readers = {
+        CODEGEN_NAME: lambda func: generate_sources([func]),
+        ATTENTION_CODEGEN_NAME: lambda func: {(c := attention_of_function(func)).symbol: emit_attention(c)},
+        CONV_CODEGEN_NAME: lambda func: {(c := conv_of_function(func)).symbol: emit_conv(c)},
+    }
+    sources = {}
+    for _, func in mod.functions_items():
+        codegen = func.attrs.get("Codegen") if isinstance(func, relax.Function) and func.attrs else None
+        if codegen is not None and str(codegen) in readers:
+            try:
+                sources.update(readers[str(codegen)](func))
+            except Unsupported:
+                continue
+    return sources
+
+
+def prebuild(mod: "tvm.IRModule", jobs: int | None = None) -> dict:
+    """Build every kernel of ``mod`` (``kernel_sources``) in one parallel batch into the object
+    cache.  ``RunCodegen`` calls ``relax.ext.evt``, ``evt_attention`` and ``evt_conv`` one after
+    another, each building its own kernels in parallel: one wave of nvcc a codegen.  After this,
+    each finds its kernels built.  Build errors are returned, not raised: the codegen that owns
+    the kernel retries or reports it."""
+    sources = kernel_sources(mod)
+    return build_each(sources, jobs=jobs) if sources else {}
 
 
 def _build_failure(symbol, config, err: BuildError, retry) -> BuildError:

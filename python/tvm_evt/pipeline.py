@@ -15,7 +15,9 @@ One list of phases, in order (``phases(target)``):
                        partitioner sees where the kernels cannot take them
     OffloadConv        tvm_evt.conv2d / _dgrad / _wgrad calls as implicit-GEMM kernels (relax.ext.evt_conv),
                        or the im2col gather and a matmul where the kernels cannot take them
-    RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels)
+    PrebuildKernels    every kernel of the three codegens built in one parallel batch into the object cache
+    RunCodegen         relax.ext.evt builds every partition (CUTLASS SM90 EVT kernels), evt_attention and
+                       evt_conv their calls: each finds its kernels built
     LowerTakeBackward  embedding gradients as an atomic scatter-add (TVM's is one serial thread)
     SplitToSlices      a split as one slice per piece, each fusing into its reader (im2col's col2im)
     FuseSoftmaxDropout attention's softmax with its cast/dropout tail as one kernel (TVM's softmax is opaque)
@@ -162,6 +164,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
         from .codegen import relax_ext
         from .relax_passes.offload_attention import OffloadAttention
         from .relax_passes.offload_conv import OffloadConv
+        from .relax_passes.prebuild_kernels import PrebuildKernels
 
         relax_ext.register()
         return (
@@ -172,7 +175,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
             + [OffloadConv()]
             + front
             + cuda.library_dispatch_passes(target)
-            + [relax.transform.RunCodegen()]  # evt partitions -> relax.ext.evt kernels
+            # every kernel built in one parallel batch, then each codegen finds its own built
+            + [PrebuildKernels(), relax.transform.RunCodegen()]
             + [  # TVM's CUDA legalisation, with DLight applied per function and rule
                 LowerTakeBackward(),  # embedding gradients: atomic scatter-add, not one thread
                 SplitToSlices(),  # concat's gradient (im2col's col2im): pieces that fuse into their readers

@@ -86,6 +86,14 @@ def _names(passes) -> list[str]:
     return [p.info.name for p in passes]
 
 
+def without_builds(passes: list, opaque: "OpaqueEVTCalls | None" = None) -> list:
+    """``passes`` without nvcc: ``RunCodegen`` replaced by ``opaque`` (a fresh ``OpaqueEVTCalls``
+    by default) and ``PrebuildKernels`` dropped."""
+    opaque = opaque or OpaqueEVTCalls()
+    return [opaque if name == "RunCodegen" else p for p, name in zip(passes, _names(passes))
+            if name != "PrebuildKernels"]
+
+
 def split_phases(target: tvm.target.Target) -> tuple[list, list]:
     """The ``evt`` pipeline's phases cut right after ``FuseTIR``: (up to fused TIR, the rest).
 
@@ -224,12 +232,11 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
     counted);
     the TIR kernels are those after scheduling, with pure reshapes as the views they become.
     A lower bound on memory time to compare graph rewrites by, without a GPU."""
-    passes = phases(target)
+    opaque = OpaqueEVTCalls()
+    passes = without_builds(phases(target), opaque)
     names = _names(passes)
     if "ScheduleTIRForGPU" not in names:
         raise ValueError(f"kernel_traffic follows the CUDA route; target {target} has no ScheduleTIRForGPU")
-    opaque = OpaqueEVTCalls()
-    passes = [opaque if n == "RunCodegen" else p for p, n in zip(passes, names)]
     with target:
         mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(mod)
         mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
@@ -502,7 +509,7 @@ def tir_module(mod: tvm.IRModule, target: tvm.target.Target, entry: str = "train
     """The fused TIR the compile pipeline hands to ``MetaScheduleApplyDatabase``, for ``entry``
     only (main/main_adjoint share most kernels), with the evt partitions as opaque calls."""
     before, _after = split_phases(target)
-    before = [OpaqueEVTCalls() if n == "RunCodegen" else p for p, n in zip(before, _names(before))]
+    before = without_builds(before)
     with target:
         fused = tvm.transform.Sequential(before)(mod)
     return relax.transform.DeadCodeElimination(entry_functions=[entry])(fused)
