@@ -123,3 +123,25 @@ def test_each_kernel_calls_one_copy_of_its_softmax():
     src = emit_attention(call(backward=True))
     kernels = src[src.index("__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd"):]
     assert kernels.count("fwd_softmax<") == 1 and kernels.count("dkdv_scores<") == 1
+
+
+def _kernel_body(src: str, name: str) -> str:
+    start = src.index(f" {name}(Params p) {{")
+    return src[start:src.index("\n}\n", start)]
+
+
+def test_no_tile_waits_on_a_load_issued_for_it():
+    """A global load stored to shared memory right where it is issued stalls the tile on its
+    latency (dK/dV: 0.62 -> 0.51 ms backward on H100 once it did not; docs/bench/h100-2026-11-26-f).
+    The backward kernels fetch the next tile's statistics and keep bits into registers before this
+    tile's MMAs and store them after; the key bias comes with the K/V tiles' copies (the dK/dV
+    kernel reads its keys' bias once)."""
+    src = emit_attention(call(backward=True))
+    dkdv = _kernel_body(src, "flash_dkdv")
+    assert dkdv.index("fetch(i + 1)") < dkdv.index("gemm_nk2<") < dkdv.index("stage(buf ^ 1)")
+    dq = _kernel_body(src, "flash_dq")
+    assert dq.index("keep_next = mask_word(") < dq.index("gemm_nk2<") < dq.index("sMask[buf ^ 1][tid] = keep_next")
+    for name in ("flash_fwd", "flash_dq"):
+        body = _kernel_body(src, name)
+        assert "load_bias(sBias[buf ^ 1]" in body and "p.bias[" not in body, name
+    assert src.count("p.bias[") == 1 and "p.bias[key[r]]" in dkdv
