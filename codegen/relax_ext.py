@@ -114,8 +114,8 @@ def kernel_sources(mod: "tvm.IRModule") -> dict[str, str]:
     report when ``RunCodegen`` calls it."""
     readers = {
         CODEGEN_NAME: lambda func: generate_sources([func]),
-        ATTENTION_CODEGEN_NAME: lambda func: {(c := attention_of_function(func)).symbol: emit_attention(c)},
-        CONV_CODEGEN_NAME: lambda func: {(c := conv_of_function(func)).symbol: emit_conv(c)},
+        ATTENTION_CODEGEN_NAME: lambda func: attention_sources([attention_of_function(func)]),
+        CONV_CODEGEN_NAME: lambda func: conv_sources([conv_of_function(func)]),
     }
     sources = {}
     for _, func in mod.functions_items():
@@ -201,14 +201,24 @@ def _build_library(sources: dict[str, str], codegen: str) -> "tvm.runtime.Module
     return tvm.runtime.load_static_library(str(obj), list(sources))
 
 
+def attention_sources(calls) -> dict[str, str]:
+    """symbol -> C++ of the flash-attention kernels of ``calls`` (``AttentionCall``s)."""
+    return {call.symbol: emit_attention(call) for call in calls}
+
+
+def conv_sources(calls) -> dict[str, str]:
+    """symbol -> C++ of the implicit-GEMM convolution kernels of ``calls`` (``ConvCall``s)."""
+    return {call.symbol: emit_conv(call) for call in calls}
+
+
 def build_attention(calls) -> "tvm.runtime.Module":
     """One static library holding the flash-attention kernels of ``calls`` (``AttentionCall``s)."""
-    return _build_library({call.symbol: emit_attention(call) for call in calls}, ATTENTION_CODEGEN_NAME)
+    return _build_library(attention_sources(calls), ATTENTION_CODEGEN_NAME)
 
 
 def build_conv(calls) -> "tvm.runtime.Module":
     """One static library holding the implicit-GEMM convolution kernels of ``calls`` (``ConvCall``s)."""
-    return _build_library({call.symbol: emit_conv(call) for call in calls}, CONV_CODEGEN_NAME)
+    return _build_library(conv_sources(calls), CONV_CODEGEN_NAME)
 
 
 def _call_codegen(codegen: str, read, build):

@@ -51,9 +51,9 @@ def test_backward_entry_launches_delta_dkdv_dq():
 
 def test_backward_entry_with_dropout_computes_dq_without_atomics():
     """dQ comes from its own kernel with dropout too: no fp32 workspace, no atomics (deterministic)."""
-    run = emit_attention(call(backward=True, dropout=0.1, symbol="attn_bwd")).split("int run(")[1]
-    assert "flash_dkdv<true, false, true, true>" in run and "flash_dq<true, false, true, true>" in run
     src = emit_attention(call(backward=True, dropout=0.1, symbol="attn_bwd"))
+    run = src.split("int run(")[1]
+    assert "flash_dkdv<true, false, true, true>" in run and "flash_dq<true, false, true, true>" in run
     assert "atomicAdd" not in src and "red.global.add" not in src and "cudaMemsetAsync" not in run
 
 

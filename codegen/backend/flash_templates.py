@@ -191,15 +191,13 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
 // element offset of 16-byte chunk ``chunk`` (0..7) of row ``row`` in a swizzled 64x64 tile
 __device__ __forceinline__ int swz(int row, int chunk) { return row * kHead + ((chunk ^ (row & 7)) << 3); }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  int n = valid ? 16 : 0;  // zero-fill rows past the end
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
 // the first ``bytes`` (0..16) of a 16-byte chunk, the rest zero-filled
 __device__ __forceinline__ void cp_async_bytes(void* smem, const void* gmem, int bytes) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async_bytes(smem, gmem, valid ? 16 : 0);  // zero-fill rows past the end
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // waits for this thread's copies and makes them visible to wgmma (the async proxy): a barrier after
@@ -253,8 +251,8 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, i
 
 // ---- Hopper's warpgroup MMA (wgmma.mma_async m64n64k16, fp32 accumulate).  A CTA is one
 // warpgroup; warp w holds rows [16 w, 16 w + 16) of the 64 x 64 product, in the same fragments as
-// mma.sync's m16n8k16 (acc[nt][e]: row frag_row(e, g), column frag_col(nt, e, t)), and an A operand
-// in registers has mma.sync's A fragments.  B (and a shared-memory A) is read by the tensor cores
+// mma.sync's m16n8k16 (acc[nt][e]: row g + 8 (e >> 1), column frag_col(nt, e, t)), and an A operand
+// in registers has mma.sync's A fragments.  B is read by the tensor cores
 // through a descriptor of a swizzled tile: its 128-byte rows are exactly the 128-byte-swizzle
 // layout (``swz``), 8-row groups 1024 bytes apart, tiles 1024-byte aligned.  A tile stored [N][K]
 // is "K-major" (a k-step of 16 moves 32 bytes along the row), one stored [K][N] is "MN-major"
@@ -288,8 +286,6 @@ __device__ __forceinline__ void pin(uint32_t (&a)[4][4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kk][i])::"memory");
 }
-// shared-memory writes of this thread (cp.async or plain stores) made visible to wgmma's reads
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 #define TVM_EVT_ACC32(c)                                                                                     \
   "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]),   \
@@ -316,19 +312,6 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[8][4], const uint32_t (&a)
                  ", {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
                  : TVM_EVT_ACC32(acc)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(kMnMajorB)));
-  }
-}
-// acc += A B, both from shared memory (descriptors); A MN-major, B MN-major
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_ss_tt(float (&acc)[8][4], uint64_t a, uint64_t b) {
-  if constexpr (kBf16) {
-    asm volatile(TVM_EVT_ACCUMULATE "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TVM_EVT_D32
-                 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
-                 : TVM_EVT_ACC32(acc) : "l"(a), "l"(b));
-  } else {
-    asm volatile(TVM_EVT_ACCUMULATE "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TVM_EVT_D32
-                 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
-                 : TVM_EVT_ACC32(acc) : "l"(a), "l"(b));
   }
 }
 #undef TVM_EVT_D32
@@ -399,17 +382,6 @@ __device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][
   wgmma_wait();
   pin(acc);
 }
-// acc (64 x 64) += A B, A a tile stored [K][M] (read transposed), B a tile stored [K][N]
-template <bool kBf16>
-__device__ __forceinline__ void gemm_tk(float (&acc)[8][4], const uint16_t* at, const uint16_t* tile) {
-  pin(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_ss_tt<kBf16>(acc, step_desc<true>(at, kk), step_desc<true>(tile, kk));
-  wgmma_commit();
-  wgmma_wait();
-  pin(acc);
-}
 
 // 2^x on the special-function unit (denormal results flushed to zero: probabilities below 2^-126)
 __device__ __forceinline__ float ex2(float x) {
@@ -426,8 +398,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// fragment (row, column) of accumulator element (nt, e): row g or g + 8, column 8 nt + 2 t (+1)
-__device__ __forceinline__ int frag_row(int e, int g) { return g + ((e >> 1) << 3); }
+// fragment column of accumulator element (nt, e): 8 nt + 2 t (+1) (its row: g or g + 8)
 __device__ __forceinline__ int frag_col(int nt, int e, int t) { return nt * 8 + 2 * t + (e & 1); }
 
 // 16 x 64 fp32 fragments, scaled, into rows [row0, row0 + 16) of a [rows, 64] matrix (rows ``ld`` apart)
