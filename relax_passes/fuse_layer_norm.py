@@ -35,6 +35,7 @@ from tvm import relax, te, tirx
 
 from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, scalar_value, static_shape
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
+from .recompute_elementwise import FUSABLE
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -48,6 +49,10 @@ MAX_ROW_BYTES = 48 * 1024  # the staged row lives in (static) shared memory
 # The chain's values: row statistics have shape [..., 1], the others [..., n].
 STATS = ("mean", "var", "var_eps", "rstd")
 ELEMENTS = ("centered", "square", "xhat", "y", "z")
+# what an element value is computed from (itself included): recomputing it needs these
+DEPENDS = {"centered": {"centered", "mean"}, "square": {"square", "centered", "mean"},
+           "xhat": {"xhat", "centered", "mean", "rstd"}, "y": {"y", "xhat", "centered", "mean", "rstd"},
+           "z": {"z", "y", "xhat", "centered", "mean", "rstd"}}
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class LayerNormChain:
     casts: tuple  # (cast var, reshape shape or None) for each absorbed cast
     absorbed: frozenset  # vars whose bindings the fused call replaces
     source: relax.Expr | None = None  # the 16-bit x that x widens, read by the kernel instead
+    recomputed: tuple = ()  # (var, bound call) of the element values bound again after the call
 
 
 def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_shape, outputs: tuple[str, ...],
@@ -241,8 +247,10 @@ def find_chains(func: relax.Function) -> dict:
             low = str(cast.value.attrs.dtype)
             casts.append((cast.var, static_shape(reshape.var) if reshape else None))
             cast_vars |= {cast.var} | ({reshape.var} if reshape else set())
-        # every chain value read elsewhere becomes an output; those readers must come after `last`
-        outputs, ok = [], True
+        # every chain value read elsewhere becomes an output, or is recomputed after the call from
+        # x and the statistics (an element value whose readers all fuse elementwise producers);
+        # those readers must come after `last`
+        outputs, recomputed, ok = [], [], True
         for role in STATS + ELEMENTS:
             var = v.get(role)
             if var is None:
@@ -250,23 +258,38 @@ def find_chains(func: relax.Function) -> dict:
             outside = [i for i in uses.get(var, []) if i >= len(bindings)
                        or (bindings[i].var not in chain and bindings[i].var not in cast_vars)]
             if outside:
-                outputs.append(role)
+                recompute = role in ELEMENTS and all(i < len(bindings) and _recomputes(bindings[i].value)
+                                                     for i in outside)
+                (recomputed if recompute else outputs).append(role)
                 ok &= all(i > index[last] for i in outside)
+        # with the element values they are computed from (unless written) and the statistics
+        recomputed = [role for role in ELEMENTS if role in v and role not in outputs
+                      and any(role in DEPENDS[r] for r in recomputed)]
+        outputs = [role for role in STATS + ELEMENTS if role in outputs
+                   or (role in STATS and any(role in DEPENDS[r] for r in recomputed))]
         members = set(chain) | cast_vars
         # x = astype(x16, float32) read by the chain alone: the kernel reads x16 and widens it
         widen, source = bound.get(x), None
         if isinstance(widen, relax.Call) and widen.op == ASTYPE and str(widen.args[0].ty.dtype) in LOW:
             source = widen.args[0]
-            if isinstance(x, relax.DataflowVar) and all(i < len(bindings) and bindings[i].var in chain
-                                                        for i in uses.get(x, [])):
+            if isinstance(x, relax.DataflowVar) and not recomputed and all(
+                    i < len(bindings) and bindings[i].var in chain for i in uses.get(x, [])):
                 members.add(x)  # read by the chain alone: its binding goes
         ok &= len({blocks.get(var) for var in members}) == 1 and blocks.get(last) is not None
         ok &= all(isinstance(var, relax.DataflowVar) for var in members)
         if not ok or not (outputs or casts):
             continue
         found[last] = LayerNormChain(x, float(eps), gamma, beta, v, tuple(outputs), low, tuple(casts),
-                                     frozenset(members) - {last}, source)
+                                     frozenset(members) - {last}, source,
+                                     tuple((v[role], bound[v[role]]) for role in recomputed))
     return found
+
+
+def _recomputes(value) -> bool:
+    """Does a reader computing `value` take an elementwise producer into its own kernel (FuseOps,
+    RecomputeElementwise, FuseLayerNormBackward's prologues), so that recomputing the value there
+    costs a read of x instead of a read of the value?"""
+    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in FUSABLE
 
 
 def _name(shape, chain: LayerNormChain) -> str:
@@ -294,6 +317,11 @@ def _fuse(scheduled: bool):
         types += [relax.TensorType(shape, chain.low)] if chain.low else []
         outs = emit_call_tir(builder, gvar, [mutator.visit_expr(a) for a in (x, *vectors)], types)
         remaps = [(chain.values[role], out) for role, out in zip(chain.outputs, outs)]
+        for var, out in remaps:
+            mutator.set_var_remap(var, out)
+        for var, value in chain.recomputed:  # the graph's own ops, now after the call
+            remaps.append((var, builder.emit(mutator.visit_expr(value))))
+            mutator.set_var_remap(*remaps[-1])
         for cast_var, reshape in chain.casts if chain.low else ():
             out = outs[-1] if reshape is None else builder.emit(relax.op.reshape(outs[-1], reshape))
             remaps.append((cast_var, out))

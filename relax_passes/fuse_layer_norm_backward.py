@@ -25,6 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, static_shape
+from ._prologue import Prologue, at, inline_prologue, leaf_index, placeholders, prologue_compute, prologue_tag, unique_leaves
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
 from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
@@ -36,13 +37,14 @@ ASTYPE = tvm.ir.Op.get("relax.astype")
 
 @dataclass(frozen=True)
 class LayerNormGradChain:
-    """One match: the kernel's inputs, whether ``dx`` itself is written, the absorbed casts."""
+    """One match: the kernel's inputs as prologues (what it reads and recomputes), whether ``dx``
+    itself is written, the absorbed casts."""
 
-    g: relax.Expr | None  # given g, else None (computed from dy * gamma)
-    dy: relax.Expr | None
+    g: Prologue | None  # given g, else None (computed from dy * gamma)
+    dy: Prologue | None
     gamma: relax.Expr | None
-    h: relax.Expr | None  # given h, else None (computed as g * xhat)
-    xhat: relax.Expr
+    h: Prologue | None  # given h, else None (computed as g * xhat)
+    xhat: Prologue
     rstd: relax.Expr
     write_dx: bool
     low: str | None
@@ -55,20 +57,23 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
     """Parameters ``(g | dy, gamma), [h], xhat, rstd``, then ``dx`` (if `write_dx`) and
     ``astype(dx, low)`` (if `low`)."""
     *lead, n = shape
+    names = (["dy", "gamma"] if gamma_shape else ["g"]) + (["h"] if given_h else []) + ["xhat", "rstd"]
+    shapes = {"gamma": gamma_shape, "rstd": (*lead, 1)}
+    ts = {name: te.placeholder(shapes.get(name, shape), "float32", name=name) for name in names}
+    read = lambda name: (lambda idx: at(ts[name], idx))  # noqa: E731
+    return _grad_primfunc(shape, list(ts.values()), None if gamma_shape else read("g"),
+                          read("dy") if gamma_shape else None, ts.get("gamma"), read("h") if given_h else None,
+                          read("xhat"), ts["rstd"], write_dx, low, scheduled)
+
+
+def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write_dx: bool, low: str | None,
+                   scheduled: bool) -> tirx.PrimFunc:
+    """The kernel over the placeholders `params`; each input is a function of the index (``*_of``),
+    ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``."""
+    *lead, n = shape
     inv_n = tirx.const(1.0 / n, "float32")
-    if gamma_shape:
-        dy = te.placeholder(shape, "float32", name="dy")
-        gamma = te.placeholder(gamma_shape, "float32", name="gamma")
-        g_in = [dy, gamma]
-        g = lambda idx: dy[idx] * gamma[(0,) * (len(gamma_shape) - 1) + (idx[-1],)]  # noqa: E731
-    else:
-        gt = te.placeholder(shape, "float32", name="g")
-        g_in = [gt]
-        g = lambda idx: gt[idx]  # noqa: E731
-    ht = te.placeholder(shape, "float32", name="h") if given_h else None
-    xhat = te.placeholder(shape, "float32", name="xhat")
-    rstd = te.placeholder((*lead, 1), "float32", name="rstd")
-    h = (lambda idx: ht[idx]) if given_h else (lambda idx: g(idx) * xhat[idx])
+    g = g_of if g_of is not None else (lambda idx: dy_of(idx) * at(gamma, idx))
+    h = h_of if h_of is not None else (lambda idx: g(idx) * xhat_of(idx))
     k1, k2 = te.reduce_axis((0, n), name="k1"), te.reduce_axis((0, n), name="k2")
     sum_g = te.compute(lead, lambda *r: te.sum(g((*r, k1)), axis=k1), name="sum_g")
     sum_h = te.compute(lead, lambda *r: te.sum(h((*r, k2)), axis=k2), name="sum_h")
@@ -76,13 +81,13 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
     def values(*idx):
         r = idx[:-1]
         a = g(idx) - sum_g[r] * inv_n
-        c = xhat[idx] * (sum_h[r] * inv_n)
+        c = xhat_of(idx) * (sum_h[r] * inv_n)
         dx = rstd[(*r, 0)] * (a - c)
         return tuple(([dx] if write_dx else []) + ([dx.astype(low)] if low else []))
 
     n_out = int(write_dx) + int(bool(low))
     outs = _as_list(te.compute(shape, values, name="dx"))
-    func = te.create_prim_func([*g_in, *([ht] if given_h else []), xhat, rstd, *outs])
+    func = te.create_prim_func([*params, *outs])
     if not scheduled:
         return func
     sch = tvm.s_tir.Schedule(func)  # both sums read straight from global memory (no staging)
@@ -106,6 +111,9 @@ def find_chains(func: relax.Function) -> dict:
 
     def f32(expr, shape):
         return static_shape(expr) == shape and str(expr.ty.dtype) == "float32"
+
+    def readers(var):
+        return [bindings[i].var if i < len(bindings) else None for i in uses.get(var, [])]
 
     found = {}
     for b in bindings:
@@ -165,25 +173,40 @@ def find_chains(func: relax.Function) -> dict:
         if len({blocks.get(v) for v in members}) != 1 or blocks.get(dx) is None \
                 or not all(isinstance(v, relax.DataflowVar) for v in members):
             continue
-        found[dx] = LayerNormGradChain(g, dy, gamma, h, xhat, rstd, write_dx, low, tuple(casts),
-                                       frozenset(members - {dx}))
+
+        def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
+            if expr is None:
+                return None
+            p = inline_prologue(expr, bound, readers, members, shape)
+            return p if all(blocks.get(v) == blocks.get(dx) for v in p.vars) else Prologue(expr, (), (expr,))
+
+        found[dx] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
+                                       write_dx, low, tuple(casts), frozenset(members - {dx}))
     return found
 
 
 def _fuse(scheduled: bool):
     def fuse(mutator, binding: relax.VarBinding, chain: LayerNormGradChain):
         shape = static_shape(binding.var)
-        gamma_shape = static_shape(chain.gamma) if chain.gamma is not None else None
-        name = ("layer_norm_grad_" + "x".join(map(str, shape)) + ("_dyg" if gamma_shape else "_g")
+        roles = {"g": chain.g, "dy": chain.dy, "h": chain.h, "xhat": chain.xhat}
+        prologues = [p for p in roles.values() if p is not None]
+        extra = (chain.gamma,) if chain.gamma is not None else ()
+        leaves = unique_leaves(*prologues, extra=(*extra, chain.rstd))
+        name = ("layer_norm_grad_" + "x".join(map(str, shape)) + ("_dyg" if chain.gamma is not None else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
-                + (f"_{chain.low}" if chain.low else ""))
-        gvar = add_function_once(mutator.builder_, name, lambda: layer_norm_grad_primfunc(
-            shape, gamma_shape, chain.h is not None, chain.write_dx, chain.low, scheduled))
-        inputs = [chain.dy, chain.gamma] if gamma_shape else [chain.g]
-        inputs += ([chain.h] if chain.h is not None else []) + [chain.xhat, chain.rstd]
+                + (f"_{chain.low}" if chain.low else "") + prologue_tag(prologues, leaves))
+
+        def make():
+            tensors = placeholders(leaves)
+            of = {role: p and prologue_compute(p, leaves, tensors) for role, p in roles.items()}
+            read = lambda e: tensors[leaf_index(leaves)(e)]  # noqa: E731
+            return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
+                                  of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled)
+
+        gvar = add_function_once(mutator.builder_, name, make)
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
             + ([relax.TensorType(shape, chain.low)] if chain.low else [])
-        outs = emit_call_tir(mutator.builder_, gvar, [mutator.visit_expr(x) for x in inputs], types)
+        outs = emit_call_tir(mutator.builder_, gvar, [mutator.visit_expr(x) for x in leaves], types)
         return ([(binding.var, outs[0])] if chain.write_dx else []) + [(cast, outs[-1]) for cast in chain.casts]
 
     return fuse

@@ -52,6 +52,20 @@ def _elements(expr) -> int | None:
     return None if shape is None else math.prod(shape)
 
 
+def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool) -> bool:
+    """Whether `readers` kernels recomputing ``var = value`` from its operands move fewer bytes
+    than one kernel writing it and each of them reading it back.  With L the bytes of its
+    full-size operands (as many elements as `var`) and V its own: written once, L + V + k V;
+    recomputed by each of k readers, k L.  Where `others` (readers that cannot recompute it, or
+    the function's result) read it anyway, it is written regardless: recomputing pays when L <= V."""
+    n = _elements(var)
+    if n is None:
+        return False
+    full = sum(tensor_bytes(a) for a in value.args if _elements(a) == n)
+    own = tensor_bytes(var)
+    return full <= own if others else (readers - 1) * full <= (readers + 1) * own
+
+
 def plan(func: relax.Function) -> tuple[dict, set]:
     """(var -> its bound call, for every recomputed var; the recomputed vars whose original
     binding stays for readers that cannot recompute them)."""
@@ -68,11 +82,10 @@ def plan(func: relax.Function) -> tuple[dict, set]:
         n = _elements(v)
         if n is None or n < MIN_ELEMENTS:
             continue
-        full = [a for a in value.args if _elements(a) == n]
-        if sum(tensor_bytes(a) for a in full) > tensor_bytes(v):
-            continue
         fusable = [r for r in readers.get(v, ()) if _op(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
-        if len(fusable) >= 2 or any(r in recomputed for r in fusable):
+        others = v in outputs or len(fusable) < len(readers.get(v, ()))
+        if (len(fusable) >= 2 or any(r in recomputed for r in fusable)) \
+                and recompute_pays(value, v, len(fusable), others):
             recomputed[v] = value
     kept = {v for v in recomputed
             if v in outputs or any(_op(bound.get(r)) not in FUSABLE for r in readers.get(v, ()))}
@@ -89,10 +102,14 @@ class _Recomputer(PyExprMutator):
     def prime(self, func: relax.Function) -> None:
         self.recomputed, self.kept = plan(func)
 
-    def _rebuilt(self, value: relax.Call, made: dict) -> relax.Var:
-        """`value` bound afresh, its recomputed operands copied (each once: `made`)."""
+    def _call(self, value: relax.Call, made: dict) -> relax.Call:
+        """`value` with its recomputed operands copied (each once: `made`)."""
         args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
-        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+        return relax.Call(value.op, args, value.attrs, value.ty_args)
+
+    def _rebuilt(self, value: relax.Call, made: dict) -> relax.Var:
+        """`value` bound afresh, its recomputed operands copied."""
+        return self.builder_.emit(self._call(value, made))
 
     def _copy(self, v: relax.Var, made: dict) -> relax.Var:
         if v not in made:
@@ -104,7 +121,8 @@ class _Recomputer(PyExprMutator):
         if v in self.recomputed and v not in self.kept:
             return  # every reader recomputes it
         if _op(value) in FUSABLE and any(a in self.recomputed for a in value.args):
-            self.set_var_remap(v, self._rebuilt(value, {}))  # one copy per reader
+            # one copy per reader, the reader bound to its own var (a dataflow block's output stays one)
+            self.builder_.emit_normalized(relax.VarBinding(v, self.builder_.normalize(self._call(value, {}))))
             return
         super().visit_var_binding_(binding)
 

@@ -34,7 +34,7 @@ RESHAPE = tvm.ir.Op.get("relax.reshape")
 # elementwise ops a split reduction's view is pushed above (``_Splitter._view``), at most MAX_PUSH deep
 ELEMENTWISE = frozenset({"relax.astype", "relax.multiply", "relax.add", "relax.subtract", "relax.divide",
                          "relax.negative"})
-MAX_PUSH = 4
+MAX_PUSH = 16
 
 # op name -> (relax builder, its stages are sums) ; mean is a sum divided by the count
 REDUCTIONS = {
@@ -115,25 +115,26 @@ class _Splitter(PyExprMutator):
         return out
 
     # -- the reduced input as a view of the split shape
-    def _elementwise(self, x: relax.Expr, depth: int, kept: int) -> relax.Call | None:
+    def _elementwise(self, x: relax.Expr, depth: int, view: list[int]) -> relax.Call | None:
         """The elementwise call (``ELEMENTWISE``) bound to `x`, within ``MAX_PUSH`` ops of the
-        reduction, whose other operands are scalar constants or broadcasts along the reduced
-        axes (a batch-norm statistic ``[1, 1, 1, C]``; `kept`: the trailing axes kept), else None."""
+        reduction, whose other operands are scalar constants or broadcasts that stay broadcasts
+        in the split `view` (``_operand_view``), else None."""
         if depth >= MAX_PUSH or not isinstance(x, relax.Var):
             return None
         call = self.lookup_binding(x)
         if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in ELEMENTWISE):
             return None
         shape = static_shape(x)
-        if all(static_shape(a) == shape or _is_scalar(a) or _is_statistic(a, shape, kept) for a in call.args):
+        if all(static_shape(a) == shape or _is_scalar(a) or _operand_view(a, shape, view) is not None
+               for a in call.args):
             return call
         return None
 
-    def _leaves(self, x: relax.Expr, kept: int, depth: int = 0) -> list:
-        call = self._elementwise(x, depth, kept)
+    def _leaves(self, x: relax.Expr, view: list[int], depth: int = 0) -> list:
+        call = self._elementwise(x, depth, view)
         if call is None:
             return [x]
-        return [leaf for a in call.args if not _is_scalar(a) for leaf in self._leaves(a, kept, depth + 1)]
+        return [leaf for a in call.args if not _is_scalar(a) for leaf in self._leaves(a, view, depth + 1)]
 
     def _view(self, x: relax.Expr, shape: list[int], depth: int = 0, made: dict | None = None) -> relax.Expr:
         """``reshape(x, shape)``, pushed above the elementwise ops that make `x` (batch norm's
@@ -144,10 +145,9 @@ class _Splitter(PyExprMutator):
         made = {} if made is None else made  # each value viewed once (x * x)
         if x in made:
             return made[x]
-        kept = len(shape) - 2  # shape = [R / c, c] + the kept axes
-        call = self._elementwise(x, depth, kept)
+        call = self._elementwise(x, depth, shape)  # shape = [R / c, c] + the kept axes
         if call is not None and depth == 0 and len(self.readers.get(x, ())) != 1 \
-                and sum(tensor_bytes(leaf) for leaf in set(self._leaves(x, kept))) > tensor_bytes(x):
+                and sum(tensor_bytes(leaf) for leaf in set(self._leaves(x, shape))) > tensor_bytes(x):
             call = None  # `x` is written for other readers anyway: reading it costs less
         if call is None:
             inner = producer(self, x, RESHAPE)  # a reshape of a reshape is one view
@@ -157,8 +157,8 @@ class _Splitter(PyExprMutator):
             for a in call.args:
                 if _is_scalar(a):
                     args.append(a)
-                elif static_shape(a) != static_shape(x):  # a statistic: [1, .., 1] + kept axes
-                    args.append(self.builder_.emit(relax.op.reshape(a, [1, 1] + shape[2:])))
+                elif static_shape(a) != static_shape(x):  # a broadcast operand
+                    args.append(self.builder_.emit(relax.op.reshape(a, _operand_view(a, static_shape(x), shape))))
                 else:
                     args.append(self._view(a, shape, depth + 1, made))
             view = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
@@ -171,11 +171,27 @@ def _is_scalar(expr: relax.Expr) -> bool:
     return isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1 and expr.value.numpy().ndim <= 1
 
 
-def _is_statistic(expr: relax.Expr, shape: tuple, kept: int) -> bool:
-    """A value of `shape` with every reduced axis (all but the last `kept`) of extent 1."""
+def _operand_view(expr: relax.Expr, shape: tuple, view: list[int]) -> list[int] | None:
+    """The split view of an operand broadcast to the reduced input's `shape`, when it stays a
+    broadcast there (`view` = ``[R / c, c] + kept axes``), else None:
+
+    * a statistic of the kept axes (batch norm's ``[1, 1, 1, C]``): ``[1, 1] + kept``;
+    * a statistic of the rows (a layer norm's ``mean``, ``[..., 1]``) where the last axis is the
+      only one kept: ``[R / c, c, 1]``;
+    * everything reduced, the chunk one row (``c`` = the last extent): a row statistic or a vector
+      along the last axis (a layer norm's ``gamma``), ``[R / c or 1, c or 1]``."""
     own = static_shape(expr)
-    return (own is not None and len(own) == len(shape) and own[len(shape) - kept:] == shape[len(shape) - kept:]
-            and all(d == 1 for d in own[: len(shape) - kept]))
+    if own is None or len(own) != len(shape) or own == tuple(shape):
+        return None
+    kept = len(view) - 2
+    if all(d == 1 for d in own[: len(own) - kept]) and own[len(own) - kept:] == shape[len(shape) - kept:]:
+        return [1, 1] + view[2:]
+    if kept == 1 and own[:-1] == shape[:-1] and own[-1] == 1:
+        return view[:2] + [1]
+    if kept == 0 and view[1] == shape[-1] and own[-1] in (1, shape[-1]):
+        if all(d == 1 for d in own[:-1]) or own[:-1] == shape[:-1]:
+            return [view[0] if own[:-1] == shape[:-1] else 1, view[1] if own[-1] != 1 else 1]
+    return None
 
 
 @tvm.transform.module_pass(opt_level=0, name="SplitReduction")

@@ -3,7 +3,7 @@
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.recompute_elementwise import RecomputeElementwise
+from tvm_evt.relax_passes.recompute_elementwise import RecomputeElementwise, recompute_pays
 
 N, C = 512, 256
 SUM = relax.op.sum
@@ -56,15 +56,55 @@ def test_a_returned_value_keeps_its_binding_for_the_output():
     assert ops.count("relax.subtract") == 3 and ops.count("relax.astype") == 4
 
 
-def test_values_that_read_more_than_they_hold_are_left_alone():
-    """a + b of two float32 tensors reads 8 bytes an element to make 4: reading it back is cheaper."""
+def _sum_of_two(readers: int):
+    """s = a + b of two float32 tensors (8 bytes read for 4 made), read by `readers` kernels."""
     bb = relax.BlockBuilder()
     a = relax.Var("a", relax.TensorType((N, C), "float32"))
     b = relax.Var("b", relax.TensorType((N, C), "float32"))
     with bb.function("main", [a, b]):
         with bb.dataflow():
             s = bb.emit(relax.op.add(a, b))
-            gv = bb.emit_output(relax.Tuple([bb.emit(SUM(s, [0])), bb.emit(relax.op.exp(s))]))
+            ops = [lambda v: SUM(v, [0]), relax.op.exp, relax.op.sqrt, relax.op.negative][:readers]
+            outs = [bb.emit(op(s)) for op in ops]
+            gv = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(gv)
-    before = bb.get()
+    return bb.get()
+
+
+def test_values_that_read_more_than_they_hold_are_left_alone():
+    """Four readers of a + b: recomputed, 4 x 8 bytes an element; written once and read back,
+    8 + 4 + 4 x 4 -- fewer."""
+    before = _sum_of_two(4)
     tvm.ir.assert_structural_equal(RecomputeElementwise()(before), before)
+
+
+def test_values_that_read_more_than_they_hold_are_recomputed_by_two_readers():
+    """Two readers of a + b: recomputed, 2 x 8 bytes an element; written once, 8 + 4 + 2 x 4."""
+    after = RecomputeElementwise()(_sum_of_two(2))
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.add", "relax.sum", "relax.add", "relax.exp"]
+
+
+def test_recompute_pays_weighs_the_bytes_of_each_choice():
+    s = _sum_of_two(1)["main"].body.blocks[0].bindings[0]
+    assert recompute_pays(s.value, s.var, readers=3, others=False)  # 3 x 8 <= 8 + 4 + 3 x 4
+    assert not recompute_pays(s.value, s.var, readers=4, others=False)  # 4 x 8 > 8 + 4 + 4 x 4
+    assert not recompute_pays(s.value, s.var, readers=2, others=True)  # written anyway: 8 > 4
+
+
+def test_a_reader_that_is_an_output_of_the_dataflow_block_keeps_its_var():
+    """A reader rebuilt over the copies is bound to its own var: a sum the function returns
+    (a bias gradient) stays an output of the dataflow block."""
+    bb = relax.BlockBuilder()
+    x16, m = _params()
+    with bb.function("main", [x16, m]):
+        with bb.dataflow():
+            c = bb.emit(relax.op.subtract(bb.emit(relax.op.astype(x16, "float32")), m))
+            s = bb.emit_output(SUM(c, [0]))
+            d = bb.emit_output(relax.op.multiply(c, relax.const(2.0, "float32")))
+        bb.emit_func_output(relax.Tuple([s, d]))
+    after = RecomputeElementwise()(bb.get())
+    outputs = [b.var for b in after["main"].body.blocks[0].bindings if not isinstance(b.var, relax.DataflowVar)]
+    assert len(outputs) == 2 and all(o.same_as(r) for o, r in zip(outputs, after["main"].body.body.fields))
+    assert [b.value.op.name for b in after["main"].body.blocks[0].bindings] == [
+        "relax.astype", "relax.subtract", "relax.sum", "relax.astype", "relax.subtract", "relax.multiply"]

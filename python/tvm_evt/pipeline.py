@@ -183,9 +183,9 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
                 # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
                 *([FuseLayerNorm(), FuseLayerNormBackward()] if enabled("layer_norm") else []),
-                SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
                 RecomputeElementwise(),
+                SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
