@@ -122,3 +122,56 @@ def test_scheduled_kernel_on_gpu_matches_torch_autograd(n):
     ref = x.grad
     assert (dx.double() - ref).norm() <= 1e-5 * ref.norm()
     assert (dxl.double() - ref).norm() <= 1e-2 * ref.norm()
+
+
+def _recomputed_inputs(n=64):
+    """The gradient of a layer norm whose forward saved x16 and the row statistics, not xhat
+    (FuseLayerNorm's recompute): xhat = (astype(x16) - mean) * rstd, and dy an elementwise
+    function of xhat (a loss on the normalized value), both also read by the weight gradients."""
+    bb = relax.BlockBuilder()
+    x16 = relax.Var("x16", relax.TensorType((2, 5, n), "bfloat16"))
+    t = lambda name, shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
+    mean, rstd, gamma, y = t("mean", (2, 5, 1)), t("rstd", (2, 5, 1)), t("gamma", (n,)), t("y", (2, 5, n))
+    with bb.function("main", [x16, mean, rstd, gamma, y]):
+        with bb.dataflow():
+            emit = bb.emit
+            xhat = emit(relax.op.multiply(emit(relax.op.subtract(emit(relax.op.astype(x16, "float32")), mean)), rstd))
+            dy = emit(relax.op.multiply(emit(relax.op.subtract(xhat, y)), relax.const(2.0, "float32")))
+            g = emit(relax.op.multiply(dy, gamma))
+            h = emit(relax.op.multiply(g, xhat))
+            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
+            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
+            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dgamma = emit(relax.op.sum(emit(relax.op.multiply(dy, xhat)), [0, 1]))
+            dbeta = emit(relax.op.sum(dy, [0, 1]))
+            out = bb.emit_output(relax.Tuple([emit(relax.op.astype(dx, "bfloat16")), dgamma, dbeta]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_elementwise_producers_of_the_inputs_are_computed_in_the_kernel():
+    """xhat and dy are not read: the kernel reads x16 (2 bytes an element), the statistics and y,
+    and computes them -- their bindings stay for the weight gradients' sums."""
+    before = _recomputed_inputs()
+    after = FuseLayerNormBackward()(before)
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint.startswith("layer_norm_grad_2x5x64_dyg_bfloat16_p")
+    x16, mean, rstd, gamma, y = after["main"].params
+    got = list(fused.args[1].fields)
+    assert len(got) == 5 and all(any(a.same_as(p) for a in got) for p in (x16, mean, rstd, gamma, y))
+    ops = [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+    assert ops.count("relax.mean") == 0 and ops.count("relax.sum") == 2
+
+
+def test_a_kernel_with_a_prologue_computes_what_the_ops_computed():
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    n = 64
+    args = [(rng.standard_normal((2, 5, n)) * 2 + 1).astype(ml_dtypes.bfloat16),
+            rng.standard_normal((2, 5, 1)).astype("float32"), rng.uniform(0.5, 2, (2, 5, 1)).astype("float32"),
+            rng.standard_normal(n).astype("float32"), rng.standard_normal((2, 5, n)).astype("float32")]
+    before = _recomputed_inputs(n)
+    want, got = _run(before, args), _run(FuseLayerNormBackward(scheduled=False)(before), args)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g.astype("float32"), w.astype("float32"), rtol=2**-7, atol=1e-4)

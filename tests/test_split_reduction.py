@@ -240,3 +240,46 @@ def test_view_is_pushed_above_a_product_only_the_reduction_reads():
     p = ((-dy) * x / sigma).astype("float64")
     want = p.sum(axis=(0, 1, 2))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_view_is_pushed_through_a_layer_norm_recomputed_from_its_statistics():
+    """A layer norm's weight gradient and a loss on its output, recomputed from bf16 x and the
+    row statistics (FuseLayerNorm's recompute): the row statistics ``[..., 1]`` split with the
+    rows (``[R / c, c, 1]`` when the last axis is kept; ``[R / n, 1]`` when everything is reduced
+    a row at a time) and ``gamma`` along the last axis stay broadcasts, so each reduction's kernel
+    reads x16 and no float32 copy of xhat or z is made."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x16: R.Tensor((8, 512, 1024), "bfloat16"), mean: R.Tensor((8, 512, 1), "float32"),
+                 rstd: R.Tensor((8, 512, 1), "float32"), gamma: R.Tensor((1, 1, 1024), "float32")):
+            with R.dataflow():
+                x = R.astype(x16, "float32")
+                xhat = R.multiply(R.subtract(x, mean), rstd)
+                z = R.multiply(xhat, gamma)
+                dgamma = R.sum(R.multiply(z, xhat), axis=[0, 1])
+                loss = R.mean(R.multiply(z, z))
+                R.output(dgamma, loss)
+            return (dgamma, loss)
+
+    after = relax.transform.DeadCodeElimination()(SplitReduction()(Before))
+    reshaped = [b.value.args[0] for b in after["main"].body.blocks[0].bindings
+                if isinstance(b.value, relax.Call) and b.value.op.name == "relax.reshape"]
+    shapes = sorted(tuple(int(s) for s in b.var.ty.shape.values) for b in after["main"].body.blocks[0].bindings
+                    if isinstance(b.value, relax.Call) and b.value.op.name == "relax.reshape")
+    params = after["main"].params
+    assert all(any(r.same_as(p) for p in params) for r in reshaped), "only the inputs are viewed"
+    assert (128, 32, 1) in shapes and (4096, 1) in shapes and (1, 1024) in shapes
+    rng = np.random.default_rng(0)
+    import ml_dtypes
+
+    x16 = rng.standard_normal((8, 512, 1024)).astype(ml_dtypes.bfloat16)
+    mean, rstd = rng.standard_normal((8, 512, 1)).astype("float32"), rng.uniform(0.5, 2, (8, 512, 1)).astype("float32")
+    gamma = rng.standard_normal((1, 1, 1024)).astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(after, target=tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    dgamma, loss = (o.numpy() for o in vm["main"](*(tvm.runtime.tensor(a) for a in (x16, mean, rstd, gamma))))
+    xhat = (x16.astype("float64") - mean) * rstd
+    z = xhat * gamma
+    np.testing.assert_allclose(dgamma, (z * xhat).sum(axis=(0, 1)), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(loss, (z * z).mean(), rtol=1e-4)
