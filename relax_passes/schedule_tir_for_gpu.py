@@ -41,15 +41,16 @@ def has_own_gpu_form(func) -> bool:
     return _own_gpu_form_hook(func) is not None
 
 
-def _rules(vectorize: bool = False):
+def _rules(vectorize: bool = False, column_rows: int | None = None):
     from tvm.s_tir import dlight as dl
 
-    from .column_reduction import ColumnReduction
+    from .column_reduction import TY, ColumnReduction
     from .row_reduction import RowReduction
     from .tiled_transpose import TiledTranspose
     from .vectorized_elementwise import VectorizedElementwise
 
-    return ((VectorizedElementwise(), TiledTranspose(), ColumnReduction(), RowReduction()) if vectorize else ()) + (
+    columns = ColumnReduction(column_rows or TY)
+    return ((VectorizedElementwise(), TiledTranspose(), columns, RowReduction()) if vectorize else ()) + (
         dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
@@ -70,15 +71,16 @@ def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
 class ScheduleTIRForGPU:
     """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it
     (`vectorize`: try ``VectorizedElementwise``, ``TiledTranspose``, ``ColumnReduction`` and
-    ``RowReduction`` first)."""
+    ``RowReduction`` first; `column_rows`: ``ColumnReduction``'s row groups, its default if None)."""
 
-    def __init__(self, vectorize: bool = False):
+    def __init__(self, vectorize: bool = False, column_rows: int | None = None):
         self.vectorize = vectorize
+        self.column_rows = column_rows
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from tvm.s_tir import dlight as dl
 
-        rules = _rules(self.vectorize)
+        rules = _rules(self.vectorize, self.column_rows)
         updates, serial = {}, []
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or _scheduled(func):

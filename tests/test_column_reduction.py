@@ -53,6 +53,15 @@ def test_takes_column_sums_and_declines_the_rest(name):
         assert f"T.vectorized({lanes})" in out.script().replace("T.int64(", "(")
 
 
+@pytest.mark.parametrize("row_groups", [2, 4, 8])
+def test_row_groups_are_the_threads_along_y(row_groups):
+    """The rows of each thread block's columns go to `row_groups` threads along y (default 4:
+    faster than 8 on H100, scripts/bench_tir.py)."""
+    tensors, _ = _kernels()["bias_grad"]
+    script = schedule(tensors, ColumnReduction(row_groups))["main"].script()
+    assert f'T.thread_binding({row_groups}, thread="threadIdx.y")' in script.replace("T.int64(", "(").replace("), thread", ", thread")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
 @pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32"])
 def test_column_sums_compile_with_nvcc(name):

@@ -1,0 +1,104 @@
+"""Time a model's scheduled TIR kernels one by one on the GPU (``scripts/bench_tir.py``).
+
+The training step's TVM kernels as the CUDA route schedules them (``ScheduleTIRForGPU``; CUTLASS
+partitions and flash-attention calls left out, no nvcc), each compiled alone and timed on fresh
+random inputs: CUDA events around `LAUNCHES` back-to-back launches (the GPU never waits on the
+host), the median of `ITERS` such pairs.  Inputs small enough for the L2 cache (50 MB on H100)
+stay there between launches, so the rates of small kernels are above what the step sees; compare
+schedules by it, not against HBM.
+
+    python scripts/bench_tir.py bert_large --match sum --column-rows 2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+
+import tvm
+
+LAUNCHES = 20
+ITERS = 15
+
+
+def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int | None] = (None,),
+                      match: str = "") -> dict:
+    """``{column_rows: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match
+    `match`, scheduled with each ``ColumnReduction`` row-group count (None: its default)."""
+    from . import bench_e2e, tuning
+    from .pipeline import phases
+    from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+
+    entry = bench_e2e.build_entry(model, False)
+    _, graph = tuning.training_graph(entry, precision)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    passes = tuning.without_builds(phases(target))
+    names = tuning._names(passes)
+    at = names.index("ScheduleTIRForGPU")
+    with target:
+        fused = tvm.transform.Sequential(passes[:at])(graph.mod)
+        out = {}
+        for rows in column_rows:
+            mod = ScheduleTIRForGPU(vectorize=passes[at].vectorize, column_rows=rows)(fused)
+            out[rows] = {gv.name_hint: f for gv, f in mod.functions_items()
+                         if isinstance(f, tvm.tirx.PrimFunc) and re.search(match, gv.name_hint)}
+    return out
+
+
+def time_kernel(func, target) -> tuple[float, int]:
+    """(median ms a launch, bytes of its buffers) for one scheduled PrimFunc on CUDA device 0."""
+    import torch
+
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    tensors = []
+    for p in func.params:
+        shape, dtype = [int(s) for s in p.shape], getattr(torch, str(p.dtype))
+        tensors.append(torch.randn(shape, device="cuda").to(dtype) if dtype.is_floating_point
+                       else torch.zeros(shape, device="cuda", dtype=dtype))
+    args = [tvm.runtime.from_dlpack(t) for t in tensors]
+    fn = lib["main"]
+    for _ in range(3):
+        fn(*args)
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(LAUNCHES):
+            fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / LAUNCHES)
+    return statistics.median(times), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_tir.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a scripts/bench.py model (tvm_evt.bench_e2e.MODELS)")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--match", default="", help="regular expression the kernel names must contain")
+    ap.add_argument("--column-rows", default="",
+                    help="comma-separated ColumnReduction row-group counts to compare (default: its own)")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    rows = [int(r) for r in args.column_rows.split(",") if r] or [None]
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    kernels = scheduled_kernels(args.model, args.precision, rows, args.match)
+    print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
+    for name in sorted(set().union(*kernels.values())):
+        cells = []
+        for r in rows:
+            if name in kernels[r]:
+                ms, nbytes = time_kernel(kernels[r][name], target)
+                cells.append(f"rows={r}: {ms * 1e3:7.1f} us ({nbytes / ms / 1e9:4.2f})")
+        print(f"{name[:72]:72s} " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
