@@ -11,9 +11,14 @@ on H100, each re-reading the 64 MB row block.  On the CUDA route this pass turns
     y      = xhat * gamma                 z = y + beta             # each optional, in this order
     [zl    = astype(z, low)  |  astype(reshape(z, s), low)]        # casts of the result, optional
 
-into one ``call_tir`` whose outputs are the chain's values that something else reads (typically
-``rstd`` and ``xhat`` for the gradient, and ``zl`` for the next GEMM), scheduled here: one
-thread block per row, the row staged in shared memory, both sums as cross-thread reductions.
+into one ``call_tir`` whose outputs are the chain's values that something else reads, scheduled
+here: one thread block per row, the row staged in shared memory, both sums as cross-thread
+reductions.  An element value (``xhat``, ``z``) whose readers are all ops that take elementwise
+producers into their kernels (FuseOps, RecomputeElementwise, FuseLayerNormBackward's prologues)
+is not written: the call writes ``mean`` and ``rstd``, and the value is bound again after it, the
+graph's own ops on ``x`` and them, for each reader to compute from ``x`` (BERT-Large: two bytes an
+element of bf16 ``x`` read, not four of float32 ``xhat`` written and read back two or three times).
+Typically the call writes ``mean``, ``rstd`` and ``zl`` for the next GEMM.
 Every element is computed with the graph's operations in the graph's order (the sums may
 associate differently).  The chain must be float32 over the last axis, in one dataflow block,
 and an ``x = astype(x16, float32)`` is read through (the kernel widens ``x16`` as it loads it:

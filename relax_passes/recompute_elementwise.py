@@ -13,14 +13,17 @@ reductions), when
 
 * it has two or more such readers, or a reader that is itself recomputed (chains are copied whole:
   each copy of ``c`` gets its own copy of ``x32``), and
-* its full-size operands (those with ``v``'s element count) hold no more bytes than ``v``: a copy
-  reads no more than reading ``v`` back would (the per-channel statistics it also reads are
-  small).
+* recomputing moves fewer bytes (``recompute_pays``): with L the bytes of its full-size operands
+  (those with ``v``'s element count; the per-channel statistics it also reads are small) and V
+  its own, k readers recomputing read k L, where writing it once and reading it back moves
+  L + V + k V.  Where other readers need ``v`` written anyway, a copy must read no more than
+  reading ``v`` back would: L <= V.
 
 Readers that are not such calls (evt partitions, ``call_tir`` kernels, the function's outputs)
-keep reading the original binding, which stays only for them.  CUDA route, after
-``SplitReduction`` and before ``LegalizeOps``; nothing after it may eliminate common
-subexpressions.
+keep reading the original binding, which stays only for them.  A reader rebuilt over the copies
+keeps its own var (a dataflow block's output stays one).  CUDA route, before ``SplitReduction``
+(each reduction then has producers of its own to view through its split) and ``LegalizeOps``;
+nothing after it may eliminate common subexpressions.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ One list of phases, in order (``phases(target)``):
                        (these two, AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision, the
                        vectorizing schedule rule and training.py's PadAttentionKeys can be
                        switched on or off: ``OPTIONAL``)
-    SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     RecomputeElementwise  casts and centrings read by several kernels recomputed in each of them
-                       instead of written once in float32 (batch norm's x32 and x - mean)
+                       instead of written once in float32 (batch norm's x32 and x - mean, a layer
+                       norm's xhat from x and its statistics)
+    SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
