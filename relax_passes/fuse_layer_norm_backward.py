@@ -12,7 +12,9 @@ DLight ran it as four or five kernels over the [rows, n] float32 block (BERT-Lar
 layer norm on H100).  On the CUDA route this pass makes it one ``call_tir``, scheduled one thread
 block per row with both means as cross-thread reductions, writing ``dx`` (when something other
 than the casts reads it) and its cast.  ``g`` and ``h`` are computed inside when nothing else
-reads them.  Each element is computed with the graph's operations in the graph's order (the sums
+reads them, and so are the elementwise producers of its inputs where nothing else reads them or
+recomputing pays (``_prologue.py``): ``xhat`` from the bf16 ``x`` and the statistics FuseLayerNorm
+writes, a loss gradient ``dy`` from them and the target.  Each element is computed with the graph's operations in the graph's order (the sums
 may associate differently).  All values float32, in one dataflow block; only ``dx`` is read
 outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 """
