@@ -33,6 +33,8 @@ ELEMENTWISE: dict[str, Callable] = {
     "relax.multiply": lambda args, _attrs: args[0] * args[1],
     "relax.divide": lambda args, _attrs: args[0] / args[1],
     "relax.negative": lambda args, _attrs: -args[0],
+    # read only by `epilogue_chain` (`_inlinable` takes float32 operands, never a mask)
+    "relax.where": lambda args, _attrs: tirx.Select(args[0], args[1], args[2]),
 }
 MAX_OPS = 16  # ops one prologue inlines
 
@@ -73,11 +75,15 @@ class Prologue:
         """The prologue's structure, leaves by their parameter index: equal keys, equal TE."""
         names = {v: f"v{i}" for i, (v, _) in enumerate(self.calls)}
 
+        leaves = set(self.leaves)
+
         def arg(a) -> str:
             if a in names:
                 return names[a]
             c = scalar_constant(a)
-            return repr(c) if c is not None else f"p{leaf_index(a)}"
+            if c is not None:
+                return repr(c)
+            return f"p{leaf_index(a)}" if a in leaves else "given"  # an epilogue's start
 
         parts = [f"{names[v]}={_op(c)}({','.join(arg(a) for a in c.args)}"
                  + (f";{c.attrs.dtype}" if _op(c) == "relax.astype" else "") + ")" for v, c in self.calls]
@@ -152,12 +158,13 @@ def at(t: te.Tensor, idx: tuple) -> tirx.PrimExpr:
     return t[tuple(0 if s == 1 else idx[off + i] for i, s in enumerate(shape))]
 
 
-def prologue_compute(p: Prologue, leaves: list, tensors: list) -> Callable[[tuple], tirx.PrimExpr]:
-    """idx -> the TE value of ``p.root`` at `idx`, the `leaves` read from `tensors` (same order)."""
+def prologue_compute(p: Prologue, leaves: list, tensors: list) -> Callable[..., tirx.PrimExpr]:
+    """(idx, given) -> the TE value of ``p.root`` at `idx`, the `leaves` read from `tensors` (same
+    order) and the vars in `given` (var -> TE value at `idx`) as given."""
     index = leaf_index(leaves)
 
-    def compute(idx):
-        values: dict = {}
+    def compute(idx, given: dict | None = None):
+        values: dict = dict(given or {})
 
         def arg(a):
             if a in values:
@@ -182,3 +189,31 @@ def prologue_tag(prologues: list, leaves: list) -> str:
     text = ";".join(p.key(index) for p in prologues) + ";" + ",".join(
         f"{static_shape(e)}:{e.ty.dtype}" for e in leaves)
     return "_p" + hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def epilogue_chain(start: relax.Var, bound: dict, readers: Callable[[relax.Var], list], skip: set,
+                   shape: tuple[int, ...], same_block: Callable[[relax.Var], bool]) -> Prologue | None:
+    """The elementwise ops a row kernel can apply to its result `start` before writing it: each
+    the only reader of the value before it (`start`'s readers in `skip` aside: they read it
+    otherwise), of `shape`, with its other operands broadcasting to it (a residual gradient, a
+    dropout mask, scalars).  The last one is what the kernel writes; None when there is none."""
+    calls: list = []
+    leaves: list = []
+    v = start
+    while True:
+        rs = [r for r in readers(v) if not (v is start and r in skip)]
+        if len(rs) != 1 or rs[0] is None or not isinstance(rs[0], relax.DataflowVar) or not same_block(rs[0]):
+            break
+        value = bound.get(rs[0])
+        if _op(value) not in ELEMENTWISE or static_shape(rs[0]) != tuple(shape) \
+                or sum(1 for a in value.args if a.same_as(v)) != 1:
+            break
+        others = [a for a in value.args if not a.same_as(v)]
+        if not all(scalar_constant(a) is not None or broadcasts_to(static_shape(a), shape) for a in others):
+            break
+        for a in others:
+            if scalar_constant(a) is None and not any(a.same_as(leaf) for leaf in leaves):
+                leaves.append(a)
+        calls.append((rs[0], value))
+        v = rs[0]
+    return Prologue(v, tuple(calls), tuple(leaves)) if calls else None

@@ -27,7 +27,8 @@ import tvm
 from tvm import relax, te, tirx
 
 from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, static_shape
-from ._prologue import Prologue, at, inline_prologue, leaf_index, placeholders, prologue_compute, prologue_tag, unique_leaves
+from ._prologue import (Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders, prologue_compute,
+                        prologue_tag, unique_leaves)
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
 from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
@@ -52,6 +53,8 @@ class LayerNormGradChain:
     low: str | None
     casts: tuple  # cast vars, all reading dx
     absorbed: frozenset
+    tail: Prologue | None = None  # elementwise ops applied to dx in the kernel, the last one written
+    dx: relax.Var | None = None
 
 
 def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool, write_dx: bool,
@@ -69,9 +72,10 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
 
 
 def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write_dx: bool, low: str | None,
-                   scheduled: bool) -> tirx.PrimFunc:
+                   scheduled: bool, tail_of=None) -> tirx.PrimFunc:
     """The kernel over the placeholders `params`; each input is a function of the index (``*_of``),
-    ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``."""
+    ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``; ``tail_of(idx, dx)``,
+    if given, a last output computed from ``dx``."""
     *lead, n = shape
     inv_n = tirx.const(1.0 / n, "float32")
     g = g_of if g_of is not None else (lambda idx: dy_of(idx) * at(gamma, idx))
@@ -85,9 +89,10 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
         a = g(idx) - sum_g[r] * inv_n
         c = xhat_of(idx) * (sum_h[r] * inv_n)
         dx = rstd[(*r, 0)] * (a - c)
-        return tuple(([dx] if write_dx else []) + ([dx.astype(low)] if low else []))
+        return tuple(([dx] if write_dx else []) + ([dx.astype(low)] if low else [])
+                     + ([tail_of(idx, dx)] if tail_of else []))
 
-    n_out = int(write_dx) + int(bool(low))
+    n_out = int(write_dx) + int(bool(low)) + int(tail_of is not None)
     outs = _as_list(te.compute(shape, values, name="dx"))
     func = te.create_prim_func([*params, *outs])
     if not scheduled:
@@ -97,10 +102,11 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
     return mark_scheduled(sch)
 
 
-def find_chains(func: relax.Function) -> dict:
+def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
     """``{dx var: LayerNormGradChain}`` for each match of the module docstring's pattern."""
     bindings, blocks = flat_bindings(func)
     bound = {b.var: b.value for b in bindings}
+    index = {b.var: i for i, b in enumerate(bindings)}
     uses = binding_uses(func)
 
     def call(var, op):
@@ -175,6 +181,18 @@ def find_chains(func: relax.Function) -> dict:
         if len({blocks.get(v) for v in members}) != 1 or blocks.get(dx) is None \
                 or not all(isinstance(v, relax.DataflowVar) for v in members):
             continue
+        key, tail = dx, None
+        if epilogue:  # dx's elementwise consumers in the kernel; the call sits at the last of them
+            tail = epilogue_chain(dx, bound, readers, set(casts), shape, lambda v: blocks.get(v) == blocks.get(dx))
+            if tail is not None:
+                first, end = tail.calls[0][0], index[tail.root]
+                dx_others = [i for i in uses.get(dx, []) if i >= len(bindings) or bindings[i].var not in {first, *casts}]
+                later = dx_others + [i for c in casts for i in uses.get(c, [])]
+                if all(i > end for i in later):  # what reads dx or its casts comes after the call
+                    key, write_dx = tail.root, bool(dx_others)
+                    members = members | {dx} | {v for v, _ in tail.calls}
+                else:
+                    tail = None
 
         def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
             if expr is None:
@@ -182,34 +200,44 @@ def find_chains(func: relax.Function) -> dict:
             p = inline_prologue(expr, bound, readers, members, shape)
             return p if all(blocks.get(v) == blocks.get(dx) for v in p.vars) else Prologue(expr, (), (expr,))
 
-        found[dx] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
-                                       write_dx, low, tuple(casts), frozenset(members - {dx}))
+        found[key] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
+                                        write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx)
     return found
 
 
 def _fuse(scheduled: bool):
     def fuse(mutator, binding: relax.VarBinding, chain: LayerNormGradChain):
-        shape = static_shape(binding.var)
+        shape = static_shape(chain.dx)
         roles = {"g": chain.g, "dy": chain.dy, "h": chain.h, "xhat": chain.xhat}
         prologues = [p for p in roles.values() if p is not None]
         extra = (chain.gamma,) if chain.gamma is not None else ()
-        leaves = unique_leaves(*prologues, extra=(*extra, chain.rstd))
+        tail = [chain.tail] if chain.tail is not None else []
+        leaves = unique_leaves(*prologues, *tail, extra=(*extra, chain.rstd))
         name = ("layer_norm_grad_" + "x".join(map(str, shape)) + ("_dyg" if chain.gamma is not None else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
-                + (f"_{chain.low}" if chain.low else "") + prologue_tag(prologues, leaves))
+                + (f"_{chain.low}" if chain.low else "") + ("_tail" if tail else "")
+                + prologue_tag(prologues + tail, leaves))
 
         def make():
             tensors = placeholders(leaves)
             of = {role: p and prologue_compute(p, leaves, tensors) for role, p in roles.items()}
             read = lambda e: tensors[leaf_index(leaves)(e)]  # noqa: E731
+            tail_of = None
+            if chain.tail is not None:
+                compute = prologue_compute(chain.tail, leaves, tensors)
+                tail_of = lambda idx, dx: compute(idx, {chain.dx: dx})  # noqa: E731
             return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
-                                  of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled)
+                                  of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled,
+                                  tail_of)
 
         gvar = add_function_once(mutator.builder_, name, make)
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
-            + ([relax.TensorType(shape, chain.low)] if chain.low else [])
+            + ([relax.TensorType(shape, chain.low)] if chain.low else []) \
+            + ([chain.tail.root.ty] if tail else [])
         outs = emit_call_tir(mutator.builder_, gvar, [mutator.visit_expr(x) for x in leaves], types)
-        return ([(binding.var, outs[0])] if chain.write_dx else []) + [(cast, outs[-1]) for cast in chain.casts]
+        remaps = [(chain.dx, outs[0])] if chain.write_dx else []
+        remaps += [(cast, outs[int(chain.write_dx)]) for cast in chain.casts]
+        return remaps + ([(chain.tail.root, outs[-1])] if tail else [])
 
     return fuse
 
@@ -220,8 +248,9 @@ class FuseLayerNormBackward:
     ``g``/``h`` products and the result casts where only it reads them) into one scheduled CUDA
     kernel (see the module docstring).  ``scheduled=False`` leaves the kernels unscheduled."""
 
-    def __init__(self, scheduled: bool = True):
+    def __init__(self, scheduled: bool = True, epilogue: bool = False):
         self.scheduled = scheduled
+        self.epilogue = epilogue
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return fuse_chains(mod, find_chains, _fuse(self.scheduled))
+        return fuse_chains(mod, lambda func: find_chains(func, self.epilogue), _fuse(self.scheduled))

@@ -102,6 +102,10 @@ OPTIONAL = {
                              "of a bf16/fp16 step as tvm_evt.conv2d, run with its two gradients as CUTLASS SM90 "
                              "implicit-GEMM kernels on CUDA (OffloadConv): no im2col gathers or col2im sums "
                              "(H100 bf16: ResNet-50 conv3_x 7.83 -> 7.05 ms per step)"),
+    "ln_epilogue": Rewrite("FuseLayerNormBackward(epilogue=True): the elementwise ops that alone read a layer norm's "
+                           "input gradient (a residual gradient's add, a cast, dropout's scale and mask) done in its "
+                           "row kernel, which writes their result instead (modelled TIR traffic: GPT-2 medium -128 MB a "
+                           "step; not run on a GPU)", default=False),
     "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
                           "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass "
                           "(H100 bf16, with RecomputeElementwise: ResNet-50 conv3_x 19.16 -> 12.03 ms per step)"),
@@ -183,7 +187,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 SplitToSlices(),  # concat's gradient (im2col's col2im): pieces that fuse into their readers
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
                 # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
-                *([FuseLayerNorm(), FuseLayerNormBackward()] if enabled("layer_norm") else []),
+                *([FuseLayerNorm(), FuseLayerNormBackward(epilogue=enabled("ln_epilogue"))]
+                  if enabled("layer_norm") else []),
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
                 RecomputeElementwise(),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
