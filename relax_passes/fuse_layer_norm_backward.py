@@ -14,7 +14,9 @@ block per row with both means as cross-thread reductions, writing ``dx`` (when s
 than the casts reads it) and its cast.  ``g`` and ``h`` are computed inside when nothing else
 reads them, and so are the elementwise producers of its inputs where nothing else reads them or
 recomputing pays (``_prologue.py``): ``xhat`` from the bf16 ``x`` and the statistics FuseLayerNorm
-writes, a loss gradient ``dy`` from them and the target.  Each element is computed with the graph's operations in the graph's order (the sums
+writes, a loss gradient ``dy`` from them and the target.  With ``epilogue=True`` (the pipeline's
+opt-in ``ln_epilogue``) the elementwise ops that alone read ``dx`` -- GPT-2's residual add, cast,
+dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``.  Each element is computed with the graph's operations in the graph's order (the sums
 may associate differently).  All values float32, in one dataflow block; only ``dx`` is read
 outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 """
