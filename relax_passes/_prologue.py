@@ -19,11 +19,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
-import tvm
 from tvm import relax, te, tirx
 
-from ._rewrite import static_shape
-from .recompute_elementwise import FUSABLE, recompute_pays
+from ._rewrite import scalar_value, static_shape
+from .recompute_elementwise import FUSABLE, _op, recompute_pays
+
 
 # op name -> TE of the operands (a cast reads its operand at any dtype; the rest are float32)
 ELEMENTWISE: dict[str, Callable] = {
@@ -39,23 +39,15 @@ ELEMENTWISE: dict[str, Callable] = {
 MAX_OPS = 16  # ops one prologue inlines
 
 
-def _op(value) -> str | None:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
+def scalar_constant(expr) -> float | None:
+    """The value of a one-element constant operand, else None."""
+    return scalar_value({}, expr)
 
 
 def broadcasts_to(shape: tuple[int, ...] | None, to: tuple[int, ...]) -> bool:
     """Does a tensor of `shape` broadcast (numpy rules, right-aligned) to `to` without growing it?"""
     return shape is not None and len(shape) <= len(to) and all(
         s in (1, t) for s, t in zip(reversed(shape), reversed(to)))
-
-
-def scalar_constant(expr) -> float | None:
-    """The value of a one-element constant, else None."""
-    if isinstance(expr, tvm.ir.GenericConst):
-        value = expr.value.numpy()
-        if value.size == 1:
-            return float(value.reshape(-1)[0])
-    return None
 
 
 @dataclass(frozen=True)
@@ -96,6 +88,7 @@ def inline_prologue(root: relax.Expr, bound: dict, readers: Callable[[relax.Var]
     (``readers(var)``: the vars of the bindings reading `var`, None for the function's result)."""
     calls: list = []
     leaves: list = []
+    seen: set = set()  # inlined or leaves
     taken: set = set(inside)
     ops = [0]
 
@@ -105,8 +98,9 @@ def inline_prologue(root: relax.Expr, bound: dict, readers: Callable[[relax.Var]
         return recompute_pays(value, var, len(fusable) + 1, len(fusable) < len(others))
 
     def visit(e) -> None:
-        if e in {v for v, _ in calls} or any(e.same_as(leaf) for leaf in leaves) or scalar_constant(e) is not None:
+        if e in seen or scalar_constant(e) is not None:
             return
+        seen.add(e)
         value = bound.get(e) if isinstance(e, relax.DataflowVar) else None
         if not _inlinable(e, value, shape) or ops[0] >= MAX_OPS or not (
                 all(r in taken for r in readers(e)) or _pays(e, value)):

@@ -40,7 +40,7 @@ from tvm import relax, te, tirx
 
 from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, scalar_value, static_shape
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
-from .recompute_elementwise import FUSABLE
+from .recompute_elementwise import FUSABLE, _op
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -294,7 +294,7 @@ def _recomputes(value) -> bool:
     """Does a reader computing `value` take an elementwise producer into its own kernel (FuseOps,
     RecomputeElementwise, FuseLayerNormBackward's prologues), so that recomputing the value there
     costs a read of x instead of a read of the value?"""
-    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in FUSABLE
+    return _op(value) in FUSABLE
 
 
 def _name(shape, chain: LayerNormChain) -> str:

@@ -186,15 +186,13 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
         key, tail = dx, None
         if epilogue:  # dx's elementwise consumers in the kernel; the call sits at the last of them
             tail = epilogue_chain(dx, bound, readers, set(casts), shape, lambda v: blocks.get(v) == blocks.get(dx))
-            if tail is not None:
-                first, end = tail.calls[0][0], index[tail.root]
-                dx_others = [i for i in uses.get(dx, []) if i >= len(bindings) or bindings[i].var not in {first, *casts}]
-                later = dx_others + [i for c in casts for i in uses.get(c, [])]
-                if all(i > end for i in later):  # what reads dx or its casts comes after the call
-                    key, write_dx = tail.root, bool(dx_others)
-                    members = members | {dx} | {v for v, _ in tail.calls}
-                else:
-                    tail = None
+            # dx's only readers are now the tail and its casts (epilogue_chain): dx is not written,
+            # and what reads its casts must come after the call
+            if tail is not None and all(i > index[tail.root] for c in casts for i in uses.get(c, [])):
+                key, write_dx = tail.root, False
+                members = members | {dx} | {v for v, _ in tail.calls}
+            else:
+                tail = None
 
         def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
             if expr is None:

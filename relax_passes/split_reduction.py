@@ -29,11 +29,12 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._rewrite import binding_uses, mutate_relax_functions, producer, static_shape
 from .evt_cost import tensor_bytes
+from .recompute_elementwise import CHEAP
 
 RESHAPE = tvm.ir.Op.get("relax.reshape")
-# elementwise ops a split reduction's view is pushed above (``_Splitter._view``), at most MAX_PUSH deep
-ELEMENTWISE = frozenset({"relax.astype", "relax.multiply", "relax.add", "relax.subtract", "relax.divide",
-                         "relax.negative"})
+# elementwise ops a split reduction's view is pushed above (``_Splitter._view``), at most MAX_PUSH deep:
+# the ones RecomputeElementwise copies into each reader
+ELEMENTWISE = CHEAP
 MAX_PUSH = 16
 
 # op name -> (relax builder, its stages are sums) ; mean is a sum divided by the count

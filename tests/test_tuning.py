@@ -265,17 +265,15 @@ def test_cuda_route_leaves_no_var_undefined():
     from tvm import relax
 
     from _torch_ref import no_dropout
-    from tvm_evt.pipeline import phases
     from tvm_evt.training import build_training_module, from_torch, runtime_module
 
     entry = models.ZOO["bert_layer"](batch=4, seq=80, hidden=256, heads=4)
     no_dropout(entry.model)
     graph = build_training_module(from_torch(entry.model, entry.example_inputs(), entry.loss_fn), None, "bf16")
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    passes = tuning.without_builds(phases(target))
-    names = [p.info.name for p in passes]
+    before, schedule = tuning.until_scheduling(target)
     with target:
-        mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(runtime_module(graph.mod))
+        mod = tvm.transform.Sequential([*before, schedule])(runtime_module(graph.mod))
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function) or (func.attrs and "Codegen" in func.attrs):
             continue

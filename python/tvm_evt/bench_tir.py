@@ -28,20 +28,17 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     """``{column_rows: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match
     `match`, scheduled with each ``ColumnReduction`` row-group count (None: its default)."""
     from . import bench_e2e, tuning
-    from .pipeline import phases
     from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
     entry = bench_e2e.build_entry(model, False)
     _, graph = tuning.training_graph(entry, precision)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    passes = tuning.without_builds(phases(target))
-    names = tuning._names(passes)
-    at = names.index("ScheduleTIRForGPU")
+    before, schedule = tuning.until_scheduling(target)
     with target:
-        fused = tvm.transform.Sequential(passes[:at])(graph.mod)
+        fused = tvm.transform.Sequential(before)(graph.mod)
         out = {}
         for rows in column_rows:
-            mod = ScheduleTIRForGPU(vectorize=passes[at].vectorize, column_rows=rows)(fused)
+            mod = ScheduleTIRForGPU(vectorize=schedule.vectorize, column_rows=rows)(fused)
             out[rows] = {gv.name_hint: f for gv, f in mod.functions_items()
                          if isinstance(f, tvm.tirx.PrimFunc) and re.search(match, gv.name_hint)}
     return out

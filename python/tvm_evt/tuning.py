@@ -94,6 +94,17 @@ def without_builds(passes: list, opaque: "OpaqueEVTCalls | None" = None) -> list
             if name != "PrebuildKernels"]
 
 
+def until_scheduling(target: tvm.target.Target, opaque: "OpaqueEVTCalls | None" = None) -> tuple[list, object]:
+    """(the CUDA route's passes before ``ScheduleTIRForGPU``, without nvcc (``without_builds``);
+    that pass): the TVM kernels as they are scheduled, without building any."""
+    passes = without_builds(phases(target), opaque)
+    names = _names(passes)
+    if "ScheduleTIRForGPU" not in names:
+        raise ValueError(f"the TVM kernels are scheduled on the CUDA route; target {target} has no ScheduleTIRForGPU")
+    at = names.index("ScheduleTIRForGPU")
+    return passes[:at], passes[at]
+
+
 def split_phases(target: tvm.target.Target) -> tuple[list, list]:
     """The ``evt`` pipeline's phases cut right after ``FuseTIR``: (up to fused TIR, the rest).
 
@@ -233,12 +244,9 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
     the TIR kernels are those after scheduling, with pure reshapes as the views they become.
     A lower bound on memory time to compare graph rewrites by, without a GPU."""
     opaque = OpaqueEVTCalls()
-    passes = without_builds(phases(target), opaque)
-    names = _names(passes)
-    if "ScheduleTIRForGPU" not in names:
-        raise ValueError(f"kernel_traffic follows the CUDA route; target {target} has no ScheduleTIRForGPU")
+    before, schedule = until_scheduling(target, opaque)
     with target:
-        mod = tvm.transform.Sequential(passes[: names.index("ScheduleTIRForGPU") + 1])(mod)
+        mod = tvm.transform.Sequential([*before, schedule])(mod)
         mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
 
     from .relax_passes.evt_cost import tensor_bytes
