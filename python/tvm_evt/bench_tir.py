@@ -27,11 +27,11 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
                       match: str = "") -> dict:
     """``{column_rows: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match
     `match`, scheduled with each ``ColumnReduction`` row-group count (None: its default)."""
-    from . import bench_e2e, tuning
+    from . import bench_e2e, optim, tuning
     from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
     entry = bench_e2e.build_entry(model, False)
-    _, graph = tuning.training_graph(entry, precision)
+    _, graph = tuning.training_graph(entry, precision, optim.AdamW(lr=1e-4))  # as scripts/bench.py
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     before, schedule = tuning.until_scheduling(target)
     with target:
