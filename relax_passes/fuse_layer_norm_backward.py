@@ -16,8 +16,9 @@ reads them, and so are the elementwise producers of its inputs where nothing els
 recomputing pays (``_prologue.py``): ``xhat`` from the bf16 ``x`` and the statistics FuseLayerNorm
 writes, a loss gradient ``dy`` from them and the target.  With ``epilogue=True`` (the pipeline's
 opt-in ``ln_epilogue``) the elementwise ops that alone read ``dx`` -- GPT-2's residual add, cast,
-dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``.  Each element is computed with the graph's operations in the graph's order (the sums
-may associate differently).  All values float32, in one dataflow block; only ``dx`` is read
+dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``.
+Each element is computed with the graph's operations in the graph's order (the sums may associate
+differently).  All values float32, in one dataflow block; only ``dx`` is read
 outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
 """
 
