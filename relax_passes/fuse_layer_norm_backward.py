@@ -15,7 +15,7 @@ than the casts reads it) and its cast.  ``g`` and ``h`` are computed inside when
 reads them, and so are the elementwise producers of its inputs where nothing else reads them or
 recomputing pays (``_prologue.py``): ``xhat`` from the bf16 ``x`` and the statistics FuseLayerNorm
 writes, a loss gradient ``dy`` from them and the target.  With ``epilogue=True`` (the pipeline's
-opt-in ``ln_epilogue``) the elementwise ops that alone read ``dx`` -- GPT-2's residual add, cast,
+``ln_epilogue``, on by default) the elementwise ops that alone read ``dx`` -- GPT-2's residual add, cast,
 dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``.
 Each element is computed with the graph's operations in the graph's order (the sums may associate
 differently).  All values float32, in one dataflow block; only ``dx`` is read
