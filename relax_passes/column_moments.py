@@ -1,14 +1,18 @@
-"""A batch norm's two column sums in one pass over its input: ``tvm_evt`` column moments.
+"""Two column sums of a tensor in one pass over it: ``tvm_evt`` column moments.
 
 A training batch norm over the leading axes of a channel-last ``[..., C]`` tensor takes two sums
-per channel in each direction (`batch_norm_op`)::
+per channel in each direction (`batch_norm_op`), and a layer norm's parameter gradients are two
+more over the rows of its output gradient::
 
-    forward   Σ x,  Σ x·x                    (mean and the one-pass variance)
-    backward  Σ g,  Σ g·(x - mean)           (dβ and, times rstd, dγ)
+    batch norm, forward   Σ x,  Σ x·x                     (mean and the one-pass variance)
+    batch norm, backward  Σ g,  Σ g·(x - mean)            (dβ and, times rstd, dγ; mean per channel)
+    layer norm, backward  Σ g,  Σ g·((x - mean)·rstd)     (dβ and dγ; mean and rstd per row)
+
+These are the three ``KINDS``: ``moments``, ``centered`` and ``normalized``.
 
 As separate reductions they read ``x`` (``g``) twice: at ResNet-50 conv3_x's 100352 x 512 that is
-103 MB a read, and the column sums were 2.2 ms of its 9.8 ms step.  ``emit_moments`` emits both
-sums of a direction as one ``call_tir``:
+103 MB a read, and the column sums were 2.2 ms of its 9.8 ms step; a layer norm of GPT-2 medium
+reads its float32 ``g`` twice, 64 MB a read.  ``emit_moments`` emits both sums as one ``call_tir``:
 
 * the portable form (``moments_primfunc``, TE) is what any target builds: float32 partial sums of
   the row blocks of ``grid``, then the sums of the partials;
@@ -34,7 +38,9 @@ from tvm import relax, te, tirx
 
 from ._rewrite import OPAQUE, emit_call_tir
 
-MOMENTS_ATTR = "tvm_evt.column_moments"  # {"shape": [...], "dtypes": [...], "centered": bool}
+MOMENTS_ATTR = "tvm_evt.column_moments"  # {"shape": [...], "dtypes": [...], "kind": KINDS, "out": [...]}
+# the second sum's term, by kind: g·g, g·(x - mean[channel]), g·((x - mean[row])·rstd[row])
+KINDS = ("moments", "centered", "normalized")
 F32 = "float32"
 LANES, TX, TY = 4, 32, 8  # channels a thread (one 8-byte bf16 load), threads along C and along rows
 UNROLL = 4  # rows a thread loads before it adds them
@@ -70,19 +76,40 @@ def keep_shape(shape) -> list[int]:
     return [1] * (len(shape) - 1) + [shape[-1]]
 
 
-def moments_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
-    """Portable form: ``(a[, b, mean]) -> (s0, s1, p0, p1)`` with ``s0 = Σ a``, ``s1 = Σ a·a``
-    (or ``Σ a·(b - mean)`` when `centered`) over every axis but the last, in float32, and the
-    partial sums ``p0``/``p1`` ``[row blocks, C]`` they are the sums of."""
+def row_shape(shape) -> list[int]:
+    """A per-row statistic's shape (a ``normalized`` kind's mean and rstd): `shape` with the last axis 1."""
+    return list(shape[:-1]) + [1]
+
+
+def _stats(shape, kind):
+    """(name, shape) of the float32 statistics a kind reads after its two tensors."""
+    return {"moments": [], "centered": [("mean", keep_shape(shape))],
+            "normalized": [("mean", row_shape(shape)), ("rstd", row_shape(shape))]}[kind]
+
+
+def _check(shape, kind, out) -> list[int]:
+    if kind not in KINDS:
+        raise ValueError(f"column moments: unknown kind {kind!r}; known: {', '.join(KINDS)}")
+    out = keep_shape(shape) if out is None else [int(d) for d in out]
+    if math.prod(out) != shape[-1]:
+        raise ValueError(f"column moments: sums of shape {out} for {shape[-1]} channels")
+    return out
+
+
+def moments_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:
+    """Portable form: ``(a[, b, stats]) -> (s0, s1, p0, p1)`` with ``s0 = Σ a`` and ``s1`` the sum
+    of the kind's term (``KINDS``) over every axis but the last, in float32, shaped `out` (default
+    ``keep_shape``), and the partial sums ``p0``/``p1`` ``[row blocks, C]`` they are the sums of."""
     shape = [int(d) for d in shape]
+    out = _check(shape, kind, out)
     c, m = shape[-1], math.prod(shape[:-1])
     _, row_blocks, rows = grid(shape)
     a = te.placeholder(shape, dtypes[0], name="a")
     ins = [a]
-    if centered:
+    if kind != "moments":
         b = te.placeholder(shape, dtypes[1], name="b")
-        mean = te.placeholder(keep_shape(shape), F32, name="mean")
-        ins += [b, mean]
+        stats = {name: te.placeholder(st, F32, name=name) for name, st in _stats(shape, kind)}
+        ins += [b, *stats.values()]
 
     def at(tensor, r, ch):  # element (row r of the flattened leading axes, channel ch)
         idx, rest = [], r
@@ -95,8 +122,10 @@ def moments_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
         x = at(a, r, ch).astype(F32)
         if k == 0:
             return x
-        if centered:
-            return x * (at(b, r, ch).astype(F32) - mean[(0,) * (len(shape) - 1) + (ch,)])
+        if kind == "centered":
+            return x * (at(b, r, ch).astype(F32) - stats["mean"][(0,) * (len(shape) - 1) + (ch,)])
+        if kind == "normalized":
+            return x * ((at(b, r, ch).astype(F32) - at(stats["mean"], r, 0)) * at(stats["rstd"], r, 0))
         return x * x
 
     def partial(k):
@@ -109,20 +138,27 @@ def moments_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
 
     def total(p, k):
         rb = te.reduce_axis((0, row_blocks), name="rb")
-        return te.compute(keep_shape(shape), lambda *idx: te.sum(p[rb, idx[-1]], axis=rb), name=f"s{k}")
+        def channel(idx):  # the flat channel of an index of `out`
+            flat = idx[0]
+            for i, d in zip(idx[1:], out[1:]):
+                flat = flat * d + i
+            return flat
+        return te.compute(out, lambda *idx: te.sum(p[rb, channel(idx)], axis=rb), name=f"s{k}")
 
     p0, p1 = partial(0), partial(1)
     func = te.create_prim_func(ins + [total(p0, 0), total(p1, 1), p0, p1]).without_attr("global_symbol")
     func = func.with_attr("op_pattern", OPAQUE)
-    return func.with_attr(MOMENTS_ATTR, json.dumps({"shape": shape, "dtypes": list(dtypes), "centered": centered}))
+    return func.with_attr(MOMENTS_ATTR, json.dumps({"shape": shape, "dtypes": list(dtypes), "kind": kind, "out": out}))
 
 
-def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
+def moments_gpu_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:
     """``moments_primfunc``'s arguments, scheduled for CUDA (the module docstring)."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     shape = [int(d) for d in shape]
+    out = _check(shape, kind, out)
+    paired = kind != "moments"  # reads a second tensor b
     c, m = shape[-1], math.prod(shape[:-1])
     col_blocks, row_blocks, rows = grid(shape)
     idx = "int64" if m * c >= 2**31 else "int32"
@@ -149,10 +185,10 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
             T.func_name("column_moments")
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
             a = T.arg("a", T.buffer(shape, dtypes[0]))
-            if centered:
+            if paired:
                 b = T.arg("b", T.buffer(shape, dtypes[1]))
-                mean = T.arg("mean", T.buffer(keep_shape(shape), F32))
-            s = [T.arg(f"s{k}", T.buffer(keep_shape(shape), F32)) for k in range(2)]
+                stats = {name: T.arg(name, T.buffer(st, F32)) for name, st in _stats(shape, kind)}
+            s = [T.arg(f"s{k}", T.buffer(out, F32)) for k in range(2)]
             p = [T.arg(f"p{k}", T.buffer((row_blocks, c), F32)) for k in range(2)]
             # a root block, as DLight's schedules have (RewriteDataflowReshape asks every one-input
             # PrimFunc whether it is a reshape, and that analysis wants a block at the root)
@@ -160,7 +196,9 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
             root.__enter__()
             flat = lambda buf, n: T.decl_buffer((n,), buf.dtype, data=buf.data)  # noqa: E731
             fa = flat(a, m * c)
-            fb, fmean = (flat(b, m * c), flat(mean, c)) if centered else (None, None)
+            fb = flat(b, m * c) if paired else None
+            fmean = flat(stats["mean"], c if kind == "centered" else m) if paired else None
+            frstd = flat(stats["rstd"], m) if kind == "normalized" else None
             fs = [flat(buf, c) for buf in s]
             with T.thread_binding(const(col_blocks), thread="blockIdx.x") as bx:
                 with T.thread_binding(const(row_blocks), thread="blockIdx.y") as by:
@@ -169,15 +207,17 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
                         with T.thread_binding(const(TX), thread="threadIdx.x") as tx:
                             acc = T.alloc_buffer((2, LANES), F32, scope="local")
                             va = T.alloc_buffer((UNROLL, LANES), dtypes[0], scope="local")
-                            vb = T.alloc_buffer((UNROLL, LANES), dtypes[1], scope="local") if centered else None
-                            vm = T.alloc_buffer((LANES,), F32, scope="local") if centered else None
+                            vb = T.alloc_buffer((UNROLL, LANES), dtypes[1], scope="local") if paired else None
+                            # the mean of each channel (centered), or the statistics of each row (normalized)
+                            vm = T.alloc_buffer((LANES,), F32, scope="local") if kind == "centered" else None
+                            vs = T.alloc_buffer((2, UNROLL), F32, scope="local") if kind == "normalized" else None
                             c0 = (bx * const(TX) + tx) * const(LANES)
                             for k in range(2):
                                 for v in range(LANES):
                                     T.buffer_store(acc, zero, [k, v])
                             with T.If(c0 < const(c)):
                                 with T.Then():
-                                    if centered:
+                                    if kind == "centered":
                                         with T.vectorized(0, LANES) as v:
                                             T.buffer_store(vm, fmean[c0 + v], [v])
                                     with T.serial(0, rows // (TY * UNROLL)) as i:
@@ -186,14 +226,20 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
                                             with guard(row(u)):
                                                 with T.vectorized(0, LANES) as v:
                                                     T.buffer_store(va, fa[row(u) * const(c) + c0 + v], [u, v])
-                                                if centered:
+                                                if paired:
                                                     with T.vectorized(0, LANES) as v:
                                                         T.buffer_store(vb, fb[row(u) * const(c) + c0 + v], [u, v])
+                                                if kind == "normalized":
+                                                    T.buffer_store(vs, fmean[row(u)], [0, u])
+                                                    T.buffer_store(vs, frstd[row(u)], [1, u])
                                         for u in range(UNROLL):
                                             with guard(row(u)):
                                                 for v in range(LANES):
                                                     x = T.Cast(F32, va[u, v])
-                                                    y = T.Cast(F32, vb[u, v]) - vm[v] if centered else x
+                                                    y = {"moments": lambda: x,
+                                                         "centered": lambda: T.Cast(F32, vb[u, v]) - vm[v],
+                                                         "normalized": lambda: (T.Cast(F32, vb[u, v]) - vs[0, u]) * vs[1, u],
+                                                         }[kind]()
                                                     T.buffer_store(acc, acc[0, v] + x, [0, v])
                                                     T.buffer_store(acc, acc[1, v] + x * y, [1, v])
                             for k in range(2):
@@ -239,21 +285,24 @@ def moments_gpu_primfunc(shape, dtypes, centered: bool) -> tirx.PrimFunc:
 def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """The CUDA form of a ``moments_primfunc`` (one tagged ``MOMENTS_ATTR``)."""
     spec = json.loads(str(func.attrs[MOMENTS_ATTR]))
-    return moments_gpu_primfunc(spec["shape"], spec["dtypes"], spec["centered"])
+    return moments_gpu_primfunc(spec["shape"], spec["dtypes"], spec["kind"], spec["out"])
 
 
-def emit_moments(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr | None = None,
-                 mean: relax.Expr | None = None) -> tuple[relax.Var, relax.Var]:
-    """Emit ``(Σ a, Σ a·a)``, or ``(Σ a, Σ a·(b - mean))`` given `b` and `mean`, over every axis
-    but the last, as float32 ``[1, .., 1, C]`` values of one ``call_tir`` (check `supported`
-    first).  `a` and `b` are read in their own dtypes."""
+def emit_moments(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr | None = None, *stats: relax.Expr,
+                 out=None) -> tuple[relax.Var, relax.Var]:
+    """Emit ``(Σ a, Σ a·a)``; given `b` and a per-channel mean, ``(Σ a, Σ a·(b - mean))``; given
+    `b` and per-row mean and rstd, ``(Σ a, Σ a·((b - mean)·rstd))``: sums over every axis but the
+    last, as float32 values of one ``call_tir`` shaped `out` (default ``keep_shape``; check
+    `supported` first).  `a` and `b` are read in their own dtypes."""
     shape = [int(d) for d in a.ty.shape.values]
-    centered = b is not None
-    dtypes = [str(a.ty.dtype), str(b.ty.dtype) if centered else str(a.ty.dtype)]
-    func = moments_primfunc(shape, dtypes, centered)
-    gv = bb.add_func(func, "column_moments_centered" if centered else "column_moments")
+    kind = KINDS[len(stats)] if b is not None else "moments"
+    if b is not None and not stats:
+        raise ValueError("column moments: a second tensor needs a mean (and an rstd per row)")
+    dtypes = [str(a.ty.dtype), str(b.ty.dtype) if b is not None else str(a.ty.dtype)]
+    func = moments_primfunc(shape, dtypes, kind, out)
+    gv = bb.add_func(func, "column_moments" if kind == "moments" else f"column_moments_{kind}")
     _, row_blocks, _ = grid(shape)
-    keep = relax.TensorType(keep_shape(shape), F32)
+    total = relax.TensorType(_check(shape, kind, out), F32)
     part = relax.TensorType((row_blocks, shape[-1]), F32)
-    outs = emit_call_tir(bb, gv, [a, b, mean] if centered else [a], [keep, keep, part, part])
+    outs = emit_call_tir(bb, gv, [a] if b is None else [a, b, *stats], [total, total, part, part])
     return outs[0], outs[1]

@@ -1,16 +1,25 @@
-"""FuseColumnMoments: a batch norm's two column sums of one direction as one pass over its input.
+"""FuseColumnMoments: two column sums over the same tensor as one pass over it.
 
 Batch-norm statistics and gradients come out of `batch_norm_op` (and `DecomposeBatchNorm`) as
-pairs of reductions over every axis but the channel axis that read the same tensor::
+pairs of reductions over every axis but the channel axis that read the same tensor, and so do a
+layer norm's parameter gradients (its mean and rstd are per row, ``[..., 1]``)::
 
-    forward   mean(v, A),  mean(v * v, A)                  v = x or astype(x, float32)
-    backward  sum(g, A),   sum(g * (w - mu), A)            g = dy or astype(dy, float32), w alike
+    batch norm, forward   mean(v, A),  mean(v * v, A)                 v = x or astype(x, float32)
+    batch norm, backward  sum(g, A),   sum(g * (w - mu), A)           g = dy or astype(dy, float32), w alike
+    layer norm, backward  sum(g, A),   sum(g * ((w - mu) * rstd), A)
 
 Each pair becomes one ``call_tir`` of `column_moments` (its GPU form reads ``x``, or ``dy`` and
 ``x``, once, in their own dtypes) at the place of the pair's first reduction; a mean is the sum
 times 1/M.  The pairs are found by this table of (name, the second reduction's operand, what
-the kernel reads) over channel-last reductions with ``keepdims`` that `column_moments.supported`
-accepts; anything else is left as it is.
+the kernel reads) over channel-last reductions (with ``keepdims`` or without) that
+`column_moments.supported` accepts; anything else is left as it is.
+
+The evt graph passes fuse the batch-norm pairs.  The layer-norm pair is fused on the CUDA route
+after ``FuseLayerNorm`` and ``RecomputeElementwise`` (``FuseColumnMoments(LAYER_NORM,
+stored=True)``), where ``xhat`` is recomputed from the input and the row statistics, and only
+when the kernel reads tensors some kernel writes anyway (``stored``): BERT-Large's last layer
+norm's ``g`` is the loss gradient, which each sum recomputes from the layer norm's input and the
+target, and one kernel reading it would have it written in float32 for it alone.
 """
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ REDUCE = {tvm.ir.Op.get("relax.sum"): "sum", tvm.ir.Op.get("relax.mean"): "mean"
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
 ASTYPE = tvm.ir.Op.get("relax.astype")
+RESHAPE = tvm.ir.Op.get("relax.reshape")
+KERNEL_CALLS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("call_tir", "call_dps_packed"))
 FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -49,6 +60,15 @@ class _Function:
             return value.args[0]
         return var
 
+    def stored(self, var) -> bool:
+        """Is `var` a parameter or a kernel's output (or a reshape of one), not a value a fused
+        kernel would compute?"""
+        value = self.value.get(var)
+        while _call(value, RESHAPE) and isinstance(value.args[0], relax.Var):
+            value = self.value.get(value.args[0])
+        return value is None or isinstance(value, relax.TupleGetItem) or (
+            isinstance(value, relax.Call) and value.op in KERNEL_CALLS)
+
     def before(self, var, i: int) -> bool:
         return self.index.get(var, -1) < i  # a parameter, or bound before binding i
 
@@ -59,16 +79,36 @@ class _Function:
             return value.args[0]
         return None
 
-    def centered(self, v):
-        """``(g, w, mu)`` of ``v = g * (w - mu)`` (either operand order)."""
+    def product(self, v, factor):
+        """``(g, found)`` of ``v = g * c`` (either operand order) where ``factor(c)`` is ``found``."""
         value = self.value.get(v)
         if not _call(value, MULTIPLY):
             return None
         for g, c in (value.args, value.args[::-1]):
-            diff = self.value.get(c)
-            if isinstance(g, relax.Var) and _call(diff, SUBTRACT) and all(isinstance(a, relax.Var) for a in diff.args):
-                return g, diff.args[0], diff.args[1]
+            found = factor(c) if isinstance(g, relax.Var) else None
+            if found is not None:
+                return g, found
         return None
+
+    def difference(self, c):
+        """``(w, mu)`` of ``c = w - mu``."""
+        diff = self.value.get(c)
+        if _call(diff, SUBTRACT) and all(isinstance(a, relax.Var) for a in diff.args):
+            return tuple(diff.args)
+        return None
+
+    def centered(self, v):
+        """``(g, w, mu)`` of ``v = g * (w - mu)``."""
+        found = self.product(v, self.difference)
+        return None if found is None else (found[0], *found[1])
+
+    def normalized(self, v):
+        """``(g, w, mu, rstd)`` of ``v = g * ((w - mu) * rstd)``."""
+        found = self.product(v, lambda c: self.product(c, self.difference))
+        if found is None:
+            return None
+        g, (rstd, (w, mu)) = found
+        return g, w, mu, rstd
 
 
 def _moments(fn: _Function, v):
@@ -86,23 +126,49 @@ def _centered_moments(fn: _Function, v):
     return g, [fn.read(g), fn.read(w), mu]
 
 
+def _normalized_moments(fn: _Function, v):
+    """``v = g * ((w - mu) * rstd)``: the pair is (sum(g), sum(v)); the kernel reads g, w, mu, rstd."""
+    found = fn.normalized(v)
+    if found is None:
+        return None
+    g, w, mu, rstd = found
+    return g, [fn.read(g), fn.read(w), mu, rstd]
+
+
+def _stats_fit(inputs, shape) -> bool:
+    """The second tensor has the first's shape, and the float32 statistics the shapes of their kind."""
+    if len(inputs) == 1:
+        return True
+    stat = column_moments.keep_shape(shape) if len(inputs) == 3 else column_moments.row_shape(shape)
+    return static_shape(inputs[1]) == shape and all(
+        str(s.ty.dtype) == "float32" and list(static_shape(s) or ()) == stat for s in inputs[2:])
+
+
 # (name, the second reduction's operand -> (the first reduction's operand, kernel inputs) or None)
-PAIRS = (("moments", _moments), ("centered moments", _centered_moments))
+PAIRS = (("moments", _moments), ("centered moments", _centered_moments),
+         ("normalized moments", _normalized_moments))
+BATCH_NORM = ("moments", "centered moments")
+LAYER_NORM = ("normalized moments",)
 
 
 def _reduction(binding):
-    """(kind, operand, axes) of a float32 keepdims sum/mean of a var over explicit axes, else None."""
+    """(kind, operand, axes) of a float32 sum/mean of a var over explicit axes, else None."""
     value = binding.value
     if not (isinstance(value, relax.Call) and value.op in REDUCE and isinstance(value.args[0], relax.Var)):
         return None
-    if not bool(value.attrs.keepdims) or value.attrs.axis is None or str(binding.var.ty.dtype) != "float32":
+    if value.attrs.axis is None or str(binding.var.ty.dtype) != "float32":
         return None
     ndim = value.args[0].ty.ndim
     return REDUCE[value.op], value.args[0], tuple(sorted(int(a) % ndim for a in value.attrs.axis))
 
 
-def plan(func: relax.Function) -> dict:
-    """first reduction's var -> (its var, the second's var, kind, kernel inputs, rows M)."""
+def plan(func: relax.Function, pairs=BATCH_NORM, stored: bool = False) -> dict:
+    """first reduction's var -> (its var, the second's var, kind, kernel inputs, rows M, sums'
+    shape) for the `pairs` (names in ``PAIRS``); with `stored`, only pairs whose kernel reads
+    tensors that are stored anyway (``_Function.stored``)."""
+    unknown = set(pairs) - {name for name, _ in PAIRS}
+    if unknown:
+        raise ValueError(f"FuseColumnMoments: unknown pair(s) {sorted(unknown)}; known: {[n for n, _ in PAIRS]}")
     fn = _Function(func)
     firsts: dict = {}  # (kind, what it reads, axes) -> binding indices
     for i, b in enumerate(fn.bindings):
@@ -116,8 +182,8 @@ def plan(func: relax.Function) -> dict:
         if red is None:
             continue
         kind, v, axes = red
-        for _name, match in PAIRS:
-            found = match(fn, v)
+        for name, match in PAIRS:
+            found = match(fn, v) if name in pairs else None
             if found is None:
                 continue
             first_operand, inputs = found
@@ -132,12 +198,14 @@ def plan(func: relax.Function) -> dict:
             at = min(i, j)
             if not all(fn.before(x, at) for x in inputs):
                 continue
-            if str(inputs[0].ty.dtype) not in FLOATS:
+            if str(inputs[0].ty.dtype) not in FLOATS or not _stats_fit(inputs, shape):
                 continue
-            if len(inputs) == 3 and (static_shape(inputs[1]) != shape or str(inputs[2].ty.dtype) != "float32"
-                                     or list(static_shape(inputs[2]) or ()) != column_moments.keep_shape(shape)):
+            if stored and not all(fn.stored(x) for x in inputs):
                 continue
-            out[fn.bindings[at].var] = (first, b.var, kind, inputs, math.prod(shape[:-1]))
+            out_shape = static_shape(b.var)
+            if out_shape is None or static_shape(first) != out_shape:
+                continue
+            out[fn.bindings[at].var] = (first, b.var, kind, inputs, math.prod(shape[:-1]), list(out_shape))
             taken |= {first, b.var}
             break
     return out
@@ -145,13 +213,14 @@ def plan(func: relax.Function) -> dict:
 
 @mutator
 class _Fuser(PyExprMutator):
-    def __init__(self, mod):
+    def __init__(self, mod, pairs, stored):
         super().__init__(mod)
+        self.kinds, self.stored = pairs, stored
         self.pairs: dict = {}
         self.done: set = set()
 
     def prime(self, func) -> None:
-        self.pairs, self.done = plan(func), set()
+        self.pairs, self.done = plan(func, self.kinds, self.stored), set()
 
     def visit_var_binding_(self, binding) -> None:
         if binding.var in self.done:
@@ -160,8 +229,8 @@ class _Fuser(PyExprMutator):
         if pair is None:
             super().visit_var_binding_(binding)
             return
-        first, second, kind, inputs, rows = pair
-        s = column_moments.emit_moments(self.builder_, *[self.visit_expr(x) for x in inputs])
+        first, second, kind, inputs, rows, out_shape = pair
+        s = column_moments.emit_moments(self.builder_, *[self.visit_expr(x) for x in inputs], out=out_shape)
         if kind == "mean":
             inv = relax.const(1.0 / rows, "float32")
             s = [self.builder_.emit(relax.op.multiply(t, inv)) for t in s]
@@ -172,8 +241,13 @@ class _Fuser(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="FuseColumnMoments")
 class FuseColumnMoments:
-    """Make every pair of batch-norm column sums of every Relax function one `column_moments` call."""
+    """Make every pair of column sums over one tensor of every Relax function one `column_moments`
+    call: the `pairs` of ``PAIRS`` (default the batch norm's), with `stored` only those reading
+    stored tensors (``plan``); the products only the pair read go."""
+
+    def __init__(self, pairs=BATCH_NORM, stored: bool = False):
+        self.pairs, self.stored = tuple(pairs), stored
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        fuser = _Fuser(mod)
-        return mutate_relax_functions(fuser, mod, fuser.prime)
+        fuser = _Fuser(mod, self.pairs, self.stored)
+        return relax.transform.DeadCodeElimination()(mutate_relax_functions(fuser, mod, fuser.prime))

@@ -1,7 +1,9 @@
-"""FuseColumnMoments and column_moments: a batch norm's two column sums as one pass over its input."""
+"""FuseColumnMoments and column_moments: a batch norm's (or a layer norm's parameter gradients')
+two column sums as one pass over their input."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -13,7 +15,7 @@ from tvm import relax
 from tvm.support import nvcc
 
 from tvm_evt.relax_passes import column_moments as cm
-from tvm_evt.relax_passes.fuse_column_moments import FuseColumnMoments
+from tvm_evt.relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
 
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 R = relax.op
@@ -112,48 +114,165 @@ def test_grid_covers_the_rows(shape):
         assert m == row_blocks * rows and col_blocks * row_blocks <= cm.TARGET_BLOCKS
 
 
-def _gpu_source(shape, centered):
-    func = cm.moments_gpu_primfunc(shape, ["bfloat16", "bfloat16"], centered).with_attr("global_symbol", "k")
+def _gpu_source(shape, kind, out=None):
+    func = cm.moments_gpu_primfunc(shape, ["bfloat16", "bfloat16"], kind, out).with_attr("global_symbol", "k")
     return tvm.compile(tvm.IRModule({"k": func}), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
 
 
-@pytest.mark.parametrize("centered", [False, True])
-def test_gpu_form_reads_each_input_once_as_vectors(centered):
-    src = _gpu_source((128, 28, 28, 512), centered)
+@pytest.mark.parametrize("kind", cm.KINDS)
+def test_gpu_form_reads_each_input_once_as_vectors(kind):
+    src = _gpu_source((128, 28, 28, 512), kind)
     loads = src.count("*(nv_bfloat164*)(")  # one 8-byte vector load of each input a row
-    assert loads == cm.UNROLL * (2 if centered else 1) * 2  # ... written as a load and a store to registers
+    assert loads == cm.UNROLL * (1 if kind == "moments" else 2) * 2  # ... written as a load and a store to registers
     kernels = set(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(', src))
     assert "__syncthreads()" in src and len(kernels) == 2, kernels  # the partials, then their sums
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
 def test_gpu_form_compiles_with_nvcc():
-    src = _gpu_source((3, 37, 16), True)  # ragged: the row guards
+    src = _gpu_source((3, 37, 16), "centered")  # ragged: the row guards
+    with tvm.target.Target(CUDA):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+    src = _gpu_source((3, 37, 16), "normalized", [16])
     with tvm.target.Target(CUDA):
         assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(16, 14, 14, 512), (3, 37, 16), (8, 28, 28, 128)])
-@pytest.mark.parametrize("centered", [False, True])
-def test_gpu_form_matches_float64(shape, centered):
+@pytest.mark.parametrize("kind", cm.KINDS)
+def test_gpu_form_matches_float64(shape, kind):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    func = cm.moments_gpu_primfunc(shape, ["bfloat16", "bfloat16"], centered).with_attr("global_symbol", "k")
-    lib = tvm.compile(tvm.IRModule({"k": func}), target=tvm.target.Target(CUDA))
     c = shape[-1]
-    keep = [1] * (len(shape) - 1) + [c]
+    out = [c] if kind == "normalized" else cm.keep_shape(shape)  # a layer norm's dgamma is [C]
+    func = cm.moments_gpu_primfunc(shape, ["bfloat16", "bfloat16"], kind, out).with_attr("global_symbol", "k")
+    lib = tvm.compile(tvm.IRModule({"k": func}), target=tvm.target.Target(CUDA))
     _, row_blocks, _ = cm.grid(shape)
     a, b = (torch.randn(shape, device="cuda").bfloat16() + 0.5 for _ in range(2))
-    mean = torch.randn(keep, device="cuda")
-    outs = [torch.full(keep, float("nan"), device="cuda") for _ in range(2)]
+    mean = torch.randn(cm.row_shape(shape) if kind == "normalized" else cm.keep_shape(shape), device="cuda")
+    rstd = torch.rand(cm.row_shape(shape), device="cuda") + 0.5
+    outs = [torch.full(out, float("nan"), device="cuda") for _ in range(2)]
     outs += [torch.full((row_blocks, c), float("nan"), device="cuda") for _ in range(2)]
-    ins = [a, b, mean] if centered else [a]
+    ins = {"moments": [a], "centered": [a, b, mean], "normalized": [a, b, mean, rstd]}[kind]
     lib["k"](*[tvm.runtime.from_dlpack(t) for t in ins + outs])
     torch.cuda.synchronize()
     a64, b64 = a.double().reshape(-1, c), b.double().reshape(-1, c)
-    want = [a64.sum(0), (a64 * (b64 - mean.double().reshape(c))).sum(0) if centered else (a64 * a64).sum(0)]
+    second = {"moments": lambda: a64 * a64,
+              "centered": lambda: a64 * (b64 - mean.double().reshape(c)),
+              "normalized": lambda: a64 * ((b64 - mean.double().reshape(-1, 1)) * rstd.double().reshape(-1, 1))}[kind]
+    want = [a64.sum(0), second().sum(0)]
     for got, w in zip(outs, want):
         torch.testing.assert_close(got.double().reshape(c), w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
     for p, s in zip(outs[2:], outs[:2]):  # the partials add up to the sums
         torch.testing.assert_close(p.sum(0), s.reshape(c), rtol=1e-5, atol=1e-3)
+
+
+def _layer_norm_param_grads(shape, g_dtype="float32", x_dtype="bfloat16", keepdims=False):
+    """main(g, x, mean, rstd): a layer norm's dbeta = Σ g and dgamma = Σ g·((x - mean)·rstd) over the
+    rows, as FuseLayerNorm leaves them (x widened from its bf16 form, mean and rstd per row)."""
+    bb = relax.BlockBuilder()
+    axes = list(range(len(shape) - 1))
+    g = relax.Var("g", relax.TensorType(shape, g_dtype))
+    x = relax.Var("x", relax.TensorType(shape, x_dtype))
+    mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
+    rstd = relax.Var("rstd", relax.TensorType(cm.row_shape(shape), "float32"))
+    with bb.function("main", [g, x, mean, rstd]):
+        with bb.dataflow():
+            xf = bb.emit(R.astype(x, "float32")) if x_dtype != "float32" else x
+            xhat = bb.emit(R.multiply(bb.emit(R.subtract(xf, mean)), rstd))
+            dgamma = bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), axes, keepdims=keepdims))
+            dbeta = bb.emit(R.sum(g, axes, keepdims=keepdims))
+            out = bb.emit_output(relax.Tuple([dgamma, dbeta]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _ln_args(shape, g_dtype, x_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(shape, generator=gen).to(getattr(torch, g_dtype))
+    x = (torch.randn(shape, generator=gen) * 2 + 1).to(getattr(torch, x_dtype))
+    mean = torch.randn(cm.row_shape(shape), generator=gen)
+    rstd = torch.rand(cm.row_shape(shape), generator=gen) + 0.5
+    return [g, x, mean, rstd]
+
+
+@pytest.mark.parametrize("g_dtype,x_dtype,keepdims", [("float32", "bfloat16", False), ("float32", "float32", False),
+                                                     ("float32", "bfloat16", True)])
+def test_layer_norm_parameter_gradients_become_one_call(g_dtype, x_dtype, keepdims):
+    shape = (3, 40, 32)
+    before = _layer_norm_param_grads(shape, g_dtype, x_dtype, keepdims)
+    assert _moments_calls(FuseColumnMoments()(before))[0] == []  # the default pairs are the batch norm's
+    after = FuseColumnMoments(LAYER_NORM, stored=True)(before)
+    calls, reductions = _moments_calls(after)
+    assert reductions == 0 and [name for name, _ in calls] == ["column_moments_normalized"]
+    spec = json.loads(calls[0][1])
+    assert spec["kind"] == "normalized" and spec["dtypes"] == [g_dtype, x_dtype]  # x read in bf16, not widened
+    assert spec["out"] == (cm.keep_shape(shape) if keepdims else [shape[-1]])
+    ops = {b.value.op.name for block in after["main"].body.blocks for b in block.bindings
+           if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)}
+    assert ops == {"relax.call_tir"}, ops  # the products only the sums read are gone
+    args = _ln_args(shape, g_dtype, x_dtype)
+    tvm_args = [tvm.runtime.from_dlpack(t) for t in args]
+    got, want = _run_llvm(after, tvm_args), _run_llvm(before, tvm_args)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    g64, x64, m64, r64 = (t.double() for t in args)
+    axes = list(range(len(shape) - 1))
+    ref = [(g64 * ((x64 - m64) * r64)).sum(axes, keepdim=keepdims), g64.sum(axes, keepdim=keepdims)]
+    for a, w in zip(got, ref):
+        np.testing.assert_allclose(a, w.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_layer_norm_pair_left_alone_when_the_statistics_are_per_channel_or_the_sums_differ():
+    shape = (3, 40, 32)
+    mod = _layer_norm_param_grads(shape)
+    # rstd per channel ([1, 1, C]), not per row: no kernel form reads it that way
+    bb = relax.BlockBuilder()
+    g = relax.Var("g", relax.TensorType(shape, "float32"))
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
+    rstd = relax.Var("rstd", relax.TensorType(cm.keep_shape(shape), "float32"))
+    with bb.function("main", [g, x, mean, rstd]):
+        with bb.dataflow():
+            xhat = bb.emit(R.multiply(bb.emit(R.subtract(x, mean)), rstd))
+            outs = [bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])), bb.emit(R.sum(g, [0, 1]))]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    calls, reductions = _moments_calls(FuseColumnMoments(LAYER_NORM)(bb.get()))
+    assert calls == [] and reductions == 2
+    # the two sums over different rows (dgamma over all, dbeta over the last axis only)
+    bb = relax.BlockBuilder()
+    params = list(mod["main"].params)
+    with bb.function("main", params):
+        with bb.dataflow():
+            g, x, mean, rstd = params
+            xhat = bb.emit(R.multiply(bb.emit(R.subtract(bb.emit(R.astype(x, "float32")), mean)), rstd))
+            outs = [bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])), bb.emit(R.sum(g, [1]))]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    calls, reductions = _moments_calls(FuseColumnMoments(LAYER_NORM)(bb.get()))
+    assert calls == [] and reductions == 2
+
+
+def test_stored_pairs_only_read_what_a_kernel_writes_anyway():
+    """With stored=True a pair whose g is an elementwise value (BERT-Large's loss gradient, which
+    each sum recomputes) is left alone: one kernel reading it would have it written for it alone."""
+    shape = (3, 40, 32)
+    bb = relax.BlockBuilder()
+    g0 = relax.Var("g0", relax.TensorType(shape, "float32"))
+    x = relax.Var("x", relax.TensorType(shape, "bfloat16"))
+    mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
+    rstd = relax.Var("rstd", relax.TensorType(cm.row_shape(shape), "float32"))
+    with bb.function("main", [g0, x, mean, rstd]):
+        with bb.dataflow():
+            g = bb.emit(R.add(g0, g0))
+            xhat = bb.emit(R.multiply(bb.emit(R.subtract(bb.emit(R.astype(x, "float32")), mean)), rstd))
+            outs = [bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])), bb.emit(R.sum(g, [0, 1]))]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert _moments_calls(FuseColumnMoments(LAYER_NORM, stored=True)(mod)) == ([], 2)
+    assert len(_moments_calls(FuseColumnMoments(LAYER_NORM)(mod))[0]) == 1
+    with pytest.raises(ValueError, match="unknown pair"):
+        FuseColumnMoments(("layer norm",))(mod)

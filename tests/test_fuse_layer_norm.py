@@ -199,6 +199,7 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
     the CPU with unscheduled kernels: loss and gradients as before."""
     from tvm_evt import models, pipeline, tuning
     from tvm_evt.pipeline import InlineEVTPartitions
+    from tvm_evt.relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
     from tvm_evt.relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
     from tvm_evt.relax_passes.recompute_elementwise import RecomputeElementwise
     from tvm_evt.relax_passes.split_reduction import SplitReduction
@@ -213,8 +214,13 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
         inlined = tvm.transform.Sequential(pipeline.front_passes() + [InlineEVTPartitions()])(graph.mod)
     fused = FuseLayerNormBackward(scheduled=False, epilogue=epilogue)(FuseLayerNorm(scheduled=False)(inlined))
     # and the rewrites that take the recomputed values into their readers' kernels, in the CUDA
-    # route's order
-    fused = SplitReduction()(RecomputeElementwise()(fused))
+    # route's order (the CPU graph's inlined partitions store nothing the pair reads, so
+    # FuseColumnMoments here pairs the layer norms' parameter gradients with stored=False)
+    fused = SplitReduction()(FuseColumnMoments(LAYER_NORM)(RecomputeElementwise()(fused)))
+    pairs = [b.value.args[0].name_hint for block in fused["main_adjoint"].body.blocks for b in block.bindings
+             if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.call_tir")
+             and b.value.args[0].name_hint.startswith("column_moments_normalized")]
+    assert len(pairs) == 2, pairs  # both layer norms' dgamma and dbeta
     names = [gv.name_hint for gv in fused.get_global_vars() if gv.name_hint.startswith("layer_norm_")]
     assert len([n for n in names if not n.startswith("layer_norm_grad")]) >= 2, names  # both forwards
     # both gradients (GPT-2: the second one's combine is in a GEMM epilogue, its means in TVM's kernels)

@@ -56,6 +56,7 @@ from .relax_passes.absorb_partition_input_casts import AbsorbPartitionInputCasts
 from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.fuse_layer_norm import FuseLayerNorm
+from .relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
 from .relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower_take_backward import LowerTakeBackward
@@ -192,6 +193,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                   if enabled("layer_norm") else []),
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
                 RecomputeElementwise(),
+                # a layer norm's dgamma and dbeta: one pass over its output gradient and input
+                FuseColumnMoments(LAYER_NORM, stored=True),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
