@@ -27,7 +27,8 @@ def test_dps_arguments_follow_the_flags():
 
 def test_forward_entry_bakes_in_shapes_flags_and_dropout_constants():
     src = emit_attention(call())
-    assert "flash_fwd<true, false, true, true><<<grid, kThreads, 0, stream>>>(p);" in src
+    # sk = 208 leaves its last 64-key tile part-filled: the kernels bound each row's keys (kRagged)
+    assert "flash_fwd<true, false, true, true, true><<<grid, kThreads, 0, stream>>>(p);" in src
     assert "dim3 grid((197 + kBlock - 1) / kBlock, 6);" in src
     # the Philox threshold and scale of p = 0.1 (codegen/philox.py's convention), the site
     assert "p.threshold = 6554u;" in src and "p.drop_scale = 1.1111111640930176f;" in src
@@ -44,7 +45,7 @@ def test_backward_entry_launches_delta_dkdv_dq():
     src = emit_attention(call(backward=True, dtype="float16", causal=True, dropout=0.0, has_bias=False,
                               symbol="attn_bwd"))
     assert "flash_delta<false><<<" in src
-    assert "flash_dkdv<false, true, false, false>" in src and "flash_dq<false, true, false, false>" in src
+    assert "flash_dkdv<false, true, false, false, true>" in src and "flash_dq<false, true, false, false, true>" in src
     assert "p.seed" not in src.split("int run(")[1]  # no dropout: no seed argument
     assert "expects 9 tensors" in src  # q, k, v, o, lse, dout, dq, dk, dv
 
@@ -53,7 +54,7 @@ def test_backward_entry_with_dropout_computes_dq_without_atomics():
     """dQ comes from its own kernel with dropout too: no fp32 workspace, no atomics (deterministic)."""
     src = emit_attention(call(backward=True, dropout=0.1, symbol="attn_bwd"))
     run = src.split("int run(")[1]
-    assert "flash_dkdv<true, false, true, true>" in run and "flash_dq<true, false, true, true>" in run
+    assert "flash_dkdv<true, false, true, true, true>" in run and "flash_dq<true, false, true, true, true>" in run
     assert "atomicAdd" not in src and "red.global.add" not in src and "cudaMemsetAsync" not in run
 
 
@@ -66,6 +67,16 @@ def test_bshd_layout_checks_sequence_major_shapes():
     assert emit_attention(call(layout="bshd")) != emit_attention(call())
 
 
+def test_full_key_tiles_drop_the_bound():
+    """Keys that fill their tiles (BERT-Large's 512) need no per-score compare unless causal: the
+    entry launches the kernels with kRagged false."""
+    src = emit_attention(call(sk=512, sq=512, backward=True))
+    run = src.split("int run(")[1]
+    assert "flash_dkdv<true, false, true, true, false>" in run and "flash_dq<true, false, true, true, false>" in run
+    assert "flash_fwd<true, false, true, true, false><<<" in emit_attention(call(sk=512, sq=512))
+    assert "constexpr bool kBounded = kCausal || kRagged;" in src
+
+
 def test_same_call_same_source():
     assert emit_attention(call()) == emit_attention(call())
     assert emit_attention(call()) != emit_attention(call(site=4))
@@ -76,6 +87,7 @@ def test_same_call_same_source():
     (dict(dtype="float32"), "dtype float32"),
     (dict(symbol="not-an-identifier"), "not a C identifier"),
     (dict(layout="sbhd"), "layout 'sbhd'"),
+    (dict(scale=-0.125), "scale -0.125"),
 ])
 def test_refuses_what_the_kernels_cannot_take(bad, reason):
     with pytest.raises(Unsupported, match=reason):

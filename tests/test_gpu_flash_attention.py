@@ -23,6 +23,8 @@ CASES = [
     ("vit_padded", 2, 3, 197, 208, False, True, 0.1, False),
     ("vit_saved", 2, 3, 197, 208, False, True, 0.1, True),
     ("ragged", 1, 2, 100, 77, True, False, 0.0, False),
+    ("ragged_keys", 1, 2, 100, 77, False, False, 0.1, False),  # kRagged without causal: keys bound the rows
+    ("bias_full_tiles", 2, 3, 128, 128, False, True, 0.0, False),  # a bias, no bound (kRagged false)
     ("ragged_dropout", 1, 2, 100, 77, True, False, 0.2, False),  # rows not 4-aligned: nine draws per word, shifted
     ("bshd_saved", 2, 3, 128, 192, False, False, 0.1, True, "bshd"),  # [B, S, H, D] in and out
     ("bshd_ragged_causal", 2, 3, 100, 77, True, False, 0.2, False, "bshd"),

@@ -1,7 +1,7 @@
 """Emit the flash-attention kernels' C++ for an ``AttentionCall`` (one TVM FFI entry per call).
 
-The kernels (``flash_templates.KERNELS``) are templates on the dtype and the causal / bias /
-dropout flags; the entry bakes in the shapes, scale and dropout constants, checks every argument
+The kernels (``flash_templates.KERNELS``) are templates on the dtype, the causal / bias /
+dropout flags and whether the keys leave their last tile part-filled (``ragged``); the entry bakes in the shapes, scale and dropout constants, checks every argument
 against them, and launches forward, or delta + dK/dV + dQ for the backward.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .flash_templates import BACKWARD_ENTRY, FORWARD_ENTRY, HEADER, KERNELS
 from .sm90_emitter import CODEGEN_VERSION
 
 DL_CODE = {"bfloat16": ("kDLBfloat", 16), "float16": ("kDLFloat", 16)}
+KEY_TILE = 64  # the kernels' kBlock: keys a streamed tile
 
 
 def _float(x: float) -> str:
@@ -46,6 +47,8 @@ def emit_attention(call: AttentionCall) -> str:
         raise Unsupported(f"{call.symbol}: head dimension {call.head_dim} (the kernels take 64)")
     if call.layout not in ("bhsd", "bshd"):
         raise Unsupported(f"{call.symbol}: layout {call.layout!r} (the kernels take bhsd, bshd)")
+    if not call.scale > 0:  # the forward takes a row's max before scaling its scores
+        raise Unsupported(f"{call.symbol}: scale {call.scale} (the kernels take a positive one)")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", call.symbol):
         raise Unsupported(f"{call.symbol!r} is not a C identifier")
     shapes = _shapes(call)
@@ -74,6 +77,8 @@ def emit_attention(call: AttentionCall) -> str:
     flags = dict(
         sq=call.sq, sk=call.sk, batch_heads=call.batch * call.heads, bf16="true" if call.dtype == "bfloat16" else "false",
         causal=str(call.causal).lower(), has_bias=str(call.has_bias).lower(), has_dropout=str(call.has_dropout).lower(),
+        # keys that do not fill their last tile: only then (or causal) does a row see part of a tile
+        ragged=str(call.sk % KEY_TILE != 0).lower(),
     )
     entry = template.substitute(
         namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, num_args=len(names), bind=bind, checks=checks,

@@ -28,7 +28,8 @@ The elementwise work between the MMAs is the kernels' bottleneck (one warpgroup 
 three CTAs an SM), so it is kept to a few instructions a score:
 - one FMA against -LSE·log2(e), staged once per query;
 - ``ex2.approx.ftz``;
-- one compare against the row's (or key's) visible bound;
+- one compare against the row's (or key's) visible bound, where attention is causal or the keys leave
+  their last tile part-filled (``kRagged``: the entry knows the shapes);
 - the keep bits read a word at a time;
 - 1/(1-p) applied once, to O and to dV.
 Each kernel has one copy of this code: with an unmasked fast copy beside the masked one (a uniform
@@ -422,11 +423,13 @@ __device__ __forceinline__ void store_rows(uint16_t* dst, const float (&acc)[8][
 // probabilities that multiply V (dropped ones zero; the kept ones not yet divided by 1 - p: the
 // output is, once), and the running max / sum of the thread's two rows and its accumulator rows are
 // updated.
-template <bool kCausal, bool kBias, bool kDropout>
+template <bool kCausal, bool kBias, bool kDropout, bool kRagged>
 __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4], float (&m_run)[2], float (&l_run)[2],
                                             Params const& p, const uint32_t* mask, const float* bias,
                                             const int (&row)[2], int n0, int warp, int g, int t) {
-  // row r sees the tile's keys [0, visible[r]): those that exist and, causal, do not follow it
+  // row r sees the tile's keys [0, visible[r]): those that exist and, causal, do not follow it.
+  // Only causal attention or a key count that is not a multiple of the tile hides any.
+  constexpr bool kBounded = kCausal || kRagged;
   int visible[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) visible[r] = (kCausal ? min(p.sk, row[r] + 1) : p.sk) - n0;
@@ -436,9 +439,10 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4]
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = frag_col(nt, e, t);
-      float x = s[nt][e] * p.scale_log2;
-      if (kBias) x = fmaf(bias[col], kLog2e, x);
-      x = col < visible[e >> 1] ? x : -INFINITY;
+      // without a bias a score is scaled only in its exponent's FMA (the scale is positive, so the
+      // row's max is the max of the unscaled scores, scaled)
+      float x = kBias ? fmaf(bias[col], kLog2e, s[nt][e] * p.scale_log2) : s[nt][e];
+      if (kBounded) x = col < visible[e >> 1] ? x : -INFINITY;
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
@@ -446,7 +450,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4]
   float base[2], corr[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+    const float m_new = fmaxf(m_run[r], kBias ? quad_max(mx[r]) : quad_max(mx[r]) * p.scale_log2);
     base[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
     corr[r] = ex2(m_run[r] - base[r]);
     m_run[r] = m_new;
@@ -466,7 +470,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4]
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e >> 1;
-      const float pr = ex2(s[nt][e] - base[r]);
+      const float pr = ex2(kBias ? s[nt][e] - base[r] : fmaf(s[nt][e], p.scale_log2, -base[r]));
       l_run[r] += pr;  // the softmax normaliser counts dropped probabilities too
       s[nt][e] = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u ? pr : 0.f;
       acc[nt][e] *= corr[r];
@@ -474,7 +478,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4]
   }
 }
 
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
+template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
   __shared__ alignas(1024) uint16_t sQ[kTile];
   __shared__ alignas(1024) uint16_t sK[2][kTile];
@@ -528,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
 
     // one copy of the softmax, whatever the tile: with a fast copy for unmasked tiles beside it (a
     // uniform branch), every output came out wrong (H100, nvcc 13.0), though each copy alone was right
-    fwd_softmax<kCausal, kBias, kDropout>(s, acc, m_run, l_run, p, sMask[buf], sBias[buf], row, n0, warp, g, t);
+    fwd_softmax<kCausal, kBias, kDropout, kRagged>(s, acc, m_run, l_run, p, sMask[buf], sBias[buf], row, n0, warp, g, t);
     gemm_pk<kBf16>(acc, s, sV[buf]);
     cp_async_wait_all();
     __syncthreads();
@@ -578,7 +582,7 @@ __device__ __forceinline__ float neg_lse_log2(float lse) { return lse == -INFINI
 // kept probabilities Pᵀ (into s; dropped ones 0, kept ones not yet divided by 1 - p) and of
 // dSᵀ = Pᵀ (dPᵀ - D) (into dp, dPᵀ dropped and scaled like P).  Rows are the CTA's keys, columns
 // the tile's queries: nlse and delta are the tile's -LSE log2(e) and D, mask its keep bits.
-template <bool kCausal, bool kBias, bool kDropout>
+template <bool kCausal, bool kBias, bool kDropout, bool kRagged>
 __device__ __forceinline__ void dkdv_scores(float (&s)[8][4], float (&dp)[8][4], Params const& p, const float* nlse,
                                             const float* delta, const uint32_t* mask, const float (&kb)[2],
                                             const int (&key)[2], int m0, int warp, int g, int t) {
@@ -602,7 +606,7 @@ __device__ __forceinline__ void dkdv_scores(float (&s)[8][4], float (&dp)[8][4],
     for (int e = 0; e < 4; ++e) {
       const int j = e & 1, r = e >> 1;
       float x = fmaf(s[nt][e], p.scale_log2, kBias ? (j ? nl.y : nl.x) + kb[r] : (j ? nl.y : nl.x));
-      const float pr = c + j >= first[r] ? ex2(x) : 0.f;
+      const float pr = !(kCausal || kRagged) || c + j >= first[r] ? ex2(x) : 0.f;
       const bool kept_e = !kDropout || ((word[j] >> (8 * r)) & 1u);
       s[nt][e] = kept_e ? pr : 0.f;
       const float dpe = kept_e ? dp[nt][e] : 0.f;
@@ -612,7 +616,7 @@ __device__ __forceinline__ void dkdv_scores(float (&s)[8][4], float (&dp)[8][4],
 }
 
 // ---- backward: dK and dV, one CTA per 64 keys
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
+template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
 __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   __shared__ alignas(1024) uint16_t sQ[2][kTile];
   __shared__ alignas(1024) uint16_t sD[2][kTile];   // dO tiles
@@ -698,7 +702,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
     gemm_nk2<kBf16>(s, kf, sQ[buf], dp, vf, sD[buf]);  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
     // Pdᵀ into s (P where kept, else 0: dV is divided by 1 - p once, when stored); dSᵀ into dp
-    dkdv_scores<kCausal, kBias, kDropout>(s, dp, p, sL[buf], sDelta[buf], sMask[buf], kb, key, m0, warp, g, t);
+    dkdv_scores<kCausal, kBias, kDropout, kRagged>(s, dp, p, sL[buf], sDelta[buf], sMask[buf], kb, key, m0, warp, g, t);
     uint32_t pa[4][4], da[4][4];  // Pdᵀ and dSᵀ as A operands
     pack_a<kBf16>(pa, s);
     pack_a<kBf16>(da, dp);
@@ -720,7 +724,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
 }
 
 // ---- backward: dQ, one CTA per 64 query rows
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout>
+template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   __shared__ alignas(1024) uint16_t sK[2][kTile];
   __shared__ alignas(1024) uint16_t sV[2][kTile];
@@ -800,7 +804,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
         const int col = frag_col(nt, e, t), r = e >> 1;
         float x = fmaf(s[nt][e], p.scale_log2, nlse[r]);
         if (kBias) x = fmaf(sBias[buf][col], kLog2e, x);
-        const float pr = col < visible[r] ? ex2(x) : 0.f;
+        const float pr = !(kCausal || kRagged) || col < visible[r] ? ex2(x) : 0.f;
         const bool kept_e = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u;
         const float dpe = kept_e ? dp[nt][e] : 0.f;
         s[nt][e] = pr * (kDropout ? fmaf(dpe, p.drop_scale, -dlt[r]) : dpe - dlt[r]);  // dS
@@ -920,7 +924,7 @@ FORWARD_ENTRY = Template(
 """
     + PARAMS
     + """  dim3 grid((${sq} + kBlock - 1) / kBlock, ${batch_heads});
-  flash_fwd<${bf16}, ${causal}, ${has_bias}, ${has_dropout}><<<grid, kThreads, 0, stream>>>(p);
+  flash_fwd<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}><<<grid, kThreads, 0, stream>>>(p);
   return launched(kKernel);
 }
 }  // namespace ${namespace}
@@ -950,9 +954,9 @@ BACKWARD_ENTRY = Template(
   if (cudaMallocAsync(reinterpret_cast<void**>(&p.delta), sizeof(float) * rows, stream) != cudaSuccess)
     return fail("RuntimeError", "%s: cannot allocate %d floats of workspace", kKernel, rows);
   flash_delta<${bf16}><<<(rows + kDeltaRows - 1) / kDeltaRows, kThreads, 0, stream>>>(p, rows);
-  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
+  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>
       <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
-  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}>
+  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>
       <<<dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
   int status = launched(kKernel);
   cudaFreeAsync(p.delta, stream);
