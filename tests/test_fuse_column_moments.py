@@ -168,21 +168,24 @@ def test_gpu_form_matches_float64(shape, kind):
         torch.testing.assert_close(p.sum(0), s.reshape(c), rtol=1e-5, atol=1e-3)
 
 
-def _layer_norm_param_grads(shape, g_dtype="float32", x_dtype="bfloat16", keepdims=False):
-    """main(g, x, mean, rstd): a layer norm's dbeta = Σ g and dgamma = Σ g·((x - mean)·rstd) over the
-    rows, as FuseLayerNorm leaves them (x widened from its bf16 form, mean and rstd per row)."""
+def _layer_norm_param_grads(shape, g_dtype="float32", x_dtype="bfloat16", keepdims=False, rstd_shape=None,
+                            dbeta_axes=None, g_of=None):
+    """main(g, x, mean, rstd): a layer norm's dgamma = Σ g·((x - mean)·rstd) and dbeta = Σ g over the
+    rows, as FuseLayerNorm leaves them (x widened from its bf16 form, mean and rstd per row).  The
+    variants: rstd of `rstd_shape`, dbeta over `dbeta_axes`, the sums over ``g_of(g)``."""
     bb = relax.BlockBuilder()
     axes = list(range(len(shape) - 1))
     g = relax.Var("g", relax.TensorType(shape, g_dtype))
     x = relax.Var("x", relax.TensorType(shape, x_dtype))
     mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
-    rstd = relax.Var("rstd", relax.TensorType(cm.row_shape(shape), "float32"))
+    rstd = relax.Var("rstd", relax.TensorType(rstd_shape or cm.row_shape(shape), "float32"))
     with bb.function("main", [g, x, mean, rstd]):
         with bb.dataflow():
+            dy = bb.emit(g_of(g)) if g_of else g
             xf = bb.emit(R.astype(x, "float32")) if x_dtype != "float32" else x
             xhat = bb.emit(R.multiply(bb.emit(R.subtract(xf, mean)), rstd))
-            dgamma = bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), axes, keepdims=keepdims))
-            dbeta = bb.emit(R.sum(g, axes, keepdims=keepdims))
+            dgamma = bb.emit(R.sum(bb.emit(R.multiply(dy, xhat)), axes, keepdims=keepdims))
+            dbeta = bb.emit(R.sum(dy, dbeta_axes or axes, keepdims=keepdims))
             out = bb.emit_output(relax.Tuple([dgamma, dbeta]))
         bb.emit_func_output(out)
     return bb.get()
@@ -226,52 +229,18 @@ def test_layer_norm_parameter_gradients_become_one_call(g_dtype, x_dtype, keepdi
 
 def test_layer_norm_pair_left_alone_when_the_statistics_are_per_channel_or_the_sums_differ():
     shape = (3, 40, 32)
-    mod = _layer_norm_param_grads(shape)
     # rstd per channel ([1, 1, C]), not per row: no kernel form reads it that way
-    bb = relax.BlockBuilder()
-    g = relax.Var("g", relax.TensorType(shape, "float32"))
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
-    rstd = relax.Var("rstd", relax.TensorType(cm.keep_shape(shape), "float32"))
-    with bb.function("main", [g, x, mean, rstd]):
-        with bb.dataflow():
-            xhat = bb.emit(R.multiply(bb.emit(R.subtract(x, mean)), rstd))
-            outs = [bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])), bb.emit(R.sum(g, [0, 1]))]
-            out = bb.emit_output(relax.Tuple(outs))
-        bb.emit_func_output(out)
-    calls, reductions = _moments_calls(FuseColumnMoments(LAYER_NORM)(bb.get()))
-    assert calls == [] and reductions == 2
+    per_channel = _layer_norm_param_grads(shape, rstd_shape=cm.keep_shape(shape))
     # the two sums over different rows (dgamma over all, dbeta over the last axis only)
-    bb = relax.BlockBuilder()
-    params = list(mod["main"].params)
-    with bb.function("main", params):
-        with bb.dataflow():
-            g, x, mean, rstd = params
-            xhat = bb.emit(R.multiply(bb.emit(R.subtract(bb.emit(R.astype(x, "float32")), mean)), rstd))
-            outs = [bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])), bb.emit(R.sum(g, [1]))]
-            out = bb.emit_output(relax.Tuple(outs))
-        bb.emit_func_output(out)
-    calls, reductions = _moments_calls(FuseColumnMoments(LAYER_NORM)(bb.get()))
-    assert calls == [] and reductions == 2
+    other_rows = _layer_norm_param_grads(shape, dbeta_axes=[1])
+    for mod in (per_channel, other_rows):
+        assert _moments_calls(FuseColumnMoments(LAYER_NORM)(mod)) == ([], 2)
 
 
 def test_stored_pairs_only_read_what_a_kernel_writes_anyway():
     """With stored=True a pair whose g is an elementwise value (BERT-Large's loss gradient, which
     each sum recomputes) is left alone: one kernel reading it would have it written for it alone."""
-    shape = (3, 40, 32)
-    bb = relax.BlockBuilder()
-    g0 = relax.Var("g0", relax.TensorType(shape, "float32"))
-    x = relax.Var("x", relax.TensorType(shape, "bfloat16"))
-    mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
-    rstd = relax.Var("rstd", relax.TensorType(cm.row_shape(shape), "float32"))
-    with bb.function("main", [g0, x, mean, rstd]):
-        with bb.dataflow():
-            g = bb.emit(R.add(g0, g0))
-            xhat = bb.emit(R.multiply(bb.emit(R.subtract(bb.emit(R.astype(x, "float32")), mean)), rstd))
-            outs = [bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])), bb.emit(R.sum(g, [0, 1]))]
-            out = bb.emit_output(relax.Tuple(outs))
-        bb.emit_func_output(out)
-    mod = bb.get()
+    mod = _layer_norm_param_grads((3, 40, 32), g_of=lambda g: R.add(g, g))
     assert _moments_calls(FuseColumnMoments(LAYER_NORM, stored=True)(mod)) == ([], 2)
     assert len(_moments_calls(FuseColumnMoments(LAYER_NORM)(mod))[0]) == 1
     with pytest.raises(ValueError, match="unknown pair"):
