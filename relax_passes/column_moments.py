@@ -122,11 +122,13 @@ def moments_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:
         x = at(a, r, ch).astype(F32)
         if k == 0:
             return x
-        if kind == "centered":
-            return x * (at(b, r, ch).astype(F32) - stats["mean"][(0,) * (len(shape) - 1) + (ch,)])
-        if kind == "normalized":
-            return x * ((at(b, r, ch).astype(F32) - at(stats["mean"], r, 0)) * at(stats["rstd"], r, 0))
-        return x * x
+        match kind:
+            case "centered":
+                return x * (at(b, r, ch).astype(F32) - stats["mean"][(0,) * (len(shape) - 1) + (ch,)])
+            case "normalized":
+                return x * ((at(b, r, ch).astype(F32) - at(stats["mean"], r, 0)) * at(stats["rstd"], r, 0))
+            case _:
+                return x * x
 
     def partial(k):
         i = te.reduce_axis((0, rows), name="i")
@@ -138,6 +140,7 @@ def moments_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:
 
     def total(p, k):
         rb = te.reduce_axis((0, row_blocks), name="rb")
+
         def channel(idx):  # the flat channel of an index of `out`
             flat = idx[0]
             for i, d in zip(idx[1:], out[1:]):
@@ -236,10 +239,13 @@ def moments_gpu_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:
                                             with guard(row(u)):
                                                 for v in range(LANES):
                                                     x = T.Cast(F32, va[u, v])
-                                                    y = {"moments": lambda: x,
-                                                         "centered": lambda: T.Cast(F32, vb[u, v]) - vm[v],
-                                                         "normalized": lambda: (T.Cast(F32, vb[u, v]) - vs[0, u]) * vs[1, u],
-                                                         }[kind]()
+                                                    match kind:
+                                                        case "centered":
+                                                            y = T.Cast(F32, vb[u, v]) - vm[v]
+                                                        case "normalized":
+                                                            y = (T.Cast(F32, vb[u, v]) - vs[0, u]) * vs[1, u]
+                                                        case _:
+                                                            y = x
                                                     T.buffer_store(acc, acc[0, v] + x, [0, v])
                                                     T.buffer_store(acc, acc[1, v] + x * y, [1, v])
                             for k in range(2):
