@@ -16,7 +16,9 @@ reads them, and so are the elementwise producers of its inputs where nothing els
 recomputing pays (``_prologue.py``): ``xhat`` from the bf16 ``x`` and the statistics FuseLayerNorm
 writes, a loss gradient ``dy`` from them and the target.  With ``epilogue=True`` (the pipeline's
 ``ln_epilogue``, on by default) the elementwise ops that alone read ``dx`` -- GPT-2's residual add, cast,
-dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``.
+dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``; and
+where ``dx``'s one cast has other readers after such a chain (BERT-Large: dropout's backward of the
+bf16 ``dx`` a GEMM epilogue also reads), the kernel writes the cast and the chain's result.
 Each element is computed with the graph's operations in the graph's order (the sums may associate
 differently).  All values float32, in one dataflow block; only ``dx`` is read
 outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
@@ -30,8 +32,9 @@ import tvm
 from tvm import relax, te, tirx
 
 from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, static_shape
-from ._prologue import (Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders, prologue_compute,
-                        prologue_tag, unique_leaves)
+from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders,
+                        prologue_compute, prologue_tag, unique_leaves)
+from .recompute_elementwise import _op
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
 from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
@@ -56,8 +59,9 @@ class LayerNormGradChain:
     low: str | None
     casts: tuple  # cast vars, all reading dx
     absorbed: frozenset
-    tail: Prologue | None = None  # elementwise ops applied to dx in the kernel, the last one written
+    tail: Prologue | None = None  # elementwise ops applied in the kernel to `tail_from`, the last one written
     dx: relax.Var | None = None
+    tail_from: relax.Var | None = None  # dx, or its one cast (which the kernel then writes too)
 
 
 def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool, write_dx: bool,
@@ -184,14 +188,30 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
         if len({blocks.get(v) for v in members}) != 1 or blocks.get(dx) is None \
                 or not all(isinstance(v, relax.DataflowVar) for v in members):
             continue
-        key, tail = dx, None
+        key, tail, tail_from = dx, None, None
         if epilogue:  # dx's elementwise consumers in the kernel; the call sits at the last of them
-            tail = epilogue_chain(dx, bound, readers, set(casts), shape, lambda v: blocks.get(v) == blocks.get(dx))
+            same_block = lambda v: blocks.get(v) == blocks.get(dx)  # noqa: E731
+            tail = epilogue_chain(dx, bound, readers, set(casts), shape, same_block)
             # dx's only readers are now the tail and its casts (epilogue_chain): dx is not written,
             # and what reads its casts must come after the call
             if tail is not None and all(i > index[tail.root] for c in casts for i in uses.get(c, [])):
-                key, write_dx = tail.root, False
+                key, write_dx, tail_from = tail.root, False, dx
                 members = members | {dx} | {v for v, _ in tail.calls}
+            elif len(casts) == 1:
+                # else a chain on dx's one cast beside its other readers (BERT-Large: dropout's
+                # backward of the bf16 dx a GEMM epilogue also reads): the kernel writes the cast
+                # and the chain's result, where every other reader of dx and the cast comes after
+                cast = casts[0]
+                others = {r for r in readers(cast) if r is None or _op(bound.get(r)) not in ELEMENTWISE}
+                tail = epilogue_chain(cast, bound, readers, others, shape, same_block)
+                outside = lambda i, keep: i >= len(bindings) or keep(bindings[i].var)  # noqa: E731
+                after = [i for i in uses.get(dx, []) if outside(i, lambda r: not r.same_as(cast))] \
+                    + [i for i in uses.get(cast, []) if outside(i, lambda r: r in others)]
+                if tail is not None and all(i > index[tail.root] for i in after):
+                    key, tail_from = tail.root, cast
+                    members = members | {v for v, _ in tail.calls}
+                else:
+                    tail = None
             else:
                 tail = None
 
@@ -202,7 +222,7 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
             return p if all(blocks.get(v) == blocks.get(dx) for v in p.vars) else Prologue(expr, (), (expr,))
 
         found[key] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
-                                        write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx)
+                                        write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx, tail_from)
     return found
 
 
@@ -226,7 +246,8 @@ def _fuse(scheduled: bool):
             tail_of = None
             if chain.tail is not None:
                 compute = prologue_compute(chain.tail, leaves, tensors)
-                tail_of = lambda idx, dx: compute(idx, {chain.dx: dx})  # noqa: E731
+                start = (lambda dx: dx) if chain.tail_from.same_as(chain.dx) else (lambda dx: dx.astype(chain.low))
+                tail_of = lambda idx, dx: compute(idx, {chain.tail_from: start(dx)})  # noqa: E731
             return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
                                   of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled,
                                   tail_of)

@@ -206,7 +206,7 @@ def test_the_ops_that_alone_read_dx_are_the_kernels_epilogue():
     (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
     assert fused.args[0].name_hint.startswith("layer_norm_grad_2x5x64_g_tail_p")
     assert str(fused.ty.dtype) == "bfloat16"  # only the masked result is written
-    # off by default (not yet run on a GPU): dx is written and the tail left to TVM
+    # without epilogue=True (the pipeline passes ln_epilogue's switch): dx is written and the tail left to TVM
     default = FuseLayerNormBackward()(_with_tail())
     assert [c.op.name for c in _calls(default) if isinstance(c.op, tvm.ir.Op)].count("relax.where") == 1
 
@@ -222,6 +222,78 @@ def test_a_kernel_with_an_epilogue_computes_what_the_ops_computed():
     before = _with_tail(n)
     want, got = _run(before, args), _run(FuseLayerNormBackward(scheduled=False, epilogue=True)(before), args)
     np.testing.assert_allclose(got[0].astype("float32"), want[0].astype("float32"), rtol=2**-7, atol=1e-5)
+
+
+def _with_cast_tail(n=64):
+    """BERT-Large's layer-norm gradients: dx cast to bf16, the cast read by dropout's backward
+    (scale, mask) and, after it, by a GEMM (here a matmul): the kernel writes the cast and the
+    masked result."""
+    bb = relax.BlockBuilder()
+    t = lambda name, shape, dtype="float32": relax.Var(name, relax.TensorType(shape, dtype))  # noqa: E731
+    g, xhat, rstd = t("g", (2, 5, n)), t("xhat", (2, 5, n)), t("rstd", (2, 5, 1))
+    keep, scale, w = t("keep", (2, 5, n), "bool"), t("scale", (), "bfloat16"), t("w", (n, 8), "bfloat16")
+    with bb.function("main", [g, xhat, rstd, keep, scale, w]):
+        with bb.dataflow():
+            emit = bb.emit
+            h = emit(relax.op.multiply(g, xhat))
+            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
+            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
+            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dx16 = emit(relax.op.astype(dx, "bfloat16"))
+            masked = emit(relax.op.where(keep, emit(relax.op.multiply(dx16, scale)), relax.const(0.0, "bfloat16")))
+            proj = emit(relax.op.matmul(dx16, w))
+            out = bb.emit_output(relax.Tuple([masked, proj]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_chain_on_dx_s_cast_beside_its_other_readers_is_the_kernels_epilogue():
+    after = FuseLayerNormBackward(epilogue=True)(_with_cast_tail())
+    ops = [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+    assert ops.count("relax.where") == 0 and ops.count("relax.matmul") == 1, ops
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint.startswith("layer_norm_grad_2x5x64_g_bfloat16_tail_p")
+    assert [str(f.dtype) for f in fused.ty.fields] == ["bfloat16", "bfloat16"]  # the cast and the masked result
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    f = lambda *s: rng.standard_normal(s).astype("float32")  # noqa: E731
+    args = [f(2, 5, 64), f(2, 5, 64), rng.uniform(0.5, 2, (2, 5, 1)).astype("float32"),
+            rng.integers(0, 2, (2, 5, 64)).astype(bool), np.array(1.1111, dtype=ml_dtypes.bfloat16),
+            f(64, 8).astype(ml_dtypes.bfloat16)]
+    before = _with_cast_tail()
+    want = _run(before, args)
+    got = _run(FuseLayerNormBackward(scheduled=False, epilogue=True)(before), args)
+    # the cast the GEMM reads is the ops' to the bit; the masked result within a bf16 ulp: TVM's
+    # CPU lowering computes bf16 arithmetic in float32 and drops the round trip of the cast that
+    # feeds it, so the fused kernel rounds dx * scale once where the separate kernels round twice
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0].astype("float32"), want[0].astype("float32"), rtol=2**-7, atol=1e-5)
+
+
+def test_a_cast_chain_is_left_when_a_reader_of_the_cast_comes_before_it():
+    """The fused call sits at the chain's last op: a reader of the cast bound before that would
+    read a value not yet computed, so the kernel keeps no tail."""
+    mod = _with_cast_tail()
+    bb = relax.BlockBuilder()
+    params = list(mod["main"].params)
+    with bb.function("main", params):
+        g, xhat, rstd, keep, scale, w = params
+        with bb.dataflow():
+            emit = bb.emit
+            h = emit(relax.op.multiply(g, xhat))
+            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
+            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
+            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dx16 = emit(relax.op.astype(dx, "bfloat16"))
+            proj = emit(relax.op.matmul(dx16, w))  # before the chain
+            masked = emit(relax.op.where(keep, emit(relax.op.multiply(dx16, scale)), relax.const(0.0, "bfloat16")))
+            out = bb.emit_output(relax.Tuple([masked, proj]))
+        bb.emit_func_output(out)
+    after = FuseLayerNormBackward(epilogue=True)(bb.get())
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert "_tail" not in fused.args[0].name_hint
+    assert [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)].count("relax.where") == 1
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
