@@ -271,6 +271,17 @@ def test_a_chain_on_dx_s_cast_beside_its_other_readers_is_the_kernels_epilogue()
     np.testing.assert_allclose(got[0].astype("float32"), want[0].astype("float32"), rtol=2**-7, atol=1e-5)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_a_scheduled_kernel_with_a_cast_epilogue_builds_for_cuda():
+    """On CUDA the chain multiplies the bf16 cast in bf16, as the separate kernel does."""
+    after = FuseLayerNormBackward(epilogue=True)(_with_cast_tail(1024))
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    func = after[fused.args[0]].with_attr("global_symbol", "main")
+    src = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert "nv_bfloat16* __restrict__ dx_v0_ptr, nv_bfloat16* __restrict__ dx_v1_ptr" in src  # cast, masked
+    assert "__shfl_down_sync" in src
+
+
 def test_a_cast_chain_is_left_when_a_reader_of_the_cast_comes_before_it():
     """The fused call sits at the chain's last op: a reader of the cast bound before that would
     read a value not yet computed, so the kernel keeps no tail."""
