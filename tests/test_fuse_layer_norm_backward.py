@@ -11,6 +11,15 @@ CUDA = {"kind": "cuda", "arch": "sm_90a"}
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
+def _input_gradient(emit, g, xhat, rstd, h=None):
+    """dx = rstd * (g - mean(g) - xhat * mean(h)), h = g * xhat unless given: the ops
+    FuseLayerNormBackward matches."""
+    h = h if h is not None else emit(relax.op.multiply(g, xhat))
+    a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
+    c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
+    return emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+
+
 def _grad(n=64, given=False, dx_read=False):
     """gradient_rules.layer_norm_grad's spelling: dx = rstd * ((g - mean(g)) - xhat * mean(g * xhat)),
     g = dy * gamma (or g and h given, as a GEMM epilogue leaves them), dx cast to bf16."""
@@ -26,10 +35,8 @@ def _grad(n=64, given=False, dx_read=False):
                 g, h = gin, hin
             else:
                 g = emit(relax.op.multiply(dy, emit(relax.op.reshape(gamma, (1, 1, n)))))
-                h = emit(relax.op.multiply(g, xhat))
-            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
-            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
-            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+                h = None
+            dx = _input_gradient(emit, g, xhat, rstd, h)
             outs = [emit(relax.op.astype(dx, "bfloat16"))] + ([emit(relax.op.multiply(dx, dx))] if dx_read else [])
             out = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(out)
@@ -138,10 +145,7 @@ def _recomputed_inputs(n=64):
             xhat = emit(relax.op.multiply(emit(relax.op.subtract(emit(relax.op.astype(x16, "float32")), mean)), rstd))
             dy = emit(relax.op.multiply(emit(relax.op.subtract(xhat, y)), relax.const(2.0, "float32")))
             g = emit(relax.op.multiply(dy, gamma))
-            h = emit(relax.op.multiply(g, xhat))
-            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
-            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
-            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dx = _input_gradient(emit, g, xhat, rstd)
             dgamma = emit(relax.op.sum(emit(relax.op.multiply(dy, xhat)), [0, 1]))
             dbeta = emit(relax.op.sum(dy, [0, 1]))
             out = bb.emit_output(relax.Tuple([emit(relax.op.astype(dx, "bfloat16")), dgamma, dbeta]))
@@ -187,10 +191,7 @@ def _with_tail(n=64):
     with bb.function("main", [g, xhat, rstd, resid, keep, scale]):
         with bb.dataflow():
             emit = bb.emit
-            h = emit(relax.op.multiply(g, xhat))
-            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
-            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
-            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dx = _input_gradient(emit, g, xhat, rstd)
             total = emit(relax.op.add(resid, dx))
             scaled = emit(relax.op.multiply(emit(relax.op.astype(total, "bfloat16")), scale))
             masked = emit(relax.op.where(keep, scaled, relax.const(0.0, "bfloat16")))
@@ -235,10 +236,7 @@ def _with_cast_tail(n=64):
     with bb.function("main", [g, xhat, rstd, keep, scale, w]):
         with bb.dataflow():
             emit = bb.emit
-            h = emit(relax.op.multiply(g, xhat))
-            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
-            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
-            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dx = _input_gradient(emit, g, xhat, rstd)
             dx16 = emit(relax.op.astype(dx, "bfloat16"))
             masked = emit(relax.op.where(keep, emit(relax.op.multiply(dx16, scale)), relax.const(0.0, "bfloat16")))
             proj = emit(relax.op.matmul(dx16, w))
@@ -292,10 +290,7 @@ def test_a_cast_chain_is_left_when_a_reader_of_the_cast_comes_before_it():
         g, xhat, rstd, keep, scale, w = params
         with bb.dataflow():
             emit = bb.emit
-            h = emit(relax.op.multiply(g, xhat))
-            a = emit(relax.op.subtract(g, emit(relax.op.mean(g, [2], keepdims=True))))
-            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(h, [2], keepdims=True))))
-            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(a, c))))
+            dx = _input_gradient(emit, g, xhat, rstd)
             dx16 = emit(relax.op.astype(dx, "bfloat16"))
             proj = emit(relax.op.matmul(dx16, w))  # before the chain
             masked = emit(relax.op.where(keep, emit(relax.op.multiply(dx16, scale)), relax.const(0.0, "bfloat16")))
