@@ -6,7 +6,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from tvm_evt.codegen.backend.flash_attention import emit_attention
+from tvm_evt.codegen.backend.flash_attention import KEY_TILE, emit_attention
 from tvm_evt.codegen.build import cache, link_module, toolchain
 from tvm_evt.codegen.errors import Unsupported
 from tvm_evt.codegen.ir.attention import AttentionCall
@@ -75,6 +75,7 @@ def test_full_key_tiles_drop_the_bound():
     assert "flash_dkdv<true, false, true, true, false>" in run and "flash_dq<true, false, true, true, false>" in run
     assert "flash_fwd<true, false, true, true, false><<<" in emit_attention(call(sk=512, sq=512))
     assert "constexpr bool kBounded = kCausal || kRagged;" in src
+    assert f"constexpr int kBlock = {KEY_TILE};" in src  # the entry's tile is the kernels'
 
 
 def test_same_call_same_source():
