@@ -189,30 +189,29 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
                 or not all(isinstance(v, relax.DataflowVar) for v in members):
             continue
         key, tail, tail_from = dx, None, None
-        if epilogue:  # dx's elementwise consumers in the kernel; the call sits at the last of them
+        if epilogue:  # elementwise consumers in the kernel; the call sits at the last of them
             same_block = lambda v: blocks.get(v) == blocks.get(dx)  # noqa: E731
-            tail = epilogue_chain(dx, bound, readers, set(casts), shape, same_block)
-            # dx's only readers are now the tail and its casts (epilogue_chain): dx is not written,
-            # and what reads its casts must come after the call
-            if tail is not None and all(i > index[tail.root] for c in casts for i in uses.get(c, [])):
-                key, write_dx, tail_from = tail.root, False, dx
-                members = members | {dx} | {v for v, _ in tail.calls}
-            elif len(casts) == 1:
-                # else a chain on dx's one cast beside its other readers (BERT-Large: dropout's
-                # backward of the bf16 dx a GEMM epilogue also reads): the kernel writes the cast
-                # and the chain's result, where every other reader of dx and the cast comes after
-                cast = casts[0]
-                others = {r for r in readers(cast) if r is None or _op(bound.get(r)) not in ELEMENTWISE}
-                tail = epilogue_chain(cast, bound, readers, others, shape, same_block)
-                outside = lambda i, keep: i >= len(bindings) or keep(bindings[i].var)  # noqa: E731
-                after = [i for i in uses.get(dx, []) if outside(i, lambda r: not r.same_as(cast))] \
-                    + [i for i in uses.get(cast, []) if outside(i, lambda r: r in others)]
-                if tail is not None and all(i > index[tail.root] for i in after):
-                    key, tail_from = tail.root, cast
-                    members = members | {v for v, _ in tail.calls}
-                else:
-                    tail = None
-            else:
+            # the chain starts at dx, beside its casts; else at its one cast, beside the cast's
+            # readers that are not elementwise (BERT-Large: dropout's backward of the bf16 dx, which
+            # a GEMM epilogue also reads)
+            starts = [(dx, set(casts))]
+            if len(casts) == 1:
+                starts.append((casts[0], {r for r in readers(casts[0])
+                                          if r is None or _op(bound.get(r)) not in ELEMENTWISE}))
+            for start, skip in starts:
+                tail = epilogue_chain(start, bound, readers, skip, shape, same_block)
+                if tail is None:
+                    continue
+                # every other reader of dx and its cast must come after the call; dx is written
+                # only if something besides its casts and the chain reads it
+                inside = set(casts) | tail.vars
+                outside = lambda v: [i for i in uses.get(v, [])  # noqa: E731
+                                     if i >= len(bindings) or bindings[i].var not in inside]
+                if all(i > index[tail.root] for v in (dx, *casts) for i in outside(v)):
+                    key, tail_from = tail.root, start
+                    write_dx = bool(outside(dx))
+                    members = members | tail.vars
+                    break
                 tail = None
 
         def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
