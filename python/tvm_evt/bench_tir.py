@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 
 import tvm
@@ -48,6 +47,8 @@ def time_kernel(func, target) -> tuple[float, int]:
     """(median ms a launch, bytes of its buffers) for one scheduled PrimFunc on CUDA device 0."""
     import torch
 
+    from .codegen.bench import median_ms
+
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
     tensors = []
     for p in func.params:
@@ -56,18 +57,13 @@ def time_kernel(func, target) -> tuple[float, int]:
                        else torch.zeros(shape, device="cuda", dtype=dtype))
     args = [tvm.runtime.from_dlpack(t) for t in tensors]
     fn = lib["main"]
-    for _ in range(3):
-        fn(*args)
-    times = []
-    for _ in range(ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def launches():
         for _ in range(LAUNCHES):
             fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / LAUNCHES)
-    return statistics.median(times), sum(t.numel() * t.element_size() for t in tensors)
+
+    ms = median_ms(launches, refresh=lambda: None, iters=ITERS, warmup=1) / LAUNCHES
+    return ms, sum(t.numel() * t.element_size() for t in tensors)
 
 
 def main(argv=None) -> int:
