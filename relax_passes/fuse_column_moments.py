@@ -215,12 +215,12 @@ def plan(func: relax.Function, pairs=BATCH_NORM, stored: bool = False) -> dict:
 class _Fuser(PyExprMutator):
     def __init__(self, mod, pairs, stored):
         super().__init__(mod)
-        self.kinds, self.stored = pairs, stored
+        self.names, self.stored = pairs, stored  # which PAIRS to look for
         self.pairs: dict = {}
         self.done: set = set()
 
     def prime(self, func) -> None:
-        self.pairs, self.done = plan(func, self.kinds, self.stored), set()
+        self.pairs, self.done = plan(func, self.names, self.stored), set()
 
     def visit_var_binding_(self, binding) -> None:
         if binding.var in self.done:
