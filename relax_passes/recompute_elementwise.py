@@ -110,13 +110,10 @@ class _Recomputer(PyExprMutator):
         args = [self._copy(a, made) if a in self.recomputed else self.visit_expr(a) for a in value.args]
         return relax.Call(value.op, args, value.attrs, value.ty_args)
 
-    def _rebuilt(self, value: relax.Call, made: dict) -> relax.Var:
-        """`value` bound afresh, its recomputed operands copied."""
-        return self.builder_.emit(self._call(value, made))
-
     def _copy(self, v: relax.Var, made: dict) -> relax.Var:
+        """A copy of recomputed `v` bound afresh (once per reader: `made`)."""
         if v not in made:
-            made[v] = self._rebuilt(self.recomputed[v], made)
+            made[v] = self.builder_.emit(self._call(self.recomputed[v], made))
         return made[v]
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
