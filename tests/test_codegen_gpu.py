@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 
-def offload(func: relax.Function, name: str) -> relax.VirtualMachine:
-    """main(params) calls ``func`` marked Codegen="evt"; RunCodegen + build for CUDA."""
+def offload(func: relax.Function, name: str, config: dict | None = None) -> relax.VirtualMachine:
+    """main(params) calls ``func`` marked Codegen="evt"; RunCodegen (with a kernel ``config``, as
+    ``KernelConfig.to_json`` writes it) + build for CUDA."""
     register()
     func = func.with_attrs({"Codegen": "evt", "global_symbol": name})
     bb = relax.BlockBuilder()
@@ -26,7 +27,7 @@ def offload(func: relax.Function, name: str) -> relax.VirtualMachine:
         out = bb.emit(relax.Call(gv, params))
         bb.emit_func_output(out)
     mod = bb.get()
-    mod = relax.transform.RunCodegen()(mod)
+    mod = relax.transform.RunCodegen({"evt": config} if config else None)(mod)
     ex = tvm.compile(mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     return relax.VirtualMachine(ex, tvm.cuda(0))
 
@@ -68,10 +69,24 @@ def test_bias_gelu_rowsum_vs_torch_float64(dtype):
     np.testing.assert_allclose(s.astype(np.float64), g64.sum(0).numpy(), rtol=tol, atol=tol * 512)
 
 
-def test_dropout_mask_matches_philox_reference():
+# Configurations whose epilogues hold a thread's elements differently: the cooperative and ping-pong
+# accumulator layouts (drawn once per quad), a narrow epilogue subtile, and 200 rows (a partial tile).
+DROPOUT_CASES = [
+    ((256, 128, 64), None),
+    ((256, 256, 64), {"tile": [128, 256, 64], "schedule": "cooperative"}),
+    ((256, 256, 64), {"tile": [128, 128, 64], "schedule": "pingpong"}),
+    ((256, 256, 128), {"tile": [128, 128, 64], "schedule": "pingpong", "epi_tile": [64, 16]}),
+    ((200, 128, 64), {"tile": [128, 64, 64], "schedule": "cooperative"}),
+]
+
+
+@pytest.mark.parametrize("shape,config", DROPOUT_CASES, ids=["default", "coop128x256", "pp128x128", "pp_epi64x16",
+                                                               "coop128x64_200rows"])
+def test_dropout_mask_matches_philox_reference(shape, config):
+    m, n, k = shape
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((256, 64), "float16"))
-    w = relax.Var("w", relax.TensorType((128, 64), "float16"))
+    x = relax.Var("x", relax.TensorType((m, k), "float16"))
+    w = relax.Var("w", relax.TensorType((n, k), "float16"))
     seed = relax.Var("seed", relax.TensorType((2,), "uint32"))
     with bb.function("f", [x, w, seed]):
         with bb.dataflow():
@@ -82,9 +97,9 @@ def test_dropout_mask_matches_philox_reference():
         bb.emit_func_output(out)
     func = bb.get()["f"]
     rng = np.random.default_rng(1)
-    arrays = [rng.uniform(-1, 1, (256, 64)).astype("float16"), rng.uniform(-1, 1, (128, 64)).astype("float16"),
+    arrays = [rng.uniform(-1, 1, (m, k)).astype("float16"), rng.uniform(-1, 1, (n, k)).astype("float16"),
               np.array([0x1234, 0xBEEF], dtype=np.uint32)]
-    (d,) = run(offload(func, "evt_gpu_dropout"), arrays)
+    (d,) = run(offload(func, f"evt_gpu_dropout_{DROPOUT_CASES.index((shape, config))}", config), arrays)
     expected = reference.evaluate(lower(from_function(func)), arrays)[0]
     assert ((d != 0) == (expected != 0)).all()
     np.testing.assert_allclose(d.astype(np.float32), expected.astype(np.float32), rtol=5e-3, atol=5e-3)

@@ -350,15 +350,24 @@ CUTLASS_DEVICE PhiloxWords philox_draw(uint64_t draw, uint32_t site, uint32_t k0
   }
   return {{c0, c1, c2, c3}};
 }
+CUTLASS_DEVICE uint32_t philox_word(PhiloxWords const& r, uint32_t j) {  // selects, no local memory
+  return j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];
+}
 CUTLASS_DEVICE uint32_t philox_pick16(PhiloxWords const& r, uint32_t lane) {  // lane = i % 8
-  const uint32_t j = lane >> 1;
-  const uint32_t w = j == 0 ? r.w[0] : j == 1 ? r.w[1] : j == 2 ? r.w[2] : r.w[3];  // selects, no local memory
-  return (w >> ((lane & 1u) * 16u)) & 0xffffu;
+  return (philox_word(r, lane >> 1) >> ((lane & 1u) * 16u)) & 0xffffu;
+}
+CUTLASS_DEVICE uint32_t philox_keep2(uint32_t word, uint32_t threshold) {  // keep bits of its two halves
+  return uint32_t((word & 0xffffu) >= threshold) | uint32_t((word >> 16) >= threshold) << 1;
 }
 
 // keep ? x * scale : 0 with keep = (16 philox bits of i) >= threshold, i = (l * M + m) * N + n.
-// A thread's fragment holds adjacent columns in pairs, so consecutive elements usually share a
-// draw: the last draw is kept and reused.
+//
+// A draw covers 8 consecutive elements of a row.  In the wgmma accumulator layout the four lanes
+// of a quad hold those 8 as pairs (lane q: elements 2q, 2q + 1), so drawing per thread would make
+// every draw four times.  Where that layout holds (``quad``, checked once a tile), ``begin_loop``
+// instead has lane q of each quad make the draw of every fourth pair of the subtile, passes the
+// words round the quad by shuffles (lane q keeps word q) and leaves the subtile's keep bits in
+// registers for ``visit``.  Elsewhere each thread draws for its own elements, reusing the last draw.
 template <class ElementOutput, class ElementCompute = float>
 struct Sm90PhiloxDropout {
   struct SharedStorage {};
@@ -398,36 +407,93 @@ struct Sm90PhiloxDropout {
 
   template <class CTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor&& tC_cD, int64_t M, int64_t N, int64_t l, Params const* params)
+    // a thread's elements in one epilogue subtile (the fragment modes of tC_cD are static)
+    static constexpr int kElems = decltype(cute::size(cute::take<0, 3>(cute::shape(std::declval<CTensor&>()))))::value;
+    static constexpr int kWords = (kElems + 31) / 32;
+
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor&& tC_cD, int64_t M, int64_t N, int64_t l, bool epi_aligned,
+                                          Params const* params)
         : tC_cD(cute::forward<CTensor>(tC_cD)), M(M), N(N), l(l), params(params),
-          k0(params->seed_ptr[0]), k1(params->seed_ptr[1]) {}
+          k0(params->seed_ptr[0]), k1(params->seed_ptr[1]) {
+      quad = __all_sync(0xffffffffu, epi_aligned && N % 8 == 0 && kElems % 8 == 0 && quad_layout());
+    }
     CTensor tC_cD;
     int64_t M, N, l;
     Params const* params;
     uint32_t k0, k1;
+    bool quad = false;
+    uint32_t keep[kWords];
+
+    CUTLASS_DEVICE uint64_t index_of(int epi_m, int epi_n, int e) const {
+      using namespace cute;
+      auto coord = tC_cD(_, _, _, epi_m, epi_n)(e);
+      return (uint64_t(l) * uint64_t(M) + uint64_t(get<0>(coord))) * uint64_t(N) + uint64_t(get<1>(coord));
+    }
+
+    // Whether lane q holds elements 8g + 2q, 8g + 2q + 1 of every 8-element draw g of the first
+    // subtile, the whole quad the same draws.  Later subtiles and tiles are offset by whole rows and
+    // multiples of 8 columns for every lane alike (``epi_aligned``, N % 8 == 0), so it holds there too.
+    CUTLASS_DEVICE bool quad_layout() const {
+      const uint32_t lane = threadIdx.x & 31u, q = lane & 3u;
+      bool ok = true;
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < kElems / 2; ++s) {
+        const uint64_t i0 = index_of(0, 0, 2 * s), i1 = index_of(0, 0, 2 * s + 1);
+        const uint64_t lead = __shfl_sync(0xffffffffu, (unsigned long long)(i0 >> 3), lane & ~3u);
+        ok = ok && i1 == i0 + 1 && uint32_t(i0 & 7u) == 2u * q && (i0 >> 3) == lead;
+      }
+      return ok;
+    }
+
+    // the keep bits of this thread's elements of subtile (epi_m, epi_n): bit e % 32 of keep[e / 32]
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int w = 0; w < kWords; ++w) keep[w] = 0u;
+      if (quad) {
+        const uint32_t lane = threadIdx.x & 31u, q = lane & 3u;
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < kElems / 8; ++g) {
+          // this lane draws for pair q of the group (its own elements 8g + 2q, 8g + 2q + 1)
+          const PhiloxWords words = philox_draw(index_of(epi_m, epi_n, 8 * g + 2 * int(q)) >> 3, params->site, k0, k1);
+          uint32_t bits = 0u;
+          CUTLASS_PRAGMA_UNROLL
+          for (uint32_t t = 0; t < 4u; ++t) {
+            // lane q sends word (q + t) % 4 of its draw and gets word q of pair (q - t) % 4's draw
+            const uint32_t from = (q - t) & 3u;
+            const uint32_t got = __shfl_sync(0xffffffffu, philox_word(words, (q + t) & 3u), (lane & ~3u) | from);
+            bits |= philox_keep2(got, params->threshold) << (2u * from);
+          }
+          keep[g / 4] |= bits << (8 * (g % 4));
+        }
+      } else {
+        uint64_t drawn = ~uint64_t(0);
+        PhiloxWords words;
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kElems; ++e) {
+          const uint64_t index = index_of(epi_m, epi_n, e);
+          if ((index >> 3) != drawn) {
+            drawn = index >> 3;
+            words = philox_draw(drawn, params->site, k0, k1);
+          }
+          keep[e / 32] |= uint32_t(philox_pick16(words, uint32_t(index) & 7u) >= params->threshold) << (e % 32);
+        }
+      }
+    }
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE Array<ElementOutput, FragmentSize>
     visit(Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
           Array<ElementInput, FragmentSize> const& frg_input) {
       using namespace cute;
-      Tensor tC_cD_mn = tC_cD(_, _, _, epi_m, epi_n);
       cutlass::NumericConverter<ElementCompute, ElementInput> to_compute;
       cutlass::NumericConverter<ElementOutput, ElementCompute> to_output;
       Array<ElementOutput, FragmentSize> out;
-      uint64_t drawn = ~uint64_t(0);
-      PhiloxWords words;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
-        auto coord = tC_cD_mn(epi_v * FragmentSize + i);
-        uint64_t index = (uint64_t(l) * uint64_t(M) + uint64_t(get<0>(coord))) * uint64_t(N) + uint64_t(get<1>(coord));
-        if ((index >> 3) != drawn) {
-          drawn = index >> 3;
-          words = philox_draw(drawn, params->site, k0, k1);
-        }
-        bool keep = philox_pick16(words, uint32_t(index) & 7u) >= params->threshold;
+        const int e = epi_v * FragmentSize + i;
+        const bool kept = (keep[e / 32] >> (e % 32)) & 1u;
         ElementCompute x = to_compute(frg_input[i]);
-        out[i] = to_output(keep ? x * ElementCompute(params->scale) : ElementCompute(0));
+        out[i] = to_output(kept ? x * ElementCompute(params->scale) : ElementCompute(0));
       }
       return out;
     }
@@ -441,7 +507,9 @@ struct Sm90PhiloxDropout {
     Tensor coord = make_identity_tensor(make_shape(M, N, L));
     Tensor tC_cD = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
         coord, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx);
-    return ConsumerStoreCallbacks<decltype(tC_cD)>(cute::move(tC_cD), int64_t(M), int64_t(N), int64_t(l), params_ptr);
+    const bool epi_aligned = size<1>(args.epi_tile) % 8 == 0 && size<1>(args.tile_shape_mnk) % 8 == 0;
+    return ConsumerStoreCallbacks<decltype(tC_cD)>(cute::move(tC_cD), int64_t(M), int64_t(N), int64_t(l), epi_aligned,
+                                                   params_ptr);
   }
 };
 }  // namespace tvm_evt
