@@ -163,6 +163,18 @@ def bert_cases(quick: bool = False) -> list[Case]:
     return [c.build() for c in cases]
 
 
+def pick_cases(cases: list[Case], patterns: str | None) -> list[Case]:
+    """The cases whose name (``evt_<epilogue>_<problem>``, e.g. ``evt_gemm_QKV_dW``) contains one
+    of the comma-separated ``patterns``; all of them when ``patterns`` is empty."""
+    if not patterns:
+        return cases
+    wanted = [w.strip() for w in patterns.split(",") if w.strip()]
+    for w in wanted:
+        if not any(w in c.name for c in cases):
+            raise SystemExit(f"bench_gemm: --cases {w!r} matches none of: {', '.join(c.name for c in cases)}")
+    return [c for c in cases if any(w in c.name for w in wanted)]
+
+
 # -------------------------------------------------------------------------- building and loading
 def build_tolerant(sources: dict[str, str], jobs: int) -> tuple[dict[str, Path], dict[str, str], dict]:
     """``build_many`` that records a failing kernel instead of stopping (a candidate may not fit)."""
@@ -353,7 +365,7 @@ def _tflops(p: Problem, ms: float) -> float:
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.cases = bert_cases(args.quick)
+        self.cases = pick_cases(bert_cases(args.quick), getattr(args, "cases", None))
         self.by_sig = {}
         for c in self.cases:
             self.by_sig.setdefault(select.signature(c.partition), c)
@@ -621,6 +633,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", default="./bench_out", help="output directory (bench_gemm.md, bench_gemm.json)")
     ap.add_argument("--quick", action="store_true", help="5 GEMM shapes, 5 fused cases, the 'quick' search space")
+    ap.add_argument("--cases", metavar="NAMES",
+                    help="only the cases whose name contains one of these comma-separated strings, e.g. "
+                    "'gemm_QKV_dW,dropout_residual' (names: evt_<epilogue>_<problem>)")
     ap.add_argument("--space", choices=sorted(select.SPACES), default=None,
                     help="candidate table size (default: 'quick' with --quick, else 'default')")
     ap.add_argument("--top-k", type=int, default=None, help="main-loop configs re-profiled with the epilogue (default 1 with --quick, else 2)")
@@ -696,11 +711,11 @@ def main(argv=None) -> int:
     args.top_k = args.top_k if args.top_k is not None else (1 if args.quick else 2)
     args.with_default = args.quick if args.with_default is None else args.with_default
     if args.emit_only:
-        paths = emit_all(bert_cases(args.quick), args.space, Path(args.emit_only))
+        paths = emit_all(pick_cases(bert_cases(args.quick), args.cases), args.space, Path(args.emit_only))
         print(f"wrote {len(paths)} kernel sources to {args.emit_only}")
         return 0
     if args.prebuild:
-        print(f"prebuilt: {prebuild(bert_cases(args.quick), args)}")
+        print(f"prebuilt: {prebuild(pick_cases(bert_cases(args.quick), args.cases), args)}")
         return 0
     why = gpu_problem()
     if why:

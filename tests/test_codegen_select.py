@@ -248,6 +248,15 @@ def test_bench_emit_only(tmp_path):
     assert any("streamk" in s.name for s in sources) and any(s.name.startswith("evt_plain_") for s in sources)
 
 
+def test_bench_cases_filter(tmp_path):
+    names = [c.name for c in bench.pick_cases(bench.bert_cases(), "gemm_QKV_dW,dropout_residual")]
+    assert names == ["evt_gemm_QKV_dW", "evt_dropout_residual_FFN2_fwd", "evt_dropout_residual_attnout_fwd"]
+    assert bench.main(["--cases", "colsum_FFN1", "--emit-only", str(tmp_path)]) == 0
+    assert {s.name.split("__")[0] for s in tmp_path.glob("*.cu")} == {"evt_plain_evt_colsum_FFN1_dX", "evt_colsum_FFN1_dX"}
+    with pytest.raises(SystemExit, match="matches none of"):
+        bench.pick_cases(bench.bert_cases(), "gemm_nope")
+
+
 def test_tune_gives_no_choice_when_nothing_ran(cache_home):
     p = case("relu_bwd", "dgrad", m=4096, n=4096, k=256)
     assert select.tune([p], fake_measure({}, {}, []), gpu="g", space="quick") == {}
