@@ -80,6 +80,11 @@ constexpr int kTile = kBlock * kHead;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+template <bool B>
+struct Bool {  // a compile-time flag passed to a generic lambda
+  static constexpr bool value = B;
+};
+
 struct Params {
   const uint16_t* q;
   const uint16_t* k;
@@ -513,7 +518,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
-  for (int j = 0; j < blocks; ++j) {
+  // Key tiles that every row of the query tile sees whole need no bound on the scores: causal,
+  // those before the diagonal tile; ragged, all but the last.  They run first, through a softmax
+  // without the bound (two loops, each with one copy of the softmax: see below).
+  int whole = blocks;
+  if (kCausal) whole = min(whole, m0 / kBlock);
+  if (kRagged) whole = min(whole, p.sk / kBlock);
+  auto key_tile = [&](auto bounded, int j) {
+    constexpr bool kBounded = decltype(bounded)::value;
     const int buf = j & 1, n0 = j * kBlock;
     if (j + 1 < blocks) {
       load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
@@ -530,13 +542,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     gemm_nk<kBf16>(s, qf, sK[buf]);
 
-    // one copy of the softmax, whatever the tile: with a fast copy for unmasked tiles beside it (a
+    // one copy of the softmax in a loop body: with a fast copy for unmasked tiles beside it (a
     // uniform branch), every output came out wrong (H100, nvcc 13.0), though each copy alone was right
-    fwd_softmax<kCausal, kBias, kDropout, kRagged>(s, acc, m_run, l_run, p, sMask[buf], sBias[buf], row, n0, warp, g, t);
+    fwd_softmax<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, acc, m_run, l_run, p, sMask[buf],
+                                                                           sBias[buf], row, n0, warp, g, t);
     gemm_pk<kBf16>(acc, s, sV[buf]);
     cp_async_wait_all();
     __syncthreads();
-  }
+  };
+  for (int j = 0; j < whole; ++j) key_tile(Bool<false>{}, j);
+  for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
 
   float inv[2];
   uint16_t* O = p.out + head_base(p, bh, p.sq);
@@ -687,7 +702,11 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   cp_async_wait_all();
   __syncthreads();
 
-  for (int i = first; i < last; ++i) {
+  // Query tiles that see all the CTA's keys need no bound: causal, all but the diagonal one
+  // (the first); ragged, none in the CTA whose key tile passes the end.  The bounded ones run first.
+  const int bounded_end = kRagged && n0 + kBlock > p.sk ? last : kCausal ? min(first + 1, last) : first;
+  auto query_tile = [&](auto bounded, int i) {
+    constexpr bool kBounded = decltype(bounded)::value;
     const int buf = (i - first) & 1, m0 = i * kBlock;
     if (i + 1 < last) {
       load_queries(i + 1, buf ^ 1);
@@ -702,7 +721,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
     gemm_nk2<kBf16>(s, kf, sQ[buf], dp, vf, sD[buf]);  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
     // Pdᵀ into s (P where kept, else 0: dV is divided by 1 - p once, when stored); dSᵀ into dp
-    dkdv_scores<kCausal, kBias, kDropout, kRagged>(s, dp, p, sL[buf], sDelta[buf], sMask[buf], kb, key, m0, warp, g, t);
+    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sL[buf], sDelta[buf], sMask[buf], kb, key, m0, warp, g, t);
     uint32_t pa[4][4], da[4][4];  // Pdᵀ and dSᵀ as A operands
     pack_a<kBf16>(pa, s);
     pack_a<kBf16>(da, dp);
@@ -718,7 +737,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     if (i + 1 < last) stage(buf ^ 1);
     cp_async_wait_all();
     __syncthreads();
-  }
+  };
+  for (int i = first; i < bounded_end; ++i) query_tile(Bool<true>{}, i);
+  for (int i = bounded_end; i < last; ++i) query_tile(Bool<false>{}, i);
   store_rows<kBf16>(p.dk + head_base(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
   store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld, g, t);
 }
@@ -770,7 +791,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   float acc[8][4];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  for (int j = 0; j < blocks; ++j) {
+  // as in the forward pass, the key tiles every row sees whole first, without the bound
+  int whole = blocks;
+  if (kCausal) whole = min(whole, m0 / kBlock);
+  if (kRagged) whole = min(whole, p.sk / kBlock);
+  auto key_tile = [&](auto bounded, int j) {
+    constexpr bool kBounded = decltype(bounded)::value && (kCausal || kRagged);
     const int buf = j & 1, n0 = j * kBlock;
     if (j + 1 < blocks) {
       load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
@@ -804,7 +830,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
         const int col = frag_col(nt, e, t), r = e >> 1;
         float x = fmaf(s[nt][e], p.scale_log2, nlse[r]);
         if (kBias) x = fmaf(sBias[buf][col], kLog2e, x);
-        const float pr = !(kCausal || kRagged) || col < visible[r] ? ex2(x) : 0.f;
+        const float pr = !kBounded || col < visible[r] ? ex2(x) : 0.f;
         const bool kept_e = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u;
         const float dpe = kept_e ? dp[nt][e] : 0.f;
         s[nt][e] = pr * (kDropout ? fmaf(dpe, p.drop_scale, -dlt[r]) : dpe - dlt[r]);  // dS
@@ -814,7 +840,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
     if (kDropout && j + 1 < blocks) sMask[buf ^ 1][tid] = keep_next;
     cp_async_wait_all();
     __syncthreads();
-  }
+  };
+  for (int j = 0; j < whole; ++j) key_tile(Bool<false>{}, j);
+  for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
   store_rows<kBf16>(p.dq + head_base(p, bh, p.sq), acc, p.scale, p.scale, m0 + warp * 16, p.sq, ld, g, t);
 }
 
