@@ -160,10 +160,16 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       0.146 / 0.203 (66 splits), 512x128x100352 0.067 / 0.086 (24), 128x512x100352 0.075 /
       0.078 (24); with more tiles split-K stayed ahead (128x1152: 0.098 / 0.107 stream-K,
       512x256: 0.078 / 0.085);
-    * long K over more than half a wave and less than one and a half of 128x128 tiles: stream-K,
-      which evens out the last wave.  ViT-B/16's weight gradients (H200, ms stream-K / before):
-      768x3072x25216 (144 tiles) 0.161 / 0.285 (data-parallel), 2304x768x25216 (108 tiles)
-      0.129 / 0.153 (split-K 2);
+    * long K over more than one wave and at most 1.25 of 128x128 tiles: stream-K, which evens out
+      the last wave.  ViT-B/16's weight gradients (H200, ms stream-K / before): 768x3072x25216
+      (144 tiles) 0.161 / 0.285 (data-parallel); H100, 2026-11-27: 0.163 / 0.256, and 3072x768
+      0.161 / 0.255, with stream-K on 128x256 tiles 0.166 and 0.166;
+    * long K over 1.25 to 1.5 waves of 128x128 tiles: stream-K on 128x256 tiles, under one wave of
+      them (H100, 2026-11-27: BERT-Large's fused QKV 3072x1024x16384, 192 tiles: 0.141 against
+      0.171 for stream-K on 128x128 and 0.168 data-parallel);
+    * long K over half a wave to one wave of 128x128 tiles: data-parallel, the default (H100,
+      2026-11-27: ViT-B/16's 2304x768x25216, 108 tiles, 0.132 against 0.146 stream-K; on an H200
+      stream-K had taken 0.129 against split-K 2's 0.153);
     * short K (256..1024) over two or more waves with at most one stored output: ping-pong
       128x128 (0.049 / 0.056), with a 2x1 cluster when N >= 4096 (0.264 / 0.300); attention's
       K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
@@ -185,8 +191,10 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       On H100 that FFN2 forward went the other way: 0.230 against 0.189 for a cooperative 128x256
       tile and 0.191 without the narrow epilogue tile (docs/bench/h100-2026-11-26-f); a tuned
       build times both;
-    * K >= 4096 over a full wave of 128x256 tiles with at most one stored output and no loaded
-      one: 128x256 (H100: 0.200 / 0.233).
+    * K >= 4096 over a full wave of 128x256 tiles (at most 1/16 of the SMs idle) with at most one
+      stored output and no loaded one: 128x256 (H100: 0.200 / 0.233; BERT-Large's FFN weight
+      gradients 4096x1024x16384 and 1024x4096x16384, 128 tiles: 0.169-0.172 / 0.175-0.177 in three
+      runs on 2026-11-27).
 
     16-bit operands only; anything else, or a choice ``prune`` or the emitter rejects, gets the
     default."""
@@ -209,9 +217,13 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         cfg = _cfg((64, 256, 64), schedule=PP)
     elif long_k and tiles(128, 64) <= 8:
         cfg = _cfg((128, 64, 64), decomposition=SK)
-    elif long_k and num_sms // 2 < tiles(128, 128) < 3 * num_sms // 2:
+    elif long_k and num_sms < tiles(128, 128) <= 5 * num_sms // 4:
         cfg = _cfg((128, 128, 64), decomposition=SK)
-    elif long_k and tiles(128, 128) <= num_sms:
+    elif long_k and 5 * num_sms // 4 < tiles(128, 128) < 3 * num_sms // 2:
+        cfg = _cfg((128, 256, 64), decomposition=SK)
+    elif long_k and num_sms // 2 < tiles(128, 128) <= num_sms:
+        return default
+    elif long_k and tiles(128, 128) <= num_sms // 2:
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
     elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
@@ -219,7 +231,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         cfg = _cfg((128, 256, 64))
     elif k >= 2048 and tiles(128, 128) >= 2 * num_sms and (loads or stores > 1) and not heavy:
         cfg = _cfg((128, 128, 64), schedule=PP, epi_tile=(64, 16))
-    elif k >= 4096 and tiles(128, 256) >= num_sms and stores <= 1 and loads == 0:
+    elif k >= 4096 and tiles(128, 256) >= num_sms - num_sms // 16 and stores <= 1 and loads == 0:
         cfg = _cfg((128, 256, 64))
     else:
         return default

@@ -179,7 +179,8 @@ def test_nvcc_builds_every_shape_heuristic_configuration(cache_home, request):
     cases = [("gemm", "wgrad", 1024, 1024, 16384), ("gemm", "fwd", 16384, 1024, 1024),
              ("gemm", "fwd", 16384, 4096, 1024), ("gemm", "fwd", 16384, 1024, 4096), ("gemm", "fwd", 16384, 64, 512),
              ("gemm", "fwd", 64, 512, 512), ("gemm", "wgrad", 512, 128, 100352), ("gemm", "wgrad", 768, 3072, 25216),
-             ("relu_bwd", "dgrad", 16384, 1024, 4096), ("bias_gelu_aux", "fwd", 16384, 4096, 1024)]
+             ("relu_bwd", "dgrad", 16384, 1024, 4096), ("bias_gelu_aux", "fwd", 16384, 4096, 1024),
+             ("gemm", "wgrad", 3072, 1024, 16384)]
     sources = {}
     for i, (epilogue, kind, m, n, k) in enumerate(cases):
         p = bench.Case("x", epilogue, bench.Problem("p", kind, m, n, k)).build().partition
@@ -188,6 +189,6 @@ def test_nvcc_builds_every_shape_heuristic_configuration(cache_home, request):
     assert [name for name, _ in sources.values()] == [
         "coop_128x128x64_c1x1_splitk2", "pp_128x128x64_c1x1", "pp_128x128x64_c2x1", "coop_128x256x64_c1x1",
         "coop_128x64x64_c1x1", "pp_64x256x64_c1x1", "coop_128x64x64_c1x1_streamk", "coop_128x128x64_c1x1_streamk",
-        "pp_128x128x64_c1x1_e64x16", "coop_128x256x64_c1x1"]
+        "pp_128x128x64_c1x1_e64x16", "coop_128x256x64_c1x1", "coop_128x256x64_c1x1_streamk"]
     objects = cache.build_many({s: src for s, (_, src) in sources.items()})
     assert all(os.path.getsize(o) > 0 for o in objects.values())

@@ -204,7 +204,9 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("gemm", "wgrad", (1024, 1024, 16384), "coop_128x128x64_c1x1_splitk2"),  # long K, one wave
     ("gemm", "wgrad", (1152, 128, 100352), "coop_128x128x64_c1x1_splitk14"),  # 9 tiles: 126 CTAs
     ("gemm", "wgrad", (768, 3072, 25216), "coop_128x128x64_c1x1_streamk"),  # 144 tiles: 1.1 waves
-    ("gemm", "wgrad", (1024, 4096, 16384), "coop_128x128x64_c1x1"),  # 256 tiles: 1.9 waves
+    ("gemm", "wgrad", (3072, 1024, 16384), "coop_128x256x64_c1x1_streamk"),  # 192: 1.45 waves
+    ("gemm", "wgrad", (2304, 768, 25216), "coop_128x128x64_c1x1"),  # 108: one wave, data-parallel
+    ("gemm", "wgrad", (1024, 4096, 16384), "coop_128x256x64_c1x1"),  # 128 tiles of 128x256: one wave
     ("gemm", "wgrad", (256, 128, 401408), "coop_128x64x64_c1x1_streamk"),  # 4 tiles of 128x64
     ("gemm", "wgrad", (512, 128, 100352), "coop_128x64x64_c1x1_streamk"),  # 8
     ("gemm", "wgrad", (512, 256, 100352), "coop_128x128x64_c1x1_splitk16"),  # 16: split-K
