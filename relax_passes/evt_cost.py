@@ -154,12 +154,18 @@ EPILOGUE_NODE_COST, AUX_STORE_COST = _NODE * _TVM_SCALE, _STORE * _TVM_SCALE
 """Bytes-equivalent per output element, in the unit of the bytes TVM's kernels move: charged for
 each compute node of an epilogue and for each store beyond the GEMM's output D."""
 FUSE_REDUCTIONS = False
-"""Whether reductions may join an epilogue at all.  Off: with the current codegen every fused
-reduction measured slower than a separate one -- the FFN2 dX column sum 0.78x of torch's matmul +
-sum tuned and 0.43x with the default configuration (bench_gemm); in the BERT-Large step (batch
-32, seq 512) fusing reductions (the softmax-backward row sum into the batched attention GEMM, the
-LayerNorm weight gradients) made one CUTLASS kernel take 1.93 ms and left the step at 11.64 ms,
-where no kernel had exceeded 0.67 ms before (11.61 ms)."""
+"""Whether reductions may join an epilogue at all.  Off.  When it was first measured, every
+fused reduction was slower than a separate one: the FFN2 dX column sum ran at 0.78x of torch's
+matmul + sum when tuned, and at 0.43x with the default configuration (bench_gemm). In the
+BERT-Large step (batch 32, seq 512), fusing reductions (the softmax-backward row sum into the
+batched attention GEMM, the LayerNorm weight gradients) made one CUTLASS kernel take 1.93 ms. The
+step went 11.61 -> 11.64 ms; before, no kernel had exceeded 0.67 ms.
+
+Since then, tuned atomic column sums beat torch (H100, 2026-11-27, docs/bench/h100-2026-11-27):
+FFN2 dX 0.228 against 0.253 ms, FFN1 dX 0.198 against 0.209. But they add 0.02-0.05 ms to the
+GEMM alone (0.178 ms). That is about what the step's separate TVM sums of the same tensors take
+(0.014 ms for 16384x1024, 0.049 for 16384x4096), so fusing would gain nothing there. And an
+untuned build, which has no atomic variant, would lose."""
 REDUCTION_COST = REDUCTION_OVERHEAD_MS[0] * 1e-3 * H100_HBM_BYTES_PER_S / REDUCTION_OVERHEAD_MS[1] * _TVM_SCALE
 """Bytes-equivalent per element of the reduced M x N tile, for a reduction in the epilogue."""
 
