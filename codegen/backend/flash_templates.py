@@ -551,7 +551,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     __syncthreads();
   };
   for (int j = 0; j < whole; ++j) key_tile(Bool<false>{}, j);
-  for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
+  if constexpr (kCausal || kRagged) {  // (otherwise whole == blocks)
+    for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
+  }
 
   float inv[2];
   uint16_t* O = p.out + head_base(p, bh, p.sq);
@@ -738,7 +740,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     cp_async_wait_all();
     __syncthreads();
   };
-  for (int i = first; i < bounded_end; ++i) query_tile(Bool<true>{}, i);
+  if constexpr (kCausal || kRagged) {  // (otherwise bounded_end == first)
+    for (int i = first; i < bounded_end; ++i) query_tile(Bool<true>{}, i);
+  }
   for (int i = bounded_end; i < last; ++i) query_tile(Bool<false>{}, i);
   store_rows<kBf16>(p.dk + head_base(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
   store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld, g, t);
@@ -796,7 +800,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   if (kCausal) whole = min(whole, m0 / kBlock);
   if (kRagged) whole = min(whole, p.sk / kBlock);
   auto key_tile = [&](auto bounded, int j) {
-    constexpr bool kBounded = decltype(bounded)::value && (kCausal || kRagged);
+    constexpr bool kBounded = decltype(bounded)::value;
     const int buf = j & 1, n0 = j * kBlock;
     if (j + 1 < blocks) {
       load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
@@ -842,7 +846,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
     __syncthreads();
   };
   for (int j = 0; j < whole; ++j) key_tile(Bool<false>{}, j);
-  for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
+  if constexpr (kCausal || kRagged) {  // (otherwise whole == blocks)
+    for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
+  }
   store_rows<kBf16>(p.dq + head_base(p, bh, p.sq), acc, p.scale, p.scale, m0 + warp * 16, p.sq, ld, g, t);
 }
 
