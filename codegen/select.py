@@ -151,8 +151,8 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
 
     * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156);
     * M <= 64 with N >= 256: ping-pong 64x256 (0.118);
-    * long K over at most one wave of 128x128 tiles (weight gradients 1024x1024x16384):
-      split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
+    * long K over at most half a wave of 128x128 tiles (weight gradients 1024x1024x16384, 64
+      tiles): split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
       fill the SMs: ResNet-50's convolution weight gradients (1152x128x100352: 9 tiles) ran
       split-K 2 on 18 of 132 SMs;
     * long K over at most 8 tiles of 128x64: stream-K on 128x64 tiles.  ResNet-50's weight
