@@ -70,23 +70,26 @@ def test_bias_gelu_rowsum_vs_torch_float64(dtype):
 
 
 # Configurations whose epilogues hold a thread's elements differently: the cooperative and ping-pong
-# accumulator layouts (drawn once per quad), a narrow epilogue subtile, and 200 rows (a partial tile).
+# accumulator layouts (drawn once per quad), a narrow epilogue subtile, 200 rows (a partial tile),
+# and float32 with N = 132, where a row's draws do not start at a multiple of 8 columns (each thread
+# draws for its own elements).
 DROPOUT_CASES = [
-    ((256, 128, 64), None),
-    ((256, 256, 64), {"tile": [128, 256, 64], "schedule": "cooperative"}),
-    ((256, 256, 64), {"tile": [128, 128, 64], "schedule": "pingpong"}),
-    ((256, 256, 128), {"tile": [128, 128, 64], "schedule": "pingpong", "epi_tile": [64, 16]}),
-    ((200, 128, 64), {"tile": [128, 64, 64], "schedule": "cooperative"}),
+    ("float16", (256, 128, 64), None),
+    ("float16", (256, 256, 64), {"tile": [128, 256, 64], "schedule": "cooperative"}),
+    ("float16", (256, 256, 64), {"tile": [128, 128, 64], "schedule": "pingpong"}),
+    ("float16", (256, 256, 128), {"tile": [128, 128, 64], "schedule": "pingpong", "epi_tile": [64, 16]}),
+    ("float16", (200, 128, 64), {"tile": [128, 64, 64], "schedule": "cooperative"}),
+    ("float32", (256, 132, 32), None),
 ]
 
 
-@pytest.mark.parametrize("shape,config", DROPOUT_CASES, ids=["default", "coop128x256", "pp128x128", "pp_epi64x16",
-                                                               "coop128x64_200rows"])
-def test_dropout_mask_matches_philox_reference(shape, config):
+@pytest.mark.parametrize("dtype,shape,config", DROPOUT_CASES,
+                         ids=["default", "coop128x256", "pp128x128", "pp_epi64x16", "coop128x64_200rows", "tf32_n132"])
+def test_dropout_mask_matches_philox_reference(dtype, shape, config):
     m, n, k = shape
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((m, k), "float16"))
-    w = relax.Var("w", relax.TensorType((n, k), "float16"))
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    w = relax.Var("w", relax.TensorType((n, k), dtype))
     seed = relax.Var("seed", relax.TensorType((2,), "uint32"))
     with bb.function("f", [x, w, seed]):
         with bb.dataflow():
@@ -97,9 +100,10 @@ def test_dropout_mask_matches_philox_reference(shape, config):
         bb.emit_func_output(out)
     func = bb.get()["f"]
     rng = np.random.default_rng(1)
-    arrays = [rng.uniform(-1, 1, (m, k)).astype("float16"), rng.uniform(-1, 1, (n, k)).astype("float16"),
+    arrays = [rng.uniform(-1, 1, (m, k)).astype(dtype), rng.uniform(-1, 1, (n, k)).astype(dtype),
               np.array([0x1234, 0xBEEF], dtype=np.uint32)]
-    (d,) = run(offload(func, f"evt_gpu_dropout_{DROPOUT_CASES.index((shape, config))}", config), arrays)
+    case = DROPOUT_CASES.index((dtype, shape, config))
+    (d,) = run(offload(func, f"evt_gpu_dropout_{case}", config), arrays)
     expected = reference.evaluate(lower(from_function(func)), arrays)[0]
     assert ((d != 0) == (expected != 0)).all()
     np.testing.assert_allclose(d.astype(np.float32), expected.astype(np.float32), rtol=5e-3, atol=5e-3)
