@@ -95,6 +95,13 @@ def test_script_help():
     assert out.returncode == 0 and "--systems" in out.stdout and "--profile" in out.stdout
 
 
+def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
+    assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
+    assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled
+    assert bench_e2e.fit_steps(16.0, 500, steps=20, warmup=2) == (20, 1)  # 21 fit: warm-up gives way first
+    assert bench_e2e.fit_steps(200.0, 500, steps=20, warmup=2) == (3, 0)  # never fewer than 3
+
+
 def test_error_summary_keeps_the_compiler_error_line():
     log = ("NVRTC compilation failed:\n"
            "cuda_fp8.hpp(1461): warning #1444-D: class \"double4\" was declared deprecated\n" * 20

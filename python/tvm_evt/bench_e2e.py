@@ -2,7 +2,9 @@
 
 One *measurement* is (system, model): a fresh subprocess builds the model, compiles it for the
 system, runs ``--warmup`` steps, then times ``--steps`` steps with CUDA events around each step
-(forward + backward + optimizer update) and reports the median.  Results are appended to
+(forward + backward + optimizer update) and reports the median.  A system too slow for that
+within ``--timeout`` (TVM's default pipeline on DLight's fallback GEMMs) is timed over fewer
+steps, at least 3, and its row says so (``fit_steps``).  Results are appended to
 ``<out>/bench_e2e.json`` and the Markdown table / PNG chart are rewritten after every measurement,
 so a run cut short keeps what it measured; a failing or timed-out measurement is recorded with its
 error and the run goes on.
@@ -168,7 +170,7 @@ def run_measurement(args, model: str, system: str) -> dict:
     """One measurement in a subprocess (a crash or hang loses only this row)."""
     job = {"model": model, "system": system, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
            "tuning_dir": str(Path(args.tuning_dir) / model) if args.tuning_dir else None,
-           "profile": args.profile, "top": args.top}
+           "profile": args.profile, "top": args.top, "timeout_s": args.timeout}
     cmd = [sys.executable, "-m", "tvm_evt.bench_e2e", "--measure", json.dumps(job)]
     start = time.monotonic()
     try:
@@ -219,6 +221,7 @@ def measure(job: dict) -> dict:
     """Run in the measurement subprocess: build, compile, warm up, time."""
     import torch
 
+    started = time.monotonic()
     model, system = job["model"], job["system"]
     row = {"model": model, "system": system, "ok": False}
     torch.cuda.init()
@@ -238,11 +241,25 @@ def measure(job: dict) -> dict:
     torch.cuda.synchronize()
     row["first_step_s"] = round(time.perf_counter() - start, 2)
     row["compile_s"] = round(compile_s if compile_s is not None else row["first_step_s"], 2)
-    for _ in range(job["warmup"]):
+    warmup, steps = job["warmup"], job["steps"]
+    if warmup:  # one warm-up step, timed on the host, tells whether the rest fits the time left
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        step_s = time.perf_counter() - start
+        warmup -= 1
+        if job.get("timeout_s"):
+            left = job["timeout_s"] - (time.monotonic() - started)
+            extra = PROFILE_STEPS if job.get("profile") else 0
+            fitted = fit_steps(step_s, left, steps, warmup, extra)
+            if fitted != (steps, warmup):
+                steps, warmup = fitted
+                row["note"] = f"{steps} steps: a step takes {step_s:.1f} s"
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = time_steps(step, job["steps"])
+    times = time_steps(step, steps)
     row.update(ok=True, step_ms=statistics.median(times), step_ms_min=min(times), step_ms_max=max(times),
                steps=len(times), torch_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
                device_used_mb=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1))
@@ -253,6 +270,19 @@ def measure(job: dict) -> dict:
         row["launches"] = round(sum(k["calls_per_step"] for k in kernels), 1)
         row["kernels"] = kernels[:job.get("top", 15)]
     return row
+
+
+def fit_steps(step_s: float, left_s: float, steps: int, warmup: int, extra: int = 0,
+              margin: float = 0.7) -> tuple[int, int]:
+    """(timed steps, warm-up steps) that fit ``margin`` of the ``left_s`` seconds a measurement
+    has, at ``step_s`` a step, with ``extra`` steps after them (profiling).  A slow system (TVM's
+    default pipeline, whose GEMMs run on DLight's fallback schedules) gets fewer steps rather
+    than a timeout: warm-up goes first, then timed steps, down to 3."""
+    fits = int(margin * left_s / step_s) - extra if step_s > 0 else steps + warmup
+    if steps + warmup <= fits:
+        return steps, warmup
+    warmup = max(0, min(warmup, fits - steps))
+    return max(3, min(steps, fits - warmup)), warmup
 
 
 def rewrites_in_effect() -> list[str]:
@@ -344,6 +374,9 @@ def attention_summary(ts) -> dict:
             "reasons": sorted({c["reason"] for c in calls if not c["kernel"]})}
 
 
+PROFILE_STEPS = 3  # steps torch.profiler records
+
+
 def profile_kernels(step, system: str) -> list[dict]:
     """The GPU kernels of a few steps, most time first (torch.profiler sees TVM's kernels as well,
     through CUPTI); CUTLASS kernels are named by the evt partitions they run."""
@@ -351,7 +384,7 @@ def profile_kernels(step, system: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(PROFILE_STEPS):
             step()
         torch.cuda.synchronize()
     from .codegen.relax_ext import kernel_partitions
@@ -364,7 +397,8 @@ def profile_kernels(step, system: str) -> list[dict]:
         if dev_us > 0:
             parts = kernel_partitions(ev.key)  # a CUTLASS kernel: name the partitions it runs
             name = f"cutlass {' = '.join(parts)}" if parts else ev.key[:120]
-            rows.append({"kernel": name, "calls_per_step": ev.count / 3, "ms_per_step": dev_us / 3e3})
+            rows.append({"kernel": name, "calls_per_step": ev.count / PROFILE_STEPS,
+                         "ms_per_step": dev_us / (1e3 * PROFILE_STEPS)})
     rows.sort(key=lambda r: -r["ms_per_step"])
     return rows
 
