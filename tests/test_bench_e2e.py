@@ -99,7 +99,8 @@ def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
     assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
     assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled
     assert bench_e2e.fit_steps(16.0, 500, steps=20, warmup=2) == (20, 1)  # 21 fit: warm-up gives way first
-    assert bench_e2e.fit_steps(200.0, 500, steps=20, warmup=2) == (3, 0)  # never fewer than 3
+    assert bench_e2e.fit_steps(100.0, 500, steps=20, warmup=2) == (3, 0)
+    assert bench_e2e.fit_steps(900.0, 500, steps=20, warmup=2) == (1, 0)  # never fewer than one
 
 
 def test_error_summary_keeps_the_compiler_error_line():

@@ -4,7 +4,7 @@ One *measurement* is (system, model): a fresh subprocess builds the model, compi
 system, runs ``--warmup`` steps, then times ``--steps`` steps with CUDA events around each step
 (forward + backward + optimizer update) and reports the median.  A system too slow for that
 within ``--timeout`` (TVM's default pipeline on DLight's fallback GEMMs) is timed over fewer
-steps, at least 3, and its row says so (``fit_steps``).  Results are appended to
+steps, at least one, and its row says so (``fit_steps``).  Results are appended to
 ``<out>/bench_e2e.json`` and the Markdown table / PNG chart are rewritten after every measurement,
 so a run cut short keeps what it measured; a failing or timed-out measurement is recorded with its
 error and the run goes on.
@@ -277,12 +277,12 @@ def fit_steps(step_s: float, left_s: float, steps: int, warmup: int, extra: int 
     """(timed steps, warm-up steps) that fit ``margin`` of the ``left_s`` seconds a measurement
     has, at ``step_s`` a step, with ``extra`` steps after them (profiling).  A slow system (TVM's
     default pipeline, whose GEMMs run on DLight's fallback schedules) gets fewer steps rather
-    than a timeout: warm-up goes first, then timed steps, down to 3."""
+    than a timeout: warm-up goes first, then timed steps, down to one."""
     fits = int(margin * left_s / step_s) - extra if step_s > 0 else steps + warmup
     if steps + warmup <= fits:
         return steps, warmup
     warmup = max(0, min(warmup, fits - steps))
-    return max(3, min(steps, fits - warmup)), warmup
+    return max(1, min(steps, fits - warmup)), warmup
 
 
 def rewrites_in_effect() -> list[str]:
