@@ -1,8 +1,9 @@
 """Emit the flash-attention kernels' C++ for an ``AttentionCall`` (one TVM FFI entry per call).
 
 The kernels (``flash_templates.KERNELS``) are templates on the dtype, the causal / bias /
-dropout flags and whether the keys leave their last tile part-filled (``ragged``); the entry bakes in the shapes, scale and dropout constants, checks every argument
-against them, and launches forward, or delta + dK/dV + dQ for the backward.
+dropout flags and whether the keys leave their last tile part-filled (``ragged``); the entry bakes
+in the shapes, scale and dropout constants, checks every argument against them, and launches
+forward, or delta + dK/dV + dQ for the backward.
 """
 from __future__ import annotations
 

@@ -28,14 +28,17 @@ The elementwise work between the MMAs is the kernels' bottleneck (one warpgroup 
 three CTAs an SM), so it is kept to a few instructions a score:
 - one FMA against -LSE·log2(e), staged once per query;
 - ``ex2.approx.ftz``;
-- one compare against the row's (or key's) visible bound, where attention is causal or the keys leave
-  their last tile part-filled (``kRagged``: the entry knows the shapes);
+- one compare against the row's (or key's) visible bound, only on the tiles where a row sees part
+  of the tile: the diagonal one of causal attention, the last key tile where the keys leave it
+  part-filled (``kRagged``: the entry knows the shapes);
 - the keep bits read a word at a time;
 - 1/(1-p) applied once, to O and to dV.
-Each kernel has one copy of this code: with an unmasked fast copy beside the masked one (a uniform
-branch per tile) every output came out wrong on H100 with nvcc 13.0, although each copy alone was
-right.  Forward + backward, H100, alternating builds: BERT-Large 0.93-0.99 -> 0.85 ms, GPT-2
-0.99 -> 0.89-0.94, ViT-B/16 0.76-0.78 -> 0.72 (docs/bench/h100-2026-11-26-e).
+Each loop body has one copy of this code: with an unmasked fast copy beside the masked one (a
+uniform branch per tile) every output came out wrong on H100 with nvcc 13.0, although each copy
+alone was right.  Forward + backward, H100, alternating builds: BERT-Large 0.93-0.99 -> 0.85 ms,
+GPT-2 0.99 -> 0.89-0.94, ViT-B/16 0.76-0.78 -> 0.72 (docs/bench/h100-2026-11-26-e).  The tiles
+without a bound run in a loop of their own instead, beside the loop over the bounded ones
+(GPT-2 0.78 -> 0.73, ViT-B/16 0.646 -> 0.636; docs/bench/h100-2026-11-27).
 
 No load is consumed where it is issued: dK/dV had stored each next tile's LSE, D and keep bits to
 shared memory right after loading them, so every tile waited out a global-memory latency.  It now
@@ -423,6 +426,16 @@ __device__ __forceinline__ void store_rows(uint16_t* dst, const float (&acc)[8][
   }
 }
 
+// Of the first ``blocks`` key tiles, how many every row of the query tile at m0 sees whole, so that
+// its scores need no bound: causal, those before the diagonal tile; ragged, all but the last.
+template <bool kCausal, bool kRagged>
+__device__ __forceinline__ int whole_key_tiles(Params const& p, int m0, int blocks) {
+  int whole = blocks;
+  if (kCausal) whole = min(whole, m0 / kBlock);
+  if (kRagged) whole = min(whole, p.sk / kBlock);
+  return whole;
+}
+
 // ---- forward
 // One key tile of the online softmax: the scores s (64 x 64, this thread's fragments) become the
 // probabilities that multiply V (dropped ones zero; the kept ones not yet divided by 1 - p: the
@@ -518,12 +531,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
-  // Key tiles that every row of the query tile sees whole need no bound on the scores: causal,
-  // those before the diagonal tile; ragged, all but the last.  They run first, through a softmax
-  // without the bound (two loops, each with one copy of the softmax: see below).
-  int whole = blocks;
-  if (kCausal) whole = min(whole, m0 / kBlock);
-  if (kRagged) whole = min(whole, p.sk / kBlock);
+  // the key tiles every row sees whole run first, through a softmax without the bound (two loops,
+  // each with one copy of the softmax: see below)
+  const int whole = whole_key_tiles<kCausal, kRagged>(p, m0, blocks);
   auto key_tile = [&](auto bounded, int j) {
     constexpr bool kBounded = decltype(bounded)::value;
     const int buf = j & 1, n0 = j * kBlock;
@@ -723,7 +733,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
     gemm_nk2<kBf16>(s, kf, sQ[buf], dp, vf, sD[buf]);  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
     // Pdᵀ into s (P where kept, else 0: dV is divided by 1 - p once, when stored); dSᵀ into dp
-    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sL[buf], sDelta[buf], sMask[buf], kb, key, m0, warp, g, t);
+    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sL[buf], sDelta[buf], sMask[buf],
+                                                                          kb, key, m0, warp, g, t);
     uint32_t pa[4][4], da[4][4];  // Pdᵀ and dSᵀ as A operands
     pack_a<kBf16>(pa, s);
     pack_a<kBf16>(da, dp);
@@ -796,9 +807,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   // as in the forward pass, the key tiles every row sees whole first, without the bound
-  int whole = blocks;
-  if (kCausal) whole = min(whole, m0 / kBlock);
-  if (kRagged) whole = min(whole, p.sk / kBlock);
+  const int whole = whole_key_tiles<kCausal, kRagged>(p, m0, blocks);
   auto key_tile = [&](auto bounded, int j) {
     constexpr bool kBounded = decltype(bounded)::value;
     const int buf = j & 1, n0 = j * kBlock;
