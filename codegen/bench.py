@@ -365,7 +365,7 @@ def _tflops(p: Problem, ms: float) -> float:
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.cases = pick_cases(bert_cases(args.quick), getattr(args, "cases", None))
+        self.cases = pick_cases(bert_cases(args.quick), args.cases)
         self.by_sig = {}
         for c in self.cases:
             self.by_sig.setdefault(select.signature(c.partition), c)
