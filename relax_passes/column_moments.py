@@ -301,9 +301,13 @@ def emit_moments(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr | None = N
     last, as float32 values of one ``call_tir`` shaped `out` (default ``keep_shape``; check
     `supported` first).  `a` and `b` are read in their own dtypes."""
     shape = [int(d) for d in a.ty.shape.values]
-    kind = KINDS[len(stats)] if b is not None else "moments"
-    if b is not None and not stats:
-        raise ValueError("column moments: a second tensor needs a mean (and an rstd per row)")
+    if b is None:
+        kind = "moments"
+    elif len(stats) in (1, 2):
+        kind = "centered" if len(stats) == 1 else "normalized"
+    else:
+        raise ValueError(f"column moments: a second tensor needs a mean per channel, or a mean and an rstd per "
+                         f"row; got {len(stats)} statistics")
     dtypes = [str(a.ty.dtype), str(b.ty.dtype) if b is not None else str(a.ty.dtype)]
     func = moments_primfunc(shape, dtypes, kind, out)
     gv = bb.add_func(func, "column_moments" if kind == "moments" else f"column_moments_{kind}")

@@ -169,6 +169,7 @@ def plan(func: relax.Function, pairs=BATCH_NORM, stored: bool = False) -> dict:
     unknown = set(pairs) - {name for name, _ in PAIRS}
     if unknown:
         raise ValueError(f"FuseColumnMoments: unknown pair(s) {sorted(unknown)}; known: {[n for n, _ in PAIRS]}")
+    matchers = [match for name, match in PAIRS if name in pairs]
     fn = _Function(func)
     firsts: dict = {}  # (kind, what it reads, axes) -> binding indices
     for i, b in enumerate(fn.bindings):
@@ -182,8 +183,8 @@ def plan(func: relax.Function, pairs=BATCH_NORM, stored: bool = False) -> dict:
         if red is None:
             continue
         kind, v, axes = red
-        for name, match in PAIRS:
-            found = match(fn, v) if name in pairs else None
+        for match in matchers:
+            found = match(fn, v)
             if found is None:
                 continue
             first_operand, inputs = found
