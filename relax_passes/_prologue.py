@@ -21,8 +21,8 @@ from typing import Callable
 
 from tvm import relax, te, tirx
 
-from ._rewrite import scalar_value, static_shape
-from .recompute_elementwise import FUSABLE, _op, recompute_pays
+from ._rewrite import op_name, scalar_value, static_shape
+from .recompute_elementwise import FUSABLE, recompute_pays
 
 
 # op name -> TE of the operands (a cast reads its operand at any dtype; the rest are float32)
@@ -77,8 +77,8 @@ class Prologue:
                 return repr(c)
             return f"p{leaf_index(a)}" if a in leaves else "given"  # an epilogue's start
 
-        parts = [f"{names[v]}={_op(c)}({','.join(arg(a) for a in c.args)}"
-                 + (f";{c.attrs.dtype}" if _op(c) == "relax.astype" else "") + ")" for v, c in self.calls]
+        parts = [f"{names[v]}={op_name(c)}({','.join(arg(a) for a in c.args)}"
+                 + (f";{c.attrs.dtype}" if op_name(c) == "relax.astype" else "") + ")" for v, c in self.calls]
         return "|".join(parts) + f"->{arg(self.root)}"
 
 
@@ -94,7 +94,7 @@ def inline_prologue(root: relax.Expr, bound: dict, readers: Callable[[relax.Var]
 
     def _pays(var, value) -> bool:  # RecomputeElementwise's rule, this kernel one of the readers
         others = [r for r in readers(var) if r not in taken]
-        fusable = [r for r in others if r is not None and _op(bound.get(r)) in FUSABLE]
+        fusable = [r for r in others if r is not None and op_name(bound.get(r)) in FUSABLE]
         return recompute_pays(value, var, len(fusable) + 1, len(fusable) < len(others))
 
     def visit(e) -> None:
@@ -117,9 +117,9 @@ def inline_prologue(root: relax.Expr, bound: dict, readers: Callable[[relax.Var]
 
 
 def _inlinable(var, value, shape) -> bool:
-    if _op(value) not in ELEMENTWISE or str(var.ty.dtype) != "float32" or not broadcasts_to(static_shape(var), shape):
+    if op_name(value) not in ELEMENTWISE or str(var.ty.dtype) != "float32" or not broadcasts_to(static_shape(var), shape):
         return False
-    if _op(value) == "relax.astype":
+    if op_name(value) == "relax.astype":
         return broadcasts_to(static_shape(value.args[0]), shape)
     return all(scalar_constant(a) is not None or (broadcasts_to(static_shape(a), shape)
                                                   and str(a.ty.dtype) == "float32") for a in value.args)
@@ -169,7 +169,7 @@ def prologue_compute(p: Prologue, leaves: list, tensors: list) -> Callable[..., 
             return at(tensors[index(a)], idx)
 
         for v, call in p.calls:
-            values[v] = ELEMENTWISE[_op(call)]([arg(a) for a in call.args], call.attrs)
+            values[v] = ELEMENTWISE[op_name(call)]([arg(a) for a in call.args], call.attrs)
         return arg(p.root)
 
     return compute
@@ -199,7 +199,7 @@ def epilogue_chain(start: relax.Var, bound: dict, readers: Callable[[relax.Var],
         if len(rs) != 1 or rs[0] is None or not isinstance(rs[0], relax.DataflowVar) or not same_block(rs[0]):
             break
         value = bound.get(rs[0])
-        if _op(value) not in ELEMENTWISE or static_shape(rs[0]) != tuple(shape) \
+        if op_name(value) not in ELEMENTWISE or static_shape(rs[0]) != tuple(shape) \
                 or sum(1 for a in value.args if a.same_as(v)) != 1:
             break
         others = [a for a in value.args if not a.same_as(v)]

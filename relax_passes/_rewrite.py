@@ -12,6 +12,13 @@ from tvm import relax
 OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the PrimFunc
 
 
+def op_name(value) -> str | None:
+    """The operator name of a call to a Relax operator (``"relax.add"``), else None."""
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    return None
+
+
 def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
     """The static shape of a tensor-typed expression, else None (tuple, symbolic extent)."""
     ty = expr.ty

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, te, tirx
 
-from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, scalar_value, static_shape
+from ._rewrite import (add_function_once, binding_uses, emit_call_tir, flat_bindings, op_name, scalar_value,
+                       static_shape)
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
-from .recompute_elementwise import FUSABLE, _op
+from .recompute_elementwise import FUSABLE
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -294,7 +295,7 @@ def _recomputes(value) -> bool:
     """Does a reader computing `value` take an elementwise producer into its own kernel (FuseOps,
     RecomputeElementwise, FuseLayerNormBackward's prologues), so that recomputing the value there
     costs a read of x instead of a read of the value?"""
-    return _op(value) in FUSABLE
+    return op_name(value) in FUSABLE
 
 
 def _name(shape, chain: LayerNormChain) -> str:

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, te, tirx
 
-from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, static_shape
+from ._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, op_name, static_shape
 from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders,
                         prologue_compute, prologue_tag, unique_leaves)
-from .recompute_elementwise import _op
 from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
 from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
@@ -197,7 +196,7 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
             starts = [(dx, set(casts))]
             if len(casts) == 1:
                 starts.append((casts[0], {r for r in readers(casts[0])
-                                          if r is None or _op(bound.get(r)) not in ELEMENTWISE}))
+                                          if r is None or op_name(bound.get(r)) not in ELEMENTWISE}))
             for start, skip in starts:
                 tail = epilogue_chain(start, bound, readers, skip, shape, same_block)
                 if tail is None:

@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, static_shape
+from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, op_name, static_shape
 from .evt_cost import tensor_bytes
 
 CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
@@ -42,12 +42,6 @@ CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multipl
 FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
                              "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
 MIN_ELEMENTS = 1 << 16  # smaller values cost nothing worth a copy
-
-
-def _op(value) -> str | None:
-    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-        return value.op.name
-    return None
 
 
 def _elements(expr) -> int | None:
@@ -80,18 +74,18 @@ def plan(func: relax.Function) -> tuple[dict, set]:
     recomputed: dict = {}
     for b in reversed(bindings):  # readers first
         v, value = b.var, b.value
-        if _op(value) not in CHEAP or block_of.get(v) is None:
+        if op_name(value) not in CHEAP or block_of.get(v) is None:
             continue
         n = _elements(v)
         if n is None or n < MIN_ELEMENTS:
             continue
-        fusable = [r for r in readers.get(v, ()) if _op(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
+        fusable = [r for r in readers.get(v, ()) if op_name(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
         others = v in outputs or len(fusable) < len(readers.get(v, ()))
         if (len(fusable) >= 2 or any(r in recomputed for r in fusable)) \
                 and recompute_pays(value, v, len(fusable), others):
             recomputed[v] = value
     kept = {v for v in recomputed
-            if v in outputs or any(_op(bound.get(r)) not in FUSABLE for r in readers.get(v, ()))}
+            if v in outputs or any(op_name(bound.get(r)) not in FUSABLE for r in readers.get(v, ()))}
     return recomputed, kept
 
 
@@ -120,7 +114,7 @@ class _Recomputer(PyExprMutator):
         v, value = binding.var, binding.value
         if v in self.recomputed and v not in self.kept:
             return  # every reader recomputes it
-        if _op(value) in FUSABLE and any(a in self.recomputed for a in value.args):
+        if op_name(value) in FUSABLE and any(a in self.recomputed for a in value.args):
             # one copy per reader, the reader bound to its own var (a dataflow block's output stays one)
             self.builder_.emit_normalized(relax.VarBinding(v, self.builder_.normalize(self._call(value, {}))))
             return
