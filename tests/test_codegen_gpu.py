@@ -38,7 +38,7 @@ def run(vm, arrays):
     return [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
 
 
-def bias_gelu_func(m=512, n=256, k=128, dtype="float16"):
+def bias_gelu_func(m=512, n=256, k=128, dtype="float16", column_sum=True):
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((m, k), dtype))
     w = relax.Var("w", relax.TensorType((n, k), dtype))
@@ -47,8 +47,8 @@ def bias_gelu_func(m=512, n=256, k=128, dtype="float16"):
         with bb.dataflow():
             y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
             g = bb.emit(relax.op.nn.gelu(relax.op.add(y, b)))
-            s = bb.emit(relax.op.sum(g, axis=[0]))
-            out = bb.emit_output(relax.Tuple([g, y, s]))
+            outs = [g, y, bb.emit(relax.op.sum(g, axis=[0]))] if column_sum else [g, y]
+            out = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(out)
     return bb.get()["f"]
 
@@ -120,3 +120,30 @@ def test_random_epilogues_match_reference(seed):
     got = run(offload(func, f"evt_gpu_random_{seed}"), arrays)
     for g, e in zip(got, reference.evaluate(partition, arrays)):  # tf32 main loop: loose tolerance
         np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=2e-2, atol=2e-2)
+
+
+# Split-K and stream-K kernels keep their workspace between launches: each launch must leave the
+# tile locks zero for the next (a lock left set would hang the next launch or add stale partial
+# sums).  Four launches on fresh inputs, each against float64.  128x128 tiles of 256x256x4096 give
+# few output tiles over a long K, so stream-K splits tiles among several units.  No column sum: an
+# epilogue reduction has a workspace of its own, and such kernels take the per-launch workspace.
+SPLIT_CASES = [
+    {"tile": [128, 128, 64], "decomposition": "split_k", "splits": 2},
+    {"tile": [128, 128, 64], "decomposition": "split_k", "splits": 3},
+    {"tile": [128, 128, 64], "decomposition": "stream_k"},
+    {"tile": [128, 256, 64], "cluster": [2, 1, 1], "decomposition": "stream_k"},
+]
+
+
+@pytest.mark.parametrize("config", SPLIT_CASES, ids=["splitk2", "splitk3", "streamk", "streamk128x256_2x1"])
+def test_split_k_workspace_is_reused_across_launches(config):
+    func = bias_gelu_func(m=256, n=256, k=4096, dtype="bfloat16", column_sum=False)
+    vm = offload(func, f"evt_gpu_{config['decomposition']}_{config.get('splits', 1)}_{config['tile'][1]}", config)
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        x, w, b = (torch.tensor(rng.uniform(-1, 1, s), dtype=torch.bfloat16) for s in ((256, 4096), (256, 4096), (256,)))
+        g, y = run(vm, [t.float().numpy().astype(reference.NP_DTYPES["bfloat16"]) for t in (x, w, b)])
+        y64 = x.double() @ w.double().T
+        g64 = torch.nn.functional.gelu(y64 + b.double())
+        np.testing.assert_allclose(y.astype(np.float64), y64.numpy(), rtol=2e-2, atol=0.5)
+        np.testing.assert_allclose(g.astype(np.float64), g64.numpy(), rtol=2e-2, atol=0.5)

@@ -81,10 +81,15 @@ def test_emitter_tile_scheduler():
     p = case()
     default = emit(p)
     assert "cutlass::gemm::PersistentScheduler>" in default and "decomposition_mode" not in default
+    assert "tvm_evt::launch<Gemm>" in default and "ResettingStreamK" not in default  # source unchanged
     sk = emit(p, KernelConfig(decomposition=Decomposition.STREAM_K))
-    assert "cutlass::gemm::StreamKScheduler>" in sk and "DecompositionMode::StreamK;" in sk
+    assert "tvm_evt::ResettingStreamK>" in sk and "DecompositionMode::StreamK;" in sk
     split = emit(p, KernelConfig(decomposition=Decomposition.SPLIT_K, splits=3))
     assert "args.scheduler.splits = 3;" in split and "DecompositionMode::SplitK;" in split
+    for src in (sk, split):  # the self-clearing scheduler, its selector and the launcher that keeps
+        assert src.count("struct ResettingStreamKScheduler") == 1  # the workspace
+        assert "TileSchedulerSelector<tvm_evt::ResettingStreamK, arch::Sm90" in src
+        assert "tvm_evt::launch_kept<Gemm>" in src
 
 
 # ------------------------------------------------------------------------------------ signatures

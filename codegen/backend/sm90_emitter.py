@@ -26,9 +26,9 @@ from ..ir import (
     ScalarBroadcast,
 )
 from ..philox import dropout_scale, keep_threshold
-from .config import KernelConfig, Schedule, default_config
+from .config import Decomposition, KernelConfig, Schedule, default_config
 from .functors import BITS, CPP_TYPE, DL_TYPE, FUNCTOR, REDUCE
-from .templates import DROPOUT, HEADER, KERNEL, PRELUDE, SCHEDULER_ARGS, TILE_SCHEDULER
+from .templates import DROPOUT, HEADER, KERNEL, LAUNCHER, PRELUDE, SCHEDULER_ARGS, STREAM_K, TILE_SCHEDULER
 
 CODEGEN_VERSION = "0.1.0"
 FUSION = "cutlass::epilogue::fusion"
@@ -341,9 +341,11 @@ class Sm90Emitter:
             else f"Shape<_{cfg.epi_tile[0]}, _{cfg.epi_tile[1]}>",
             tile_scheduler=TILE_SCHEDULER[cfg.decomposition.value],
             scheduler_args=SCHEDULER_ARGS[cfg.decomposition.value].substitute(splits=cfg.splits),
+            launch=LAUNCHER[cfg.decomposition.value],
         )
         dropout = DROPOUT if any(isinstance(n, Dropout) for n in p.epilogue.nodes) else ""
-        return HEADER.substitute(values) + PRELUDE + dropout + KERNEL.substitute(values)
+        stream_k = STREAM_K if cfg.decomposition is not Decomposition.DATA_PARALLEL else ""
+        return HEADER.substitute(values) + PRELUDE + stream_k + dropout + KERNEL.substitute(values)
 
 
 def emit(partition: Partition, config: KernelConfig | None = None) -> str:

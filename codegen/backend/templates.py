@@ -302,21 +302,23 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::${raster};${scheduler_args}
   cudaSetDevice(device_id);
   cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
-  return tvm_evt::launch<Gemm>(args, stream, kKernel,
+  return tvm_evt::${launch}<Gemm>(args, stream, kKernel,
                                "this problem; check operand alignment (16 bytes) and shapes");
 }
 """
     + ENTRY_CLOSE
 )
 
-# Tile scheduler per ``Decomposition`` (CUTLASS 3 ``GemmUniversal``'s last template argument) and
-# the scheduler arguments set after the raster order (empty for the data-parallel default, so its
-# source, and so its build-cache key, is unchanged).
+# Tile scheduler per ``Decomposition`` (CUTLASS 3 ``GemmUniversal``'s last template argument), the
+# launcher that runs it (``launch`` or ``launch_kept``, with STREAM_K) and the scheduler arguments
+# set after the raster order (empty for the data-parallel default, so its source, and so its
+# build-cache key, is unchanged).
 TILE_SCHEDULER = {
     "data_parallel": "cutlass::gemm::PersistentScheduler",
-    "stream_k": "cutlass::gemm::StreamKScheduler",
-    "split_k": "cutlass::gemm::StreamKScheduler",
+    "stream_k": "tvm_evt::ResettingStreamK",
+    "split_k": "tvm_evt::ResettingStreamK",
 }
+LAUNCHER = {"data_parallel": "launch", "stream_k": "launch_kept", "split_k": "launch_kept"}
 _DECOMPOSITION = "cutlass::gemm::kernel::detail::DecompositionMode"
 SCHEDULER_ARGS = {
     "data_parallel": Template(""),
@@ -325,6 +327,140 @@ SCHEDULER_ARGS = {
         f"\n  args.scheduler.splits = ${{splits}};\n  args.scheduler.decomposition_mode = {_DECOMPOSITION}::SplitK;"
     ),
 }
+
+# Stream-K and split-K kernels (emitted only into those): CUTLASS's SM90 stream-K tile scheduler with
+# self-clearing locks, and a launcher that keeps such a kernel's workspace between launches.
+#
+# Where several units share an output tile, CUTLASS's scheduler passes their partial sums through a
+# reduction workspace ordered by one lock per tile and consumer warp group, which counts the k-tiles
+# already reduced.  The locks must be zero before a launch: its ``initialize_workspace`` clears them
+# with a memset, and ``launch`` allocates and frees the workspace around every launch.  That costs a
+# memset launch before each kernel, about 3 us of a 50 us weight-gradient GEMM.  Here the unit that
+# computes a tile's epilogue (its final split, or its separate-reduction unit) clears the lock
+# after ``fixup``: there it has waited for every other unit of the tile to arrive, and no unit of the
+# launch touches that lock again.  A launch so leaves the locks as it found them, and ``launch_kept``
+# zeroes a workspace once, when it allocates it for a device and stream, and keeps it.
+STREAM_K = """\
+#ifndef TVM_EVT_STREAM_K
+#define TVM_EVT_STREAM_K
+#include <pthread.h>
+namespace tvm_evt {
+struct ResettingStreamK {};  // GemmUniversal's tile scheduler tag for ResettingStreamKScheduler
+
+template <class TileShape, class ClusterShape>
+struct ResettingStreamKScheduler
+    : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape> {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape>;
+  using Params = typename Base::Params;
+  using WorkTileInfo = typename Base::WorkTileInfo;
+  using Base::Base;
+  static constexpr bool kClearsLocks = true;
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE static void fixup(Params const& params, WorkTileInfo const& work, FrgTensorC& accumulators,
+                                   uint32_t num_barriers, uint32_t barrier_idx) {
+    Base::fixup(params, work, accumulators, num_barriers, barrier_idx);
+    if (Base::requires_fixup(params, work) && Base::compute_epilogue(work, params) &&
+        threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0) {
+      using Accumulator = typename FrgTensorC::value_type;
+      uint64_t lock = Base::output_tile_index(params, work) * num_barriers + barrier_idx;
+      atomicExch(locks<Accumulator>(params) + lock, 0);
+    }
+  }
+
+ private:
+  // The locks follow the reduction workspace, which holds one accumulator tile per split-K output
+  // tile, or per stream-K tile (times its most peers under separate reduction).
+  template <class Accumulator>
+  CUTLASS_DEVICE static int* locks(Params const& params) {
+    uint64_t tiles = params.divmod_splits_.divisor > 1 ? uint64_t(params.units_per_problem_)
+                                                       : uint64_t(params.sk_tiles_);
+    if (params.divmod_splits_.divisor <= 1 && params.requires_separate_reduction()) {
+      tiles *= Params::max_peers_per_tile(params.sk_units_, params.sk_tiles_);
+    }
+    size_t bytes = Params::get_reduction_workspace_size(tiles, cutlass::gemm::to_gemm_coord(TileShape{}),
+                                                        cutlass::sizeof_bits<Accumulator>::value);
+    static_assert(sizeof(typename Base::BarrierType) == sizeof(int), "stream-K locks are ints");
+    return reinterpret_cast<int*>(static_cast<uint8_t*>(params.reduction_workspace_) + bytes);
+  }
+};
+
+// A kernel's workspace on one device and stream: allocated and zeroed by its first launch there.
+struct KeptWorkspace {
+  int device;
+  cudaStream_t stream;
+  void* ptr;
+  size_t bytes;
+};
+constexpr int kKeptWorkspaces = 8;  // devices x streams per kernel; launches beyond fall back to ``launch``
+
+// ``launch`` for a kernel whose scheduler clears its locks: the workspace is kept between launches
+// on a stream (they run in order), so a launch after the first only updates the arguments.  An
+// epilogue with a workspace of its own (which it may need cleared), a table full of streams or an
+// allocation that fails (as under stream capture) take ``launch``'s path.
+template <class Operator>
+int launch_kept(typename Operator::Arguments const& args, cudaStream_t stream, const char* kernel,
+                const char* problem) {
+  using Kernel = typename Operator::GemmKernel;
+  static_assert(Kernel::TileScheduler::kClearsLocks, "launch_kept needs a scheduler that clears its locks");
+  static KeptWorkspace kept[kKeptWorkspaces];
+  static pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER;
+  if (Kernel::CollectiveEpilogue::get_workspace_size(args.problem_shape, args.epilogue) != 0) {
+    return launch<Operator>(args, stream, kernel, problem);
+  }
+  Operator op;
+  cutlass::Status status = op.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    return fail("RuntimeError", "%s: CUTLASS cannot implement %s (%s)", kernel, problem,
+                cutlass::cutlassGetStatusString(status));
+  }
+  size_t bytes = Operator::get_workspace_size(args);
+  int device = 0;
+  cudaGetDevice(&device);
+  pthread_mutex_lock(&mutex);
+  KeptWorkspace* slot = nullptr;
+  for (KeptWorkspace& w : kept) {
+    if (w.ptr != nullptr && w.device == device && w.stream == stream && w.bytes == bytes) slot = &w;
+  }
+  if (slot != nullptr) {
+    status = op.update(args, slot->ptr);
+  } else {
+    for (KeptWorkspace& w : kept) {
+      if (w.ptr == nullptr && slot == nullptr) slot = &w;
+    }
+    void* ptr = nullptr;
+    if (slot == nullptr || cudaMalloc(&ptr, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      pthread_mutex_unlock(&mutex);
+      return launch<Operator>(args, stream, kernel, problem);
+    }
+    status = op.initialize(args, ptr, stream);  // zeroes the locks, sets the kernel's shared memory size
+    if (status == cutlass::Status::kSuccess) {
+      *slot = KeptWorkspace{device, stream, ptr, bytes};
+    } else {
+      cudaFree(ptr);
+    }
+  }
+  if (status == cutlass::Status::kSuccess) status = op.run(stream);
+  pthread_mutex_unlock(&mutex);
+  cudaError_t err = cudaGetLastError();
+  if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
+    return fail("RuntimeError", "%s: launch failed: %s / %s", kernel, cutlass::cutlassGetStatusString(status),
+                cudaGetErrorString(err));
+  }
+  return 0;
+}
+}  // namespace tvm_evt
+
+namespace cutlass::gemm::kernel::detail {
+template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<tvm_evt::ResettingStreamK, arch::Sm90, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
+  using Scheduler = tvm_evt::ResettingStreamKScheduler<TileShape, ClusterShape>;
+};
+}  // namespace cutlass::gemm::kernel::detail
+#endif  // TVM_EVT_STREAM_K
+"""
 
 # The dropout node, emitted only into kernels that have one (so that the other kernels' sources,
 # and their cache entries, do not depend on it).
