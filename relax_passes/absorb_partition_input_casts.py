@@ -25,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ._rewrite import binding_uses, drop_uncalled, flat_bindings, local_composite, substitute
+from ._rewrite import binding_uses, drop_uncalled, flat_bindings, local_composite, op_name, substitute
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 MASKS = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("less", "greater", "less_equal", "greater_equal"))
@@ -38,7 +38,7 @@ def _epilogue_only(inner: relax.Function, param: relax.Var) -> bool:
     """Is `param` read inside the composite only by elementwise/epilogue ops?"""
     readers = [b.value for b in flat_bindings(inner)[0]
                if isinstance(b.value, relax.Call) and any(a.same_as(param) for a in b.value.args)]
-    return bool(readers) and all(isinstance(r.op, tvm.ir.Op) and r.op.name not in NOT_EPILOGUE for r in readers)
+    return bool(readers) and all(op_name(r) is not None and op_name(r) not in NOT_EPILOGUE for r in readers)
 
 
 def _absorbable(call) -> bool:

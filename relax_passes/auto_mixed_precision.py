@@ -32,7 +32,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, flat_bindings, rewrite_function
+from ._rewrite import binding_uses, flat_bindings, op_name, rewrite_function
 from .append_optimizer import LOSS_SCALE_PARAM
 
 FP32 = frozenset(
@@ -141,8 +141,8 @@ class _Caster(PyExprMutator):
 
     def visit_var_binding_(self, binding) -> None:
         value = binding.value
-        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-            name = value.op.name
+        name = op_name(value)
+        if name is not None:
             tensors = [a for a in value.args
                        if isinstance(a.ty, relax.TensorType) and not isinstance(a, tvm.ir.GenericConst)]
             if name in STATISTICS or (
@@ -176,11 +176,11 @@ class _Caster(PyExprMutator):
         return self._cast(arg, want)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        if not isinstance(call.op, tvm.ir.Op):
+        name = op_name(call)
+        if name is None:
             return super().visit_call_(call)
         # visit the operands but build the call ourselves: mixed dtypes would not type-check
         args = [self.visit_expr(a) for a in call.args]
-        name = call.op.name
         if name == "relax.astype":
             if str(call.attrs.dtype) == "float32" and _dtype(args[0]) != "float32":
                 return relax.op.astype(args[0], self.low)
@@ -206,8 +206,7 @@ def _feeds_fp32_reductions(func: relax.Function) -> set:
     gradient was 2.5 % off fp32 (autocast's: 0.2 %)."""
     bindings = flat_bindings(func)[0]
     uses = binding_uses(func)  # var -> indices of its readers; len(bindings): the function's result
-    op_of = [b.value.op.name if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op) else None
-             for b in bindings]
+    op_of = [op_name(b.value) for b in bindings]
     region: set = set()  # indices of the bindings
     for i in reversed(range(len(bindings))):  # readers come later: one backward sweep
         users = uses.get(bindings[i].var, [])

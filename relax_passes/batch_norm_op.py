@@ -43,7 +43,7 @@ from tvm import relax
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
-from ._rewrite import static_shape
+from ._rewrite import op_name, static_shape
 from .gradient_rules import register_op
 
 OP = "tvm_evt.batch_norm"
@@ -156,7 +156,7 @@ def _is_zero(ctx: relax.BlockBuilder, expr: relax.Expr) -> bool:
         expr = ctx.lookup_binding(expr)
         if expr is None:
             return False
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.zeros":
+    if op_name(expr) == "relax.zeros":
         return True
     if isinstance(expr, tvm.ir.GenericConst):
         return not expr.value.numpy().any()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from ._rewrite import op_name
+
 COST_MODEL_VERSION = 5  # part of the partition cache key: bump when anything below changes
 
 
@@ -217,7 +219,7 @@ def function_traffic(func: relax.Function) -> int:
             value = getattr(b, "value", None)
             if not isinstance(value, relax.Call):
                 continue
-            if isinstance(value.op, tvm.ir.Op) and value.op.name in FREE_OPS:
+            if op_name(value) in FREE_OPS:
                 continue
             total += sum(tensor_bytes(t) for t in _tensor_leaves(value, [])) + tensor_bytes(b.var)
     return total

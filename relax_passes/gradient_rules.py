@@ -31,6 +31,8 @@ from tvm.relax.expr import Expr, Var
 from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad, take_backward
 
+from ._rewrite import op_name
+
 __all__ = ["GRADIENT_RULES", "NO_GRAD_OPS", "RULE_LEVEL", "GradientRuleError", "register_op"]
 
 RULE_LEVEL = 20
@@ -54,7 +56,7 @@ def _lowest(dtype: str) -> float:
     return float(ml_dtypes.finfo(dtype).min)
 
 def _op_name(call: Call) -> str:
-    return call.op.name if isinstance(call.op, Op) else str(call.op)
+    return op_name(call) or str(call.op)
 
 
 def _fail(call: Call, why: str) -> GradientRuleError:

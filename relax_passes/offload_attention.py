@@ -45,7 +45,7 @@ from ..codegen.frontend.attention_call import (
     heads_transposed,
 )
 from . import attention_op
-from ._rewrite import has_call
+from ._rewrite import has_call, op_name
 from .cancel_transposes import CancelTransposes, bound_value
 
 CODEGEN = "evt_attention"
@@ -161,7 +161,7 @@ def _backward_sites(func: relax.Function) -> set:
     sites = set()
 
     def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == BACKWARD_OP:
+        if op_name(expr) == BACKWARD_OP:
             try:
                 sites.add(_dropout_site(attention_of_call(expr)))
             except Unsupported:

@@ -33,7 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, drop_unreferenced, flat_bindings, scalar_value, static_shape
+from ._rewrite import binding_uses, drop_unreferenced, flat_bindings, op_name, scalar_value, static_shape
 from .lower_dropout import keep_mask_function
 from .philox import KEEP_RATE_ATTR
 
@@ -162,7 +162,7 @@ def find_chains(func: relax.Function, mod: tvm.IRModule, ctx: Context | None = N
                 break
             nxt = bindings[readers[0]]
             call = nxt.value
-            if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
+            if op_name(call) is None:
                 break
             if call.op == MATMUL:
                 if call.args[0].same_as(x) and not call.args[1].same_as(x) and \

@@ -44,6 +44,7 @@ import tvm_ffi
 from tvm import relax
 
 from . import evt_cost
+from ._rewrite import op_name
 from .evt_cost import static_shape, tensor_bytes
 
 COMPOSITE_NAME = "evt.gemm_epilogue"
@@ -96,13 +97,10 @@ class OpNode:
 
 
 def _op_name(value) -> str | None:
-    if not isinstance(value, relax.Call):
-        return None
-    if isinstance(value.op, tvm.ir.Op):
-        if value.op.name == "relax.call_pure_packed" and isinstance(value.args[0], relax.ExternFunc):
-            return str(value.args[0].global_symbol)
-        return value.op.name
-    return None
+    name = op_name(value)
+    if name == "relax.call_pure_packed" and isinstance(value.args[0], relax.ExternFunc):
+        return str(value.args[0].global_symbol)
+    return name
 
 
 def _leaf_args(expr):

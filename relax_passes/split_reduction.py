@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, mutate_relax_functions, producer, static_shape
+from ._rewrite import binding_uses, mutate_relax_functions, op_name, producer, static_shape
 from .evt_cost import tensor_bytes
 from .recompute_elementwise import CHEAP
 
@@ -83,7 +83,7 @@ class _Splitter(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or call.op.name not in REDUCTIONS:
+        if op_name(call) not in REDUCTIONS:
             return call
         x = call.args[0]
         shape, out_shape = static_shape(x), static_shape(call)
@@ -123,7 +123,7 @@ class _Splitter(PyExprMutator):
         if depth >= MAX_PUSH or not isinstance(x, relax.Var):
             return None
         call = self.lookup_binding(x)
-        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in ELEMENTWISE):
+        if op_name(call) not in ELEMENTWISE:
             return None
         shape = static_shape(x)
         if all(static_shape(a) == shape or _is_scalar(a) or _operand_view(a, shape, view) is not None
