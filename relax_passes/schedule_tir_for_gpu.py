@@ -14,14 +14,22 @@ function to the next one, and ``Fallback`` schedules anything left that has bloc
 What even ``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward``
 (which the evt pipeline replaces beforehand: ``LowerTakeBackward``) — runs as written on a
 single GPU thread: correct, slow, and reported with a warning.
+
+Whatever rule schedules a function, its vectorized loops that read or write bool buffers are
+unrolled instead (``scalar_bool_access``): TVM 0.27's CUDA codegen has no ``boolxN`` type and
+loads two bools as a ``ushort2``, four bytes, so a vectorized read of a bool mask takes the wrong
+bytes and, at an odd pair, faults (cudaErrorMisalignedAddress).  DLight's Matmul rule vectorizes
+the epilogue of a GEMM fused with a ReLU mask's ``where`` that way (XML-CNN's backward, under the
+``tvm_default`` baseline).
 """
 
 from __future__ import annotations
 
-import tvm
 import warnings
 
-from tvm import tirx
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
 
 from . import column_moments, optimizer_update, philox
 
@@ -67,6 +75,24 @@ def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
+def scalar_bool_access(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` (scheduled) with the vectorized loops around each block that reads or writes a bool
+    buffer unrolled: element by element, the bools are read and written a byte each."""
+    names = []
+
+    def visit(block) -> None:
+        if any(str(r.source.dtype) == "bool" for r in [*block.reads, *block.writes]):
+            names.append(block.name_hint)
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="post")
+    sch = s_tir.Schedule(func)
+    loops = [loop for name in names for loop in sch.get_loops(sch.get_sblock(name))
+             if sch.get(loop).kind == tirx.ForKind.VECTORIZED]
+    for loop in loops:
+        sch.unroll(loop)
+    return sch.mod["main"] if loops else func
+
+
 @tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
 class ScheduleTIRForGPU:
     """Schedule every unscheduled PrimFunc with the first DLight rule that succeeds on it
@@ -98,7 +124,7 @@ class ScheduleTIRForGPU:
                 except Exception:  # noqa: BLE001 - a failing rule passes the function on
                     continue
                 if _scheduled(out[gv]):
-                    updates[gv] = out[gv]
+                    updates[gv] = scalar_bool_access(out[gv])
                     break
             else:
                 serial.append(gv.name_hint)

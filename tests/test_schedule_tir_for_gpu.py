@@ -104,3 +104,66 @@ def test_dropout_mask_gpu_form_matches_numpy(shape):
     out = tvm.runtime.tensor(np.zeros(shape, "bool"), dev)
     lib["keep"](tvm.runtime.tensor(np.array([7, 99], "uint32"), dev), tvm.runtime.tensor(np.array(4, "uint32"), dev), out)
     np.testing.assert_array_equal(out.numpy().reshape(-1), dropout_keep_numpy(int(np.prod(shape)), (7, 99), 4, 0.3))
+
+
+def _matmul_mask_module():
+    """A GEMM fused with a ReLU mask's where (XML-CNN's backward): DLight's Matmul rule schedules
+    it and vectorizes its epilogue, the bool mask's reads included."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((32, 96), "bfloat16"))
+    w = relax.Var("w", relax.TensorType((96, 64), "bfloat16"))
+    mask = relax.Var("mask", relax.TensorType((32, 64), "bool"))
+    with bb.function("main", [x, w, mask]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w))
+            out = bb.emit_output(relax.op.where(mask, y, relax.const(0, "bfloat16")))
+        bb.emit_func_output(out)
+    with CUDA:
+        return tvm.transform.Sequential(
+            [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+             relax.transform.FuseOps(), relax.transform.FuseTIR()]
+        )(bb.get())
+
+
+def _vectorized_bool_accesses(func) -> int:
+    """Bool buffer reads and writes inside vectorized loops of `func`."""
+    import tvm_ffi
+    from tvm import s_tir, tirx
+
+    count = []
+
+    def loop(node):
+        if node.kind != tirx.ForKind.VECTORIZED:
+            return
+        tvm_ffi.structural_walk(node.body, (s_tir.SBlock, lambda b: count.extend(
+            r for r in [*b.reads, *b.writes] if str(r.source.dtype) == "bool")), order="post")
+
+    tvm_ffi.structural_walk(func.body, (tirx.For, loop), order="post")
+    return len(count)
+
+
+def test_bool_buffers_are_not_read_as_vectors():
+    from tvm.s_tir import dlight as dl
+
+    mod = _matmul_mask_module()
+    gv = next(gv for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    with CUDA:
+        matmul_rule = dl.ApplyDefaultSchedule(dl.gpu.Matmul())(tvm.IRModule({gv: mod[gv]}))[gv]
+        scheduled = ScheduleTIRForGPU()(mod)[gv]
+    assert "T.vectorized" in matmul_rule.script() and _vectorized_bool_accesses(matmul_rule) > 0
+    assert int(scheduled.attrs["tirx.is_scheduled"]) == 1
+    assert _vectorized_bool_accesses(scheduled) == 0
+    assert "T.vectorized" in scheduled.script()  # the operand fetches stay vectorized
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_bool_mask_is_read_a_byte_at_a_time_in_cuda():
+    """TVM 0.27 loads a pair of bools as a ushort2 (4 bytes); after ScheduleTIRForGPU the mask is
+    read element by element."""
+    mod = _matmul_mask_module()
+    with CUDA:
+        scheduled = ScheduleTIRForGPU()(mod)
+    gv = next(gv for gv, f in scheduled.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    lib = tvm.compile(tvm.IRModule({"main": scheduled[gv].with_attr("global_symbol", "main")}), target=CUDA)
+    src = lib.mod.imports[0].inspect_source()
+    assert "mask_ptr[" in src and "*)(mask_ptr" not in src
