@@ -20,7 +20,8 @@ unrolled instead (``scalar_bool_access``): TVM 0.27's CUDA codegen has no ``bool
 loads two bools as a ``ushort2``, four bytes, so a vectorized read of a bool mask takes the wrong
 bytes and, at an odd pair, faults (cudaErrorMisalignedAddress).  DLight's Matmul rule vectorizes
 the epilogue of a GEMM fused with a ReLU mask's ``where`` that way (XML-CNN's backward, under the
-``tvm_default`` baseline).
+``tvm_default`` baseline).  A schedule whose loops cannot be so rewritten is passed over like a
+rule that raises.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def scalar_bool_access(func: tirx.PrimFunc) -> tirx.PrimFunc:
             names.append(block.name_hint)
 
     tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="post")
+    if not names:
+        return func
     sch = s_tir.Schedule(func)
     loops = [loop for name in names for loop in sch.get_loops(sch.get_sblock(name))
              if sch.get(loop).kind == tirx.ForKind.VECTORIZED]
@@ -120,11 +123,13 @@ class ScheduleTIRForGPU:
             single = tvm.IRModule({gv: func})
             for rule in rules:
                 try:
-                    out = dl.ApplyDefaultSchedule(rule)(single)
+                    out = dl.ApplyDefaultSchedule(rule)(single)[gv]
+                    if _scheduled(out):
+                        out = scalar_bool_access(out)
                 except Exception:  # noqa: BLE001 - a failing rule passes the function on
                     continue
-                if _scheduled(out[gv]):
-                    updates[gv] = scalar_bool_access(out[gv])
+                if _scheduled(out):
+                    updates[gv] = out
                     break
             else:
                 serial.append(gv.name_hint)
