@@ -21,7 +21,8 @@ loads two bools as a ``ushort2``, four bytes, so a vectorized read of a bool mas
 bytes and, at an odd pair, faults (cudaErrorMisalignedAddress).  DLight's Matmul rule vectorizes
 the epilogue of a GEMM fused with a ReLU mask's ``where`` that way (XML-CNN's backward, under the
 ``tvm_default`` baseline).  A schedule whose loops cannot be so rewritten is passed over like a
-rule that raises.
+rule that raises.  Functions scheduled before this pass (a tuned build's MetaSchedule database)
+are rewritten the same way, or the build stops with their name.
 """
 
 from __future__ import annotations
@@ -76,24 +77,45 @@ def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
+def vectorized_bool_blocks(func: tirx.PrimFunc) -> list[str]:
+    """The blocks of `func` that read or write a bool buffer inside a vectorized loop."""
+    names = []
+
+    def block(b) -> None:
+        if any(str(r.source.dtype) == "bool" for r in [*b.reads, *b.writes]) and b.name_hint not in names:
+            names.append(b.name_hint)
+
+    def loop(node) -> None:
+        if node.kind == tirx.ForKind.VECTORIZED:
+            tvm_ffi.structural_walk(node.body, (s_tir.SBlock, block), order="post")
+
+    tvm_ffi.structural_walk(func.body, (tirx.For, loop), order="post")
+    return names
+
+
 def scalar_bool_access(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` (scheduled) with the vectorized loops around each block that reads or writes a bool
     buffer unrolled: element by element, the bools are read and written a byte each."""
-    names = []
-
-    def visit(block) -> None:
-        if any(str(r.source.dtype) == "bool" for r in [*block.reads, *block.writes]):
-            names.append(block.name_hint)
-
-    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="post")
+    names = vectorized_bool_blocks(func)
     if not names:
         return func
     sch = s_tir.Schedule(func)
-    loops = [loop for name in names for loop in sch.get_loops(sch.get_sblock(name))
-             if sch.get(loop).kind == tirx.ForKind.VECTORIZED]
-    for loop in loops:
-        sch.unroll(loop)
-    return sch.mod["main"] if loops else func
+    for name in names:
+        for loop in sch.get_loops(sch.get_sblock(name)):
+            if sch.get(loop).kind == tirx.ForKind.VECTORIZED:
+                sch.unroll(loop)
+    return sch.mod["main"]
+
+
+def _made_safe(gv, func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`scalar_bool_access` of a function scheduled before this pass, or an error naming it."""
+    try:
+        return scalar_bool_access(func)
+    except Exception as err:  # noqa: BLE001 - reported with the function's name
+        raise RuntimeError(
+            f"ScheduleTIRForGPU: {gv.name_hint} reads or writes bool data in a vectorized loop, which "
+            f"TVM 0.27's CUDA codegen gets wrong (a ushort2 a pair), and its schedule cannot be "
+            f"rewritten: {str(err).splitlines()[-1] if str(err) else type(err).__name__}") from err
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleTIRForGPU")
@@ -112,7 +134,12 @@ class ScheduleTIRForGPU:
         rules = _rules(self.vectorize, self.column_rows)
         updates, serial = {}, []
         for gv, func in mod.functions_items():
-            if not isinstance(func, tirx.PrimFunc) or _scheduled(func):
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            if _scheduled(func):  # by MetaSchedule's database (tuned builds): made safe, kept
+                safe = _made_safe(gv, func)
+                if not safe.same_as(func):
+                    updates[gv] = safe
                 continue
             hook = _own_gpu_form_hook(func)
             if hook is not None:
