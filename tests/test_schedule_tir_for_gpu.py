@@ -12,6 +12,15 @@ from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU, single_
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
 
+def _fused(mod):
+    """`mod` legalized and fused into PrimFuncs for CUDA, as the pipeline has them before scheduling."""
+    with CUDA:
+        return tvm.transform.Sequential(
+            [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+             relax.transform.FuseOps(), relax.transform.FuseTIR()]
+        )(mod)
+
+
 def _embedding_grad_module():
     bb = relax.BlockBuilder()
     grad = relax.Var("grad", relax.TensorType((32, 16), "float32"))
@@ -21,11 +30,7 @@ def _embedding_grad_module():
         with bb.dataflow():
             out = bb.emit_output(relax.op.grad.take_backward(grad, table, idx, axis=0))
         bb.emit_func_output(out)
-    with CUDA:
-        return tvm.transform.Sequential(
-            [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-             relax.transform.FuseOps(), relax.transform.FuseTIR()]
-        )(bb.get())
+    return _fused(bb.get())
 
 
 def test_unschedulable_kernel_runs_on_one_thread():
@@ -118,11 +123,7 @@ def _matmul_mask_module():
             y = bb.emit(relax.op.matmul(x, w))
             out = bb.emit_output(relax.op.where(mask, y, relax.const(0, "bfloat16")))
         bb.emit_func_output(out)
-    with CUDA:
-        return tvm.transform.Sequential(
-            [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-             relax.transform.FuseOps(), relax.transform.FuseTIR()]
-        )(bb.get())
+    return _fused(bb.get())
 
 
 def test_bool_buffers_are_not_read_as_vectors():
