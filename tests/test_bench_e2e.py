@@ -95,6 +95,32 @@ def test_script_help():
     assert out.returncode == 0 and "--systems" in out.stdout and "--profile" in out.stdout
 
 
+def test_deadline_starts_only_measurements_that_fit(tmp_path, monkeypatch, capsys):
+    """With --deadline, a measurement starts only while its --timeout still fits; the others are
+    left for a second run with the same --out, which measures them and skips the rows it has."""
+    clock = [0.0]
+    ran = []
+
+    def measure(args, model, system):
+        ran.append((model, system))
+        clock[0] += 100.0  # each measurement takes 100 s of the run
+        return {"model": model, "system": system, "ok": True, "step_ms": 1.0, "step_ms_min": 1.0,
+                "step_ms_max": 1.0, "steps": 1, "compile_s": 1.0}
+
+    monkeypatch.setattr(bench_e2e, "gpu_problem", lambda: None)
+    monkeypatch.setattr(bench_e2e, "run_measurement", measure)
+    monkeypatch.setattr(bench_e2e.time, "monotonic", lambda: clock[0])
+    argv = ["--out", str(tmp_path), "--models", "xml_cnn", "--systems", "eager,compile,tvm_evt",
+            "--timeout", "150", "--deadline", "300"]
+    assert bench_e2e.main(argv) == 0
+    assert ran == [("xml_cnn", "eager"), ("xml_cnn", "compile")]  # 200 + 150 > 300: tvm_evt waits
+    assert "not started: xml_cnn / tvm_evt" in capsys.readouterr().err
+    clock[0] = 0.0
+    assert bench_e2e.main(argv) == 0
+    assert ran[2:] == [("xml_cnn", "tvm_evt")]
+    assert bench_e2e.fits(0.0, 150, None) and not bench_e2e.fits(151.0, 150, 300)
+
+
 def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
     assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
     assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled

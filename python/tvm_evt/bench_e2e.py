@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tuning-dir", default=None,
                     help="root of tune.py work dirs: <dir>/<model key> is used by tvm_evt_tuned (else skipped)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per measurement subprocess")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds this run may take: a measurement starts only while its --timeout still fits "
+                    "(the rest are listed; run again with the same --out to go on)")
     ap.add_argument("--profile", action="store_true", help="also list the top kernels of each measurement")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per measurement with --profile")
     ap.add_argument("--fresh", action="store_true", help="drop earlier results in --out instead of skipping them")
@@ -138,19 +141,30 @@ def main(argv=None) -> int:
     data = {"meta": {}, "rows": []} if args.fresh else load_results(out)
     data["meta"] = meta(args)
     done = {(r["model"], r["system"]) for r in data["rows"] if r.get("ok") or r.get("skipped")}
+    started, left = time.monotonic(), []
     for model in args.models:
         for system in args.systems:
             if (model, system) in done:
                 _log(f"{model} / {system}: in {out / RESULTS_JSON} already (use --fresh to re-measure)")
                 continue
             skip = applicable(system, model, args.tuning_dir)
+            if not skip and not fits(time.monotonic() - started, args.timeout, args.deadline):
+                left.append(f"{model} / {system}")
+                continue
             row = {"model": model, "system": system, "skipped": skip} if skip else run_measurement(args, model, system)
             data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
             write_reports(data, out)
             _log(f"{model} / {system}: " + (f"skipped ({skip})" if skip else
                  f"{row['step_ms']:.2f} ms/step" if row.get("ok") else f"FAILED: {row.get('error')}"))
     print(markdown(data))
+    if left:
+        _log(f"--deadline {args.deadline:.0f} s: not started: {', '.join(left)}; run again with --out {out} to go on")
     return 0
+
+
+def fits(elapsed: float, timeout: float, deadline: float | None) -> bool:
+    """Does a measurement that may take `timeout` seconds still fit a run `deadline` seconds long?"""
+    return deadline is None or elapsed + timeout <= deadline
 
 
 def meta(args) -> dict:
