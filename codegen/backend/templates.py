@@ -334,11 +334,12 @@ SCHEDULER_ARGS = {
 # Where several units share an output tile, CUTLASS's scheduler passes their partial sums through a
 # reduction workspace ordered by one lock per tile and consumer warp group, which counts the k-tiles
 # already reduced.  The locks must be zero before a launch: its ``initialize_workspace`` clears them
-# with a memset, and ``launch`` allocates and frees the workspace around every launch.  That costs a
-# memset launch before each kernel, about 3 us of a 50 us weight-gradient GEMM.  Here the unit that
-# computes a tile's epilogue (its final split, or its separate-reduction unit) clears the lock
-# after ``fixup``: there it has waited for every other unit of the tile to arrive, and no unit of the
-# launch touches that lock again.  A launch so leaves the locks as it found them, and ``launch_kept``
+# with a memset, and ``launch`` allocates and frees the workspace around every launch: a memset
+# launch before each kernel, 1-2.5 us of a 54 us weight-gradient GEMM on H100
+# (docs/bench/h100-2026-11-27, section 7).  Here the unit that computes a tile's epilogue (its
+# final split, or its separate-reduction unit) clears the lock after ``fixup``: there it has
+# waited for every other unit of the tile to arrive, and no unit of the launch touches that lock
+# again.  A launch so leaves the locks as it found them, and ``launch_kept``
 # zeroes a workspace once, when it allocates it for a device and stream, and keeps it.
 STREAM_K = """\
 #ifndef TVM_EVT_STREAM_K
