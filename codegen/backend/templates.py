@@ -180,30 +180,45 @@ T* data_of(DLTensor const* t) {
   return reinterpret_cast<T*>(static_cast<char*>(t->data) + t->byte_offset);
 }
 
-// One CUTLASS device operator (GemmUniversalAdapter, ConvUniversalAdapter) on ``stream``:
-// can_implement (``problem`` says what could not be), its workspace, initialize, run.
+// 0 when CUTLASS's ``op`` can run ``args``, else -1 with the error raised (``problem`` says what
+// could not be implemented).
 template <class Operator>
-int launch(typename Operator::Arguments const& args, cudaStream_t stream, const char* kernel, const char* problem) {
-  Operator op;
+int check_implementable(Operator& op, typename Operator::Arguments const& args, const char* kernel,
+                        const char* problem) {
   cutlass::Status status = op.can_implement(args);
   if (status != cutlass::Status::kSuccess) {
     return fail("RuntimeError", "%s: CUTLASS cannot implement %s (%s)", kernel, problem,
                 cutlass::cutlassGetStatusString(status));
   }
-  size_t workspace_size = Operator::get_workspace_size(args);
-  void* workspace = nullptr;
-  if (workspace_size && cudaMallocAsync(&workspace, workspace_size, stream) != cudaSuccess) {
-    return fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kernel, workspace_size);
-  }
-  status = op.initialize(args, workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = op.run(stream);
+  return 0;
+}
+
+// 0 when a launch whose initialize/run gave ``status`` left no CUDA error, else -1 with both raised.
+inline int launched(cutlass::Status status, const char* kernel) {
   cudaError_t err = cudaGetLastError();
-  if (workspace) cudaFreeAsync(workspace, stream);
   if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
     return fail("RuntimeError", "%s: launch failed: %s / %s", kernel, cutlass::cutlassGetStatusString(status),
                 cudaGetErrorString(err));
   }
   return 0;
+}
+
+// One CUTLASS device operator (GemmUniversalAdapter, ConvUniversalAdapter) on ``stream``:
+// can_implement, its workspace (allocated and freed around the launch), initialize, run.
+template <class Operator>
+int launch(typename Operator::Arguments const& args, cudaStream_t stream, const char* kernel, const char* problem) {
+  Operator op;
+  if (check_implementable(op, args, kernel, problem)) return -1;
+  size_t workspace_size = Operator::get_workspace_size(args);
+  void* workspace = nullptr;
+  if (workspace_size && cudaMallocAsync(&workspace, workspace_size, stream) != cudaSuccess) {
+    return fail("RuntimeError", "%s: cannot allocate %zu bytes of workspace", kernel, workspace_size);
+  }
+  cutlass::Status status = op.initialize(args, workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = op.run(stream);
+  int result = launched(status, kernel);
+  if (workspace) cudaFreeAsync(workspace, stream);
+  return result;
 }
 }  // namespace tvm_evt
 #endif  // TVM_EVT_PRELUDE
@@ -410,11 +425,8 @@ int launch_kept(typename Operator::Arguments const& args, cudaStream_t stream, c
     return launch<Operator>(args, stream, kernel, problem);
   }
   Operator op;
-  cutlass::Status status = op.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    return fail("RuntimeError", "%s: CUTLASS cannot implement %s (%s)", kernel, problem,
-                cutlass::cutlassGetStatusString(status));
-  }
+  if (check_implementable(op, args, kernel, problem)) return -1;
+  cutlass::Status status;
   size_t bytes = Operator::get_workspace_size(args);
   int device = 0;
   cudaGetDevice(&device);
@@ -444,12 +456,7 @@ int launch_kept(typename Operator::Arguments const& args, cudaStream_t stream, c
   }
   if (status == cutlass::Status::kSuccess) status = op.run(stream);
   pthread_mutex_unlock(&mutex);
-  cudaError_t err = cudaGetLastError();
-  if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
-    return fail("RuntimeError", "%s: launch failed: %s / %s", kernel, cutlass::cutlassGetStatusString(status),
-                cudaGetErrorString(err));
-  }
-  return 0;
+  return launched(status, kernel);
 }
 }  // namespace tvm_evt
 
