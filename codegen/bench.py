@@ -335,6 +335,23 @@ class Torch:
     def time(self, fn, refresh, iters: int, warmup: int) -> float:
         return median_ms(fn, refresh, iters, warmup)
 
+    def checked_call(self, case: Case, fn, inputs, outputs, refs=None) -> float:
+        """``verify`` of one call of kernel ``fn`` on ``inputs``, its ``outputs`` poisoned first
+        (``refs``: the float32 reference, computed here if None)."""
+        self.poison(outputs)
+        fn(*inputs, *outputs)
+        self.torch.cuda.synchronize()
+        return self.verify(case, inputs, outputs, self.reference(case, inputs) if refs is None else refs)
+
+    def time_kernel(self, case: Case, fn, inputs, outputs, iters: int, warmup: int) -> float:
+        """``time`` of kernel ``fn``, with fresh ``inputs`` and poisoned ``outputs`` before each call."""
+
+        def refresh():
+            self.refresh(case, inputs)
+            self.poison(outputs)
+
+        return self.time(lambda: fn(*inputs, *outputs), refresh, iters, warmup)
+
 
 def median_ms(fn, refresh, iters: int, warmup: int) -> float:
     """Median milliseconds of ``fn()`` between CUDA events; ``refresh()`` runs before each."""
@@ -409,21 +426,12 @@ class Bench:
             fn = self.direct[name] = lib[name]
             rec = self.kernels[name]
             try:
-                th.poison(outputs)
-                fn(*inputs, *outputs)
-                th.torch.cuda.synchronize()
-                rec["rel_err"] = th.verify(case, inputs, outputs, refs)
+                rec["rel_err"] = th.checked_call(case, fn, inputs, outputs, refs)
                 if not rec["rel_err"] <= TOLERANCE:
                     rec["error"] = f"wrong result: relative error {rec['rel_err']:.3g}"
                     _log(f"{name}: {rec['error']}")
                     continue
-                fresh = th.inputs(case)
-
-                def refresh(fresh=fresh, outputs=outputs, case=case):
-                    th.refresh(case, fresh)
-                    th.poison(outputs)
-
-                rec["ms"] = th.time(lambda: fn(*fresh, *outputs), refresh, self.args.iters, self.args.warmup)
+                rec["ms"] = th.time_kernel(case, fn, th.inputs(case), outputs, self.args.iters, self.args.warmup)
                 times[name] = rec["ms"]
                 _log(f"{name}: {rec['ms']:.3f} ms (rel err {rec['rel_err']:.2e})")
             except Exception as err:  # noqa: BLE001 - one bad kernel must not stop the benchmark

@@ -59,16 +59,8 @@ def main(which: str) -> None:
         for name in sorted(n for n in objects if jobs[n][0] is case):
             outs, fn = th.outputs(case.partition), lib[name]
             th.refresh(case, ins)
-            th.poison(outs)
-            fn(*ins, *outs)
-            th.torch.cuda.synchronize()
-            err = th.verify(case, ins, outs, th.reference(case, ins))
-
-            def refresh(outs=outs):
-                th.refresh(case, ins)
-                th.poison(outs)
-
-            ms = th.time(lambda: fn(*ins, *outs), refresh, 40, 5)
+            err = th.checked_call(case, fn, ins, outs)
+            ms = th.time_kernel(case, fn, ins, outs, 40, 5)
             print(f"{name}: {ms:.4f} ms ({torch_ms / ms:.3f}x torch) err {err:.1e}", flush=True)
 
 

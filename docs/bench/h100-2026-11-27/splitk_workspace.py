@@ -61,21 +61,12 @@ def main(mode: str) -> None:
             outs, fn = th.outputs(case.partition), lib[name]
             for _ in range(3):  # repeated launches reuse the kept workspace
                 th.refresh(case, ins)
-                th.poison(outs)
-                fn(*ins, *outs)
-                th.torch.cuda.synchronize()
-                errs[name] = max(errs.get(name, 0.0), th.verify(case, ins, outs, th.reference(case, ins)))
+                errs[name] = max(errs.get(name, 0.0), th.checked_call(case, fn, ins, outs))
         for rnd in range(2):
             torch_ms = th.time(lambda: th.mm(p.kind, ins[0], ins[1]), lambda: th.refresh(case, ins), 40, 5)
             print(f"== round {rnd} {case.name} {p.m}x{p.n}x{p.k}: torch {torch_ms:.4f} ms", flush=True)
             for name in names:
-                outs, fn = th.outputs(case.partition), lib[name]
-
-                def refresh(outs=outs):
-                    th.refresh(case, ins)
-                    th.poison(outs)
-
-                ms = th.time(lambda: fn(*ins, *outs), refresh, 40, 5)
+                ms = th.time_kernel(case, lib[name], ins, th.outputs(case.partition), 40, 5)
                 print(f"{name}: {ms:.4f} ms ({torch_ms / ms:.3f}x torch) err {errs[name]:.1e}", flush=True)
 
 
