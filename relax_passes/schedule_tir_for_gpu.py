@@ -149,10 +149,8 @@ class ScheduleTIRForGPU:
                 continue
             single = tvm.IRModule({gv: func})
             for rule in rules:
-                try:
-                    out = dl.ApplyDefaultSchedule(rule)(single)[gv]
-                    if _scheduled(out):
-                        out = scalar_bool_access(out)
+                try:  # (an output the rule left unscheduled has no vectorized loops to unroll)
+                    out = scalar_bool_access(dl.ApplyDefaultSchedule(rule)(single)[gv])
                 except Exception:  # noqa: BLE001 - a failing rule passes the function on
                     continue
                 if _scheduled(out):

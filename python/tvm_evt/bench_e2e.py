@@ -292,11 +292,11 @@ def fit_steps(step_s: float, left_s: float, steps: int, warmup: int, extra: int 
     has, at ``step_s`` a step, with ``extra`` steps after them (profiling).  A slow system (TVM's
     default pipeline, whose GEMMs run on DLight's fallback schedules) gets fewer steps rather
     than a timeout: warm-up goes first, then timed steps, down to one."""
-    fits = int(margin * left_s / step_s) - extra if step_s > 0 else steps + warmup
-    if steps + warmup <= fits:
+    room = int(margin * left_s / step_s) - extra if step_s > 0 else steps + warmup
+    if steps + warmup <= room:
         return steps, warmup
-    warmup = max(0, min(warmup, fits - steps))
-    return max(1, min(steps, fits - warmup)), warmup
+    warmup = max(0, min(warmup, room - steps))
+    return max(1, min(steps, room - warmup)), warmup
 
 
 def rewrites_in_effect() -> list[str]:
