@@ -38,7 +38,7 @@ def _epilogue_only(inner: relax.Function, param: relax.Var) -> bool:
     """Is `param` read inside the composite only by elementwise/epilogue ops?"""
     readers = [b.value for b in flat_bindings(inner)[0]
                if isinstance(b.value, relax.Call) and any(a.same_as(param) for a in b.value.args)]
-    return bool(readers) and all(op_name(r) is not None and op_name(r) not in NOT_EPILOGUE for r in readers)
+    return bool(readers) and all(op_name(r) not in NOT_EPILOGUE | {None} for r in readers)
 
 
 def _absorbable(call) -> bool:
