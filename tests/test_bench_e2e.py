@@ -121,6 +121,34 @@ def test_deadline_starts_only_measurements_that_fit(tmp_path, monkeypatch, capsy
     assert bench_e2e.fits(0.0, 150, None) and not bench_e2e.fits(151.0, 150, 300)
 
 
+def test_rows_name_their_run_and_commit_and_a_row_with_fewer_steps_says_so(tmp_path, monkeypatch):
+    """Two invocations into one --out (the second with --steps 5): every row records its run (host,
+    start time) and commit; the table states the usual step count and notes the row that had fewer."""
+    def measure(args, model, system):
+        return {"model": model, "system": system, "ok": True, "step_ms": 2.0, "step_ms_min": 2.0,
+                "step_ms_max": 2.0, "steps": args.steps, "compile_s": 1.0}
+
+    monkeypatch.setattr(bench_e2e, "gpu_problem", lambda: None)
+    monkeypatch.setattr(bench_e2e, "run_measurement", measure)
+    monkeypatch.setenv("TVM_EVT_COMMIT", "abc1234")
+    base = ["--out", str(tmp_path), "--models", "xml_cnn"]
+    assert bench_e2e.main(base + ["--systems", "eager,compile"]) == 0
+    monkeypatch.setenv("TVM_EVT_COMMIT", "def5678")
+    epoch = bench_e2e.time.gmtime(0)
+    monkeypatch.setattr(bench_e2e.time, "gmtime", lambda *secs: epoch)  # another run
+    assert bench_e2e.main(base + ["--systems", "tvm_default", "--steps", "5"]) == 0
+    rows = {r["system"]: r for r in bench_e2e.load_results(tmp_path)["rows"]}
+    assert rows["eager"]["commit"] == "abc1234" and rows["tvm_default"]["commit"] == "def5678"
+    assert rows["eager"]["run"] == rows["compile"]["run"] != rows["tvm_default"]["run"]
+    md = (tmp_path / "bench_e2e.md").read_text()
+    assert "median of 20 steps" in md
+    assert "| XML-CNN (EUR-Lex) | tvm_default | 2.00 | 1.00× | 1.0 | – | – | 5 steps |" in md
+    assert "| XML-CNN (EUR-Lex) | compile | 2.00 | 1.00× | 1.0 | – | – | |" in md
+    runs = [ln for ln in md.splitlines() if ln.startswith("- `")]
+    assert len(runs) == 2 and "commit abc1234: xml_cnn/eager, xml_cnn/compile" in runs[0]
+    assert "1970-01-01T00:00:00Z`, commit def5678: xml_cnn/tvm_default" in runs[1]
+
+
 def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
     assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
     assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled

@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = {"meta": {}, "rows": []} if args.fresh else load_results(out)
     data["meta"] = meta(args)
+    run = run_id()
     done = {(r["model"], r["system"]) for r in data["rows"] if r.get("ok") or r.get("skipped")}
     started, left = time.monotonic(), []
     for model in args.models:
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
                 left.append(f"{model} / {system}")
                 continue
             row = {"model": model, "system": system, "skipped": skip} if skip else run_measurement(args, model, system)
+            row.update(run)
             data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
             write_reports(data, out)
             _log(f"{model} / {system}: " + (f"skipped ({skip})" if skip else
@@ -165,6 +167,19 @@ def main(argv=None) -> int:
 def fits(elapsed: float, timeout: float, deadline: float | None) -> bool:
     """Does a measurement that may take `timeout` seconds still fit a run `deadline` seconds long?"""
     return deadline is None or elapsed + timeout <= deadline
+
+
+def run_id() -> dict:
+    """What each row of this invocation records of where it ran: the host and start time (rows of one
+    run share a GPU and a process tree) and the commit (``TVM_EVT_COMMIT``, else git's, else None)."""
+    commit = os.environ.get("TVM_EVT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"run": f"{platform.node()} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", "commit": commit}
 
 
 def meta(args) -> dict:
@@ -447,13 +462,34 @@ def _speedups(data: dict) -> dict:
             for r in data["rows"] if r.get("ok") and r["model"] in base and r["step_ms"] > 0}
 
 
+def _usual_steps(data: dict) -> int | None:
+    """The timed-step count most rows have (the table's header states it; a row that differs says so)."""
+    counts = [r["steps"] for r in data["rows"] if r.get("ok") and "steps" in r]
+    return statistics.mode(counts) if counts else data.get("meta", {}).get("steps")
+
+
+def _runs(data: dict) -> list[str]:
+    """Markdown lines naming each run (host and start time, commit) and its rows."""
+    runs: dict[tuple, list[str]] = {}
+    for r in data["rows"]:
+        if "run" in r and not r.get("skipped"):
+            runs.setdefault((r["run"], r.get("commit")), []).append(f"{r['model']}/{r['system']}")
+    if not runs:
+        return []
+    lines = ["", "Runs (one GPU each; compare rows of one run):", ""]
+    for (run, commit), rows in runs.items():
+        lines.append(f"- `{run}`, commit {commit or 'unknown'}: {', '.join(rows)}")
+    return lines
+
+
 def markdown(data: dict) -> str:
     m = data.get("meta", {})
     speed = _speedups(data)
+    usual = _usual_steps(data)
     lines = [
         f"# Training-step benchmark — {m.get('gpu') or 'GPU'}", "",
         f"torch {m.get('torch')} (CUDA {m.get('cuda')}), Python {m.get('python')}; {m.get('precision')}; "
-        f"{m.get('optimizer')}; median of {m.get('steps')} steps after {m.get('warmup')} warm-up steps "
+        f"{m.get('optimizer')}; median of {usual} steps (unless a row's note says otherwise) after warm-up "
         f"(CUDA events per step: forward + backward + optimizer update)" + ("; **--quick sizes**" if m.get("quick") else "")
         + ". Speedup = eager ms / system ms. Memory: torch's peak allocated (torch systems) and device memory "
         "in use after the steps (cudaMemGetInfo, all systems; includes TVM's memory pool).", "",
@@ -472,10 +508,12 @@ def markdown(data: dict) -> str:
         else:
             sp = speed.get((r["model"], r["system"]))
             torch_mb = r.get("torch_peak_mb") if not r["system"].startswith("tvm") else None
-            note = "; ".join(n for n in (_rewrites_note(r), r.get("note", "")) if n).replace("|", "/")
+            fewer = "" if r.get("steps") in (None, usual) or "steps" in r.get("note", "") else f"{r['steps']} steps"
+            note = "; ".join(n for n in (_rewrites_note(r), r.get("note", ""), fewer) if n).replace("|", "/")
             cells = [label, r["system"], f"{r['step_ms']:.2f}", _fmt(sp, "x"), _fmt(r.get("compile_s"), "1"),
                      _fmt(torch_mb, "0"), _fmt(r.get("device_used_mb"), "0")]
             lines.append("| " + " | ".join(cells) + " |" + (f" {note} |" if note else " |"))
+    lines += _runs(data)
     prof = [r for r in data["rows"] if r.get("kernels")]
     for r in prof:
         lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", ""]
