@@ -149,6 +149,25 @@ def test_rows_name_their_run_and_commit_and_a_row_with_fewer_steps_says_so(tmp_p
     assert "1970-01-01T00:00:00Z`, commit def5678: xml_cnn/tvm_default" in runs[1]
 
 
+def test_a_timed_out_row_says_how_far_it_got(tmp_path, monkeypatch):
+    """The measurement logs its compile and first-step times, so a row that runs out of time tells
+    which part was slow (TVM's default pipeline: its steps, not its build)."""
+    script = tmp_path / "slow.py"
+    script.write_text("import sys, time\n"
+                      "print('[bench] bert_large / tvm_default: compiled in 3.2 s', file=sys.stderr, flush=True)\n"
+                      "print('[bench] bert_large / tvm_default: first step 0.50 s', file=sys.stderr, flush=True)\n"
+                      "print('[bench] gpt2_medium / tvm_default: compiled in 9.9 s', file=sys.stderr, flush=True)\n"
+                      "time.sleep(30)\n")
+    real_run = bench_e2e.subprocess.run
+    monkeypatch.setattr(bench_e2e.subprocess, "run",
+                        lambda cmd, **kw: real_run([sys.executable, str(script)], **kw))
+    args = bench_e2e.parse_args(["--timeout", "3"])
+    row = bench_e2e.run_measurement(args, "bert_large", "tvm_default")
+    assert not row["ok"]
+    assert row["error"] == "timed out after 3 s (compiled in 3.2 s; first step 0.50 s)"
+    assert bench_e2e.progress("nothing here", "bert_large", "tvm_default") == ""
+
+
 def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
     assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
     assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled

@@ -164,6 +164,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def progress(log: str, model: str, system: str) -> str:
+    """What a measurement's log says it got through (compile time, first and warm-up step times),
+    as " (compiled in 20.1 s; first step 150.20 s)", or "" if nothing."""
+    prefix = f"[bench] {model} / {system}: "
+    done = [ln[len(prefix):].strip() for ln in log.splitlines() if ln.startswith(prefix)]
+    return f" ({'; '.join(done)})" if done else ""
+
+
 def fits(elapsed: float, timeout: float, deadline: float | None) -> bool:
     """Does a measurement that may take `timeout` seconds still fit a run `deadline` seconds long?"""
     return deadline is None or elapsed + timeout <= deadline
@@ -207,8 +215,8 @@ def run_measurement(args, model: str, system: str) -> dict:
     except subprocess.TimeoutExpired as err:
         tail = (err.stderr or b"")[-1500:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return {"model": model, "system": system, "ok": False, "error": f"timed out after {args.timeout:.0f} s",
-                "log_tail": tail}
+        return {"model": model, "system": system, "ok": False, "log_tail": tail,
+                "error": f"timed out after {args.timeout:.0f} s" + progress(tail, model, system)}
     sys.stderr.write(proc.stderr[-4000:])
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -263,12 +271,14 @@ def measure(job: dict) -> dict:
         if system != "tvm_default":
             row["rewrites"] = rewrites_in_effect()
             row["attention"] = attention_summary(ts)
+        _log(f"{model} / {system}: compiled in {compile_s:.1f} s")
     else:
         step, compile_s = _torch_step(entry, inputs, system, channels_last=model in CHANNELS_LAST)
     start = time.perf_counter()
     step()  # the first step: torch.compile compiles here
     torch.cuda.synchronize()
     row["first_step_s"] = round(time.perf_counter() - start, 2)
+    _log(f"{model} / {system}: first step {row['first_step_s']:.2f} s")  # a timed-out row's log tail says how far it got
     row["compile_s"] = round(compile_s if compile_s is not None else row["first_step_s"], 2)
     warmup, steps = job["warmup"], job["steps"]
     if warmup:  # one warm-up step, timed on the host, tells whether the rest fits the time left
@@ -277,6 +287,7 @@ def measure(job: dict) -> dict:
         torch.cuda.synchronize()
         step_s = time.perf_counter() - start
         warmup -= 1
+        _log(f"{model} / {system}: a warm-up step {step_s:.2f} s")
         if job.get("timeout_s"):
             left = job["timeout_s"] - (time.monotonic() - started)
             extra = PROFILE_STEPS if job.get("profile") else 0
