@@ -19,6 +19,16 @@ reductions), when
   L + V + k V.  Where other readers need ``v`` written anyway, a copy must read no more than
   reading ``v`` back would: L <= V.
 
+With ``statistics``, values under ``MIN_ELEMENTS`` (a batch norm's per-channel statistics: ``mean = s / N``,
+``rstd = 1 / sqrt(v + eps)`` and the products of them its gradient reads) cost no bytes worth
+counting but a kernel launch each, with the gap around it: ResNet-50 conv3_x ran 110 such kernels
+a step.  Such a value (``SMALL_CHEAP``: ``CHEAP`` with ``sqrt``, ``rsqrt`` and ``reshape``) is
+recomputed where that takes its kernel away: every reader is a fusable call (two or more, or a
+recomputed one) and it is not returned.  That takes 39 of ResNet-50 conv3_x's 247 kernels a step,
+but each element of the readers' kernels then recomputes what was computed once per channel (its
+batch-norm input gradient takes the ``sqrt`` chain four times, left to nvcc to merge): off by
+default (the ``recompute_statistics`` rewrite of ``pipeline.OPTIONAL``) until measured.
+
 Readers that are not such calls (evt partitions, ``call_tir`` kernels, the function's outputs)
 keep reading the original binding, which stays only for them.  A reader rebuilt over the copies
 keeps its own var (a dataflow block's output stays one).  CUDA route, before ``SplitReduction``
@@ -41,7 +51,9 @@ CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multipl
                    "relax.negative"})
 FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
                              "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
-MIN_ELEMENTS = 1 << 16  # smaller values cost nothing worth a copy
+MIN_ELEMENTS = 1 << 16  # smaller values: their bytes cost nothing, their kernel launches do
+# what a small value (a batch norm's per-channel statistics) may be recomputed from in each reader
+SMALL_CHEAP = CHEAP | frozenset({"relax.sqrt", "relax.rsqrt", "relax.reshape"})
 
 
 def _elements(expr) -> int | None:
@@ -63,9 +75,9 @@ def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool
     return full <= own if others else (readers - 1) * full <= (readers + 1) * own
 
 
-def plan(func: relax.Function) -> tuple[dict, set]:
+def plan(func: relax.Function, statistics: bool = False) -> tuple[dict, set]:
     """(var -> its bound call, for every recomputed var; the recomputed vars whose original
-    binding stays for readers that cannot recompute them)."""
+    binding stays for readers that cannot recompute them).  `statistics`: small values too."""
     bindings, block_of = flat_bindings(func)
     uses = binding_uses(func)  # index len(bindings): the function's result
     readers = {v: {bindings[i].var for i in idx if i < len(bindings)} for v, idx in uses.items()}
@@ -74,15 +86,18 @@ def plan(func: relax.Function) -> tuple[dict, set]:
     recomputed: dict = {}
     for b in reversed(bindings):  # readers first
         v, value = b.var, b.value
-        if op_name(value) not in CHEAP or block_of.get(v) is None:
-            continue
         n = _elements(v)
-        if n is None or n < MIN_ELEMENTS:
+        if block_of.get(v) is None or n is None:
+            continue
+        small = n < MIN_ELEMENTS
+        if small and not statistics or op_name(value) not in (SMALL_CHEAP if small else CHEAP):
             continue
         fusable = [r for r in readers.get(v, ()) if op_name(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
         others = v in outputs or len(fusable) < len(readers.get(v, ()))
-        if (len(fusable) >= 2 or any(r in recomputed for r in fusable)) \
-                and recompute_pays(value, v, len(fusable), others):
+        if not (len(fusable) >= 2 or any(r in recomputed for r in fusable)):
+            continue
+        # a small value: recomputed only where that takes its kernel away (no other reader keeps it)
+        if (not others) if small else recompute_pays(value, v, len(fusable), others):
             recomputed[v] = value
     kept = {v for v in recomputed
             if v in outputs or any(op_name(bound.get(r)) not in FUSABLE for r in readers.get(v, ()))}
@@ -91,13 +106,14 @@ def plan(func: relax.Function) -> tuple[dict, set]:
 
 @mutator
 class _Recomputer(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
+    def __init__(self, mod: tvm.IRModule, statistics: bool):
         super().__init__(mod)
+        self.statistics = statistics
         self.recomputed: dict = {}
         self.kept: set = set()
 
     def prime(self, func: relax.Function) -> None:
-        self.recomputed, self.kept = plan(func)
+        self.recomputed, self.kept = plan(func, self.statistics)
 
     def _call(self, value: relax.Call, made: dict) -> relax.Call:
         """`value` with its recomputed operands copied (each once: `made`)."""
@@ -123,8 +139,12 @@ class _Recomputer(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="RecomputeElementwise")
 class RecomputeElementwise:
-    """Give every reader of a cheap, multiply-read elementwise value its own copy (module docstring)."""
+    """Give every reader of a cheap, multiply-read elementwise value its own copy (module docstring);
+    `statistics`: values under ``MIN_ELEMENTS`` too, where that takes their kernels away."""
+
+    def __init__(self, statistics: bool = False):
+        self.statistics = statistics
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        recomputer = _Recomputer(mod)
+        recomputer = _Recomputer(mod, self.statistics)
         return mutate_relax_functions(recomputer, mod, before_each=recomputer.prime)

@@ -108,3 +108,82 @@ def test_a_reader_that_is_an_output_of_the_dataflow_block_keeps_its_var():
     assert len(outputs) == 2 and all(o.same_as(r) for o, r in zip(outputs, after["main"].body.body.fields))
     assert [b.value.op.name for b in after["main"].body.blocks[0].bindings] == [
         "relax.astype", "relax.subtract", "relax.sum", "relax.astype", "relax.subtract", "relax.multiply"]
+
+
+def _statistics(rstd_is_output: bool = False):
+    """A batch norm's per-channel statistics read by two kernels over [N, C]: mean = s / N and
+    rstd = 1 / sqrt(v + eps), each small ([1, C]), each read by both the normalization and a
+    second elementwise tail (and, `rstd_is_output`, returned: saved for the backward pass)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((N, C), "float32"))
+    s = relax.Var("s", relax.TensorType((1, C), "float32"))
+    v = relax.Var("v", relax.TensorType((1, C), "float32"))
+    with bb.function("main", [x, s, v]):
+        with bb.dataflow():
+            emit = bb.emit
+            mean = emit(relax.op.divide(s, relax.const(float(N), "float32")))
+            root = emit(relax.op.sqrt(emit(relax.op.add(v, relax.const(1e-5, "float32")))))
+            rstd = emit(relax.op.divide(relax.const(1.0, "float32"), root))
+            y = emit(relax.op.multiply(emit(relax.op.subtract(x, mean)), rstd))
+            z = emit(relax.op.multiply(emit(relax.op.add(x, mean)), rstd))
+            gv = bb.emit_output(relax.Tuple([y, z] + ([rstd] if rstd_is_output else [])))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_small_statistics_are_recomputed_by_each_reader_so_their_kernels_go():
+    """Below MIN_ELEMENTS the bytes do not matter but a kernel launch does: where every reader of
+    a small value can take a copy, each does (sqrt included), and the value's own kernel goes."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((N, C), "float32"))
+    s = relax.Var("s", relax.TensorType((1, C), "float32"))
+    v = relax.Var("v", relax.TensorType((1, C), "float32"))
+    with bb.function("main", [x, s, v]):
+        with bb.dataflow():
+            emit = bb.emit
+
+            def mean():
+                return emit(relax.op.divide(s, relax.const(float(N), "float32")))
+
+            def rstd():
+                root = emit(relax.op.sqrt(emit(relax.op.add(v, relax.const(1e-5, "float32")))))
+                return emit(relax.op.divide(relax.const(1.0, "float32"), root))
+
+            centred = emit(relax.op.subtract(x, mean()))
+            y = emit(relax.op.multiply(centred, rstd()))
+            shifted = emit(relax.op.add(x, mean()))
+            z = emit(relax.op.multiply(shifted, rstd()))
+            gv = bb.emit_output(relax.Tuple([y, z]))
+        bb.emit_func_output(gv)
+    tvm.ir.assert_structural_equal(RecomputeElementwise(statistics=True)(_statistics()), bb.get())
+    # off by default (pipeline.OPTIONAL["recompute_statistics"]): the statistics keep their kernels
+    tvm.ir.assert_structural_equal(RecomputeElementwise()(_statistics()), _statistics())
+
+
+def test_a_small_value_another_reader_keeps_is_not_copied():
+    """rstd is also returned, so its kernel stays: copies would only add work.  The chain under it
+    (v + eps, its sqrt) has rstd as its one reader and is left alone too; mean still goes."""
+    after = RecomputeElementwise(statistics=True)(_statistics(rstd_is_output=True))
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops.count("relax.sqrt") == 1 and ops.count("relax.divide") == 3  # one rstd, two means
+
+
+def test_recomputed_statistics_compute_the_same_values():
+    import numpy as np
+
+    before = _statistics(rstd_is_output=True)
+    after = RecomputeElementwise(statistics=True)(_statistics())
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal((N, C)).astype("float32"), rng.standard_normal((1, C)).astype("float32"),
+            rng.random((1, C)).astype("float32")]
+    dev = tvm.cpu()
+    outs = []
+    for mod in (before, after):
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), dev)
+        res = vm["main"](*[tvm.runtime.tensor(a, dev) for a in args])
+        outs.append([res[i].numpy() for i in range(2)])
+    mean = args[1] / N
+    rstd = 1.0 / np.sqrt(args[2] + 1e-5)
+    for got in outs:
+        np.testing.assert_allclose(got[0], (args[0] - mean) * rstd, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[1], (args[0] + mean) * rstd, rtol=1e-5, atol=1e-5)

@@ -111,6 +111,10 @@ OPTIONAL = {
     "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
                           "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass "
                           "(H100 bf16, with RecomputeElementwise: ResNet-50 conv3_x 19.16 -> 12.03 ms per step)"),
+    "recompute_statistics": Rewrite("RecomputeElementwise(statistics=True): small per-channel values (batch-norm "
+                                    "statistics) recomputed in each reader where that takes their kernel away "
+                                    "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
+                                    default=False),
 }
 
 
@@ -192,7 +196,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 *([FuseLayerNorm(), FuseLayerNormBackward(epilogue=enabled("ln_epilogue"))]
                   if enabled("layer_norm") else []),
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
-                RecomputeElementwise(),
+                RecomputeElementwise(statistics=enabled("recompute_statistics")),
                 # a layer norm's dgamma and dbeta: one pass over its output gradient and input
                 FuseColumnMoments(LAYER_NORM, stored=True),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
