@@ -168,6 +168,12 @@ def test_a_timed_out_row_says_how_far_it_got(tmp_path, monkeypatch):
     assert bench_e2e.progress("nothing here", "bert_large", "tvm_default") == ""
 
 
+def test_a_step_that_leaves_no_room_for_another_is_the_measurement():
+    assert bench_e2e.only_the_first_step(58.0, 70.0)  # BERT-Large under TVM's default pipeline
+    assert not bench_e2e.only_the_first_step(1.3, 80.0)  # XML-CNN's: warm-up and timed steps follow
+    assert not bench_e2e.only_the_first_step(0.0, 0.0)
+
+
 def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
     assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
     assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled
