@@ -110,52 +110,50 @@ def test_a_reader_that_is_an_output_of_the_dataflow_block_keeps_its_var():
         "relax.astype", "relax.subtract", "relax.sum", "relax.astype", "relax.subtract", "relax.multiply"]
 
 
-def _statistics(rstd_is_output: bool = False):
-    """A batch norm's per-channel statistics read by two kernels over [N, C]: mean = s / N and
-    rstd = 1 / sqrt(v + eps), each small ([1, C]), each read by both the normalization and a
-    second elementwise tail (and, `rstd_is_output`, returned: saved for the backward pass)."""
+def _statistics_module(body):
+    """main(x [N, C], s [1, C], v [1, C]) returning the fields `body(emit, x, s, v)` gives."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((N, C), "float32"))
     s = relax.Var("s", relax.TensorType((1, C), "float32"))
     v = relax.Var("v", relax.TensorType((1, C), "float32"))
     with bb.function("main", [x, s, v]):
         with bb.dataflow():
-            emit = bb.emit
-            mean = emit(relax.op.divide(s, relax.const(float(N), "float32")))
-            root = emit(relax.op.sqrt(emit(relax.op.add(v, relax.const(1e-5, "float32")))))
-            rstd = emit(relax.op.divide(relax.const(1.0, "float32"), root))
-            y = emit(relax.op.multiply(emit(relax.op.subtract(x, mean)), rstd))
-            z = emit(relax.op.multiply(emit(relax.op.add(x, mean)), rstd))
-            gv = bb.emit_output(relax.Tuple([y, z] + ([rstd] if rstd_is_output else [])))
+            gv = bb.emit_output(relax.Tuple(body(bb.emit, x, s, v)))
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def _mean(emit, s):
+    return emit(relax.op.divide(s, relax.const(float(N), "float32")))
+
+
+def _rstd(emit, v):
+    root = emit(relax.op.sqrt(emit(relax.op.add(v, relax.const(1e-5, "float32")))))
+    return emit(relax.op.divide(relax.const(1.0, "float32"), root))
+
+
+def _statistics(rstd_is_output: bool = False):
+    """A batch norm's per-channel statistics read by two kernels over [N, C]: mean = s / N and
+    rstd = 1 / sqrt(v + eps), each small ([1, C]), each read by both the normalization and a
+    second elementwise tail (and, `rstd_is_output`, returned: saved for the backward pass)."""
+    def body(emit, x, s, v):
+        mean, rstd = _mean(emit, s), _rstd(emit, v)
+        y = emit(relax.op.multiply(emit(relax.op.subtract(x, mean)), rstd))
+        z = emit(relax.op.multiply(emit(relax.op.add(x, mean)), rstd))
+        return [y, z] + ([rstd] if rstd_is_output else [])
+
+    return _statistics_module(body)
 
 
 def test_small_statistics_are_recomputed_by_each_reader_so_their_kernels_go():
     """Below MIN_ELEMENTS the bytes do not matter but a kernel launch does: where every reader of
     a small value can take a copy, each does (sqrt included), and the value's own kernel goes."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((N, C), "float32"))
-    s = relax.Var("s", relax.TensorType((1, C), "float32"))
-    v = relax.Var("v", relax.TensorType((1, C), "float32"))
-    with bb.function("main", [x, s, v]):
-        with bb.dataflow():
-            emit = bb.emit
+    def body(emit, x, s, v):
+        y = emit(relax.op.multiply(emit(relax.op.subtract(x, _mean(emit, s))), _rstd(emit, v)))
+        z = emit(relax.op.multiply(emit(relax.op.add(x, _mean(emit, s))), _rstd(emit, v)))
+        return [y, z]
 
-            def mean():
-                return emit(relax.op.divide(s, relax.const(float(N), "float32")))
-
-            def rstd():
-                root = emit(relax.op.sqrt(emit(relax.op.add(v, relax.const(1e-5, "float32")))))
-                return emit(relax.op.divide(relax.const(1.0, "float32"), root))
-
-            centred = emit(relax.op.subtract(x, mean()))
-            y = emit(relax.op.multiply(centred, rstd()))
-            shifted = emit(relax.op.add(x, mean()))
-            z = emit(relax.op.multiply(shifted, rstd()))
-            gv = bb.emit_output(relax.Tuple([y, z]))
-        bb.emit_func_output(gv)
-    tvm.ir.assert_structural_equal(RecomputeElementwise(statistics=True)(_statistics()), bb.get())
+    tvm.ir.assert_structural_equal(RecomputeElementwise(statistics=True)(_statistics()), _statistics_module(body))
     # off by default (pipeline.OPTIONAL["recompute_statistics"]): the statistics keep their kernels
     tvm.ir.assert_structural_equal(RecomputeElementwise()(_statistics()), _statistics())
 
