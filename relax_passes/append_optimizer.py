@@ -15,7 +15,8 @@ counts updates (fp32 scalar), and ``scale``/``tracker`` are the dynamic loss sca
 A graph with dropout (`LowerDropout`'s ``rng_seed = (seed, counter)``) also returns the next
 step's seed, counter + 1: the state stays on the device, so a step never waits on a host copy.
 The adjoint is inlined, so forward, backward and update form one dataflow graph; the update of
-every parameter is one kernel (``optimizer_update``).
+every parameter is one kernel (``optimizer_update``).  With ``inplace`` that kernel writes over
+the parameters and slots it is given, and ``new_params`` / ``new_slots`` are those tensors.
 """
 
 from __future__ import annotations
@@ -59,10 +60,15 @@ def _c(value: float) -> relax.Constant:
 class AppendOptimizer:
     """Add ``train_step`` = forward + backward + `optimizer` update (+ loss scaling)."""
 
-    def __init__(self, optimizer, num_params: int, loss_scale: DynamicLossScale | None = None):
+    def __init__(self, optimizer, num_params: int, loss_scale: DynamicLossScale | None = None,
+                 inplace: bool = False):
+        if inplace and loss_scale is not None:
+            raise ValueError("AppendOptimizer: an in-place update cannot be skipped on an overflow (dynamic loss "
+                             "scaling keeps the old parameters); use inplace=False with fp16")
         self.optimizer = optimizer
         self.num_params = num_params
         self.loss_scale = loss_scale
+        self.inplace = inplace
         self.layout: StepLayout | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -115,7 +121,8 @@ class AppendOptimizer:
                     loss = bb.emit(R.multiply(loss, inv))
                     grads = [bb.emit(R.multiply(g, inv)) for g in grads]
                 p_vars = step_args[n_in : n_in + n_p]
-                new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step)
+                new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step,
+                                                    inplace=self.inplace)
                 new_slot_list = [v for s in slots for v in new_slots[s]]
                 extra = []
                 if scaled:

@@ -17,6 +17,11 @@ GPU sat idle between those small kernels while the host launched the next one.
 
 The PrimFunc's attributes carry the optimizer and the shapes, so the GPU form is rebuilt from the
 portable one (``gpu_variant``) as ``philox.gpu_variant`` does for the dropout masks.
+
+``emit_update(..., inplace=True)`` emits a ``call_tir_inplace`` instead: the kernel writes the new
+parameters and slots over the old ones (each element's old values are bound to variables before
+any new one is stored: SGD's momentum reads the parameter), so a step keeps its state in the same tensors, as a captured CUDA graph needs, and holds
+one copy of it, not two.  Its portable form is the same loop nest as the GPU form, serial.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from ._rewrite import OPAQUE, emit_call_tir
 
 OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
 PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype], ...]
+INPLACE_ATTR = "tvm_evt.optimizer_inplace"  # the update writes over the parameters and slots
 THREADS = 256
 PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
 ELEMS_PER_BLOCK = THREADS * PER_THREAD
@@ -94,15 +100,23 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
     func = te.create_prim_func(args).without_attr("global_symbol")  # the module names it
     # opaque to FuseOps: a producer fused into it would make a new PrimFunc without the attributes
     # the GPU form is rebuilt from (and AnnotateTIROpPattern keeps a pattern already set)
-    func = func.with_attr("op_pattern", OPAQUE)
+    return _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, inplace=False)
+
+
+def _attrs(func: tirx.PrimFunc, optimizer, params, grad_dtypes, inplace: bool) -> tirx.PrimFunc:
+    """`func` tagged with what its GPU form is rebuilt from (``gpu_variant``)."""
     func = func.with_attr(OPTIMIZER_ATTR, _to_attr(optimizer))
-    return func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd] for (shape, dtype), gd in zip(params, grad_dtypes)]))
+    func = func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd] for (shape, dtype), gd in zip(params, grad_dtypes)]))
+    return func.with_attr(INPLACE_ATTR, True) if inplace else func
 
 
-def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:
-    """``update_primfunc``'s arguments, scheduled for CUDA as one kernel: parameter i owns
-    blocks [start_i, start_i + ceil(numel_i / ELEMS_PER_BLOCK)); thread t of a block updates its
-    elements t, t + THREADS, ... (PER_THREAD of them)."""
+def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None, *,
+                  gpu: bool, inplace: bool = False) -> tirx.PrimFunc:
+    """The update as explicit loops over each parameter's flat elements.  Arguments: those of
+    ``update_primfunc``, or, `inplace`, ``(*p, *g, *slots (slot-major), step)`` with the new values
+    stored over p and the slots.  `gpu`: scheduled for CUDA as one kernel (parameter i owns blocks
+    [start_i, start_i + ceil(numel_i / ELEMS_PER_BLOCK)); thread t of a block updates its elements
+    t, t + THREADS, ..., PER_THREAD of them); else serial loops, a portable form."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
@@ -115,7 +129,7 @@ def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtyp
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("optimizer_update")
-            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True} if gpu else {"tirx.noalias": True})
 
             def args(prefix, dtypes=None):
                 dtypes = dtypes or [dtype for _, dtype in params]
@@ -124,41 +138,58 @@ def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtyp
             ps, gs = args("p"), args("g", grad_dtypes)
             states = {s: args(s) for s in slots}
             step = T.arg("step", T.buffer((), FLOAT32))
-            new_p = args("new_p")
-            new_states = {s: args(f"new_{s}") for s in slots}
-            with T.thread_binding(tirx.const(sum(blocks), idx), thread="blockIdx.x") as bx:
-                with T.thread_binding(tirx.const(THREADS, idx), thread="threadIdx.x") as tx:
-                    for i, ((_shape, dtype), numel) in enumerate(zip(params, numels)):
-                        flat = lambda buf, numel=numel: T.decl_buffer((numel,), buf.dtype, data=buf.data)
-                        p, g, out_p = flat(ps[i]), flat(gs[i]), flat(new_p[i])
-                        state = {s: flat(states[s][i]) for s in slots}
-                        out_state = {s: flat(new_states[s][i]) for s in slots}
-                        lo, hi = tirx.const(starts[i], idx), tirx.const(starts[i] + blocks[i], idx)
-                        with T.If(tirx.all(lo <= bx, bx < hi)):
-                            with T.Then():
-                                for j in range(PER_THREAD):
-                                    e = (bx - lo) * ELEMS_PER_BLOCK + j * THREADS + tx
-                                    with T.If(e < numel):
-                                        with T.Then():
-                                            load = lambda buf, e=e: tirx.BufferLoad(buf, [e])
-                                            value, values = _element(optimizer, slots, load(p), load(g),
-                                                                     {s: load(state[s]) for s in slots},
-                                                                     tirx.BufferLoad(step, []), dtype, grad_dtypes[i])
-                                            T.buffer_store(out_p, value, [e])
-                                            for s, v in zip(slots, values):
-                                                T.buffer_store(out_state[s], v, [e])
-    return ib.get()
+            new_p = ps if inplace else args("new_p")
+            new_states = states if inplace else {s: args(f"new_{s}") for s in slots}
+
+            def update(i, dtype, numel, e):
+                """Element e of parameter i: every value read, then the new ones stored (in place,
+                each read is bound to a variable first: an expression would read the store before it)."""
+                flat = lambda buf: T.decl_buffer((numel,), buf.dtype, data=buf.data)
+                load = lambda buf: T.bind(tirx.BufferLoad(flat(buf), [e])) if inplace else tirx.BufferLoad(flat(buf), [e])
+                value, values = _element(optimizer, slots, load(ps[i]), load(gs[i]),
+                                         {s: load(states[s][i]) for s in slots},
+                                         tirx.BufferLoad(step, []), dtype, grad_dtypes[i])
+                T.buffer_store(flat(new_p[i]), value, [e])
+                for s, v in zip(slots, values):
+                    T.buffer_store(flat(new_states[s][i]), v, [e])
+
+            if not gpu:
+                for i, ((_shape, dtype), numel) in enumerate(zip(params, numels)):
+                    with T.serial(tirx.const(0, idx), tirx.const(numel, idx)) as e:
+                        update(i, dtype, numel, e)
+            else:
+                with T.thread_binding(tirx.const(sum(blocks), idx), thread="blockIdx.x") as bx:
+                    with T.thread_binding(tirx.const(THREADS, idx), thread="threadIdx.x") as tx:
+                        for i, ((_shape, dtype), numel) in enumerate(zip(params, numels)):
+                            lo, hi = tirx.const(starts[i], idx), tirx.const(starts[i] + blocks[i], idx)
+                            with T.If(tirx.all(lo <= bx, bx < hi)):
+                                with T.Then():
+                                    for j in range(PER_THREAD):
+                                        e = (bx - lo) * ELEMS_PER_BLOCK + j * THREADS + tx
+                                        with T.If(e < numel):
+                                            with T.Then():
+                                                update(i, dtype, numel, e)
+    func = ib.get()
+    return func if gpu else _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, inplace)
+
+
+def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:
+    """``update_primfunc``'s arguments, scheduled for CUDA as one kernel (``loop_primfunc``)."""
+    return loop_primfunc(optimizer, params, grad_dtypes, gpu=True)
 
 
 def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """The one-kernel CUDA form of an ``update_primfunc`` (one tagged ``OPTIMIZER_ATTR``)."""
+    """The one-kernel CUDA form of an update PrimFunc (one tagged ``OPTIMIZER_ATTR``), in place
+    where it is."""
     specs = json.loads(str(func.attrs[PARAMS_ATTR]))
-    return gpu_primfunc(_from_attr(str(func.attrs[OPTIMIZER_ATTR])), [(tuple(shape), dtype) for shape, dtype, _ in specs],
-                        [gd for _, _, gd in specs])
+    return loop_primfunc(_from_attr(str(func.attrs[OPTIMIZER_ATTR])), [(tuple(shape), dtype) for shape, dtype, _ in specs],
+                         [gd for _, _, gd in specs], gpu=True, inplace=INPLACE_ATTR in func.attrs)
 
 
-def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step) -> tuple[list, dict]:
-    """Emit the update of every parameter as one ``call_tir``: (new params, {slot: new tensors})."""
+def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step,
+                inplace: bool = False) -> tuple[list, dict]:
+    """Emit the update of every parameter as one ``call_tir`` (`inplace`: ``call_tir_inplace``
+    over the parameters and slots): (new params, {slot: new tensors})."""
     slots = optimizer.slots()
     if not params:
         return [], {s: [] for s in slots}
@@ -168,10 +199,18 @@ def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, s
         if tuple(int(d) for d in g.ty.shape.values) != shape:
             raise ValueError(f"optimizer update: the gradient of {p.name} has shape {g.ty}, its parameter {p.ty}")
         specs.append((shape, str(p.ty.dtype)))
-    func = update_primfunc(optimizer, specs, [str(g.ty.dtype) for g in grads])
+    grad_dtypes = [str(g.ty.dtype) for g in grads]
+    func = (loop_primfunc(optimizer, specs, grad_dtypes, gpu=False, inplace=True) if inplace
+            else update_primfunc(optimizer, specs, grad_dtypes))
     gv = bb.add_func(func, "optimizer_update")
     out_ty = [p.ty for p in params] * (1 + len(slots))
     args = list(params) + list(grads) + [t for s in slots for t in state[s]] + [step]
-    outs = emit_call_tir(bb, gv, args, out_ty)
     n = len(params)
+    if inplace:  # the outputs are p and the slots: arguments 0..n-1 and 2n..
+        indices = list(range(n)) + list(range(2 * n, 2 * n + n * len(slots)))
+        one = len(out_ty) == 1
+        call = bb.emit(relax.op.call_tir_inplace(gv, args, indices[0] if one else indices, out_ty[0] if one else out_ty))
+        outs = [call] if one else [bb.emit(relax.TupleGetItem(call, i)) for i in range(len(out_ty))]
+    else:
+        outs = emit_call_tir(bb, gv, args, out_ty)
     return outs[:n], {s: outs[n * (1 + k): n * (2 + k)] for k, s in enumerate(slots)}

@@ -91,16 +91,56 @@ def test_gpu_form_is_one_kernel_over_every_parameter():
     assert len(gpu.params) == len(func.params)
 
 
-@pytest.mark.gpu
+def _inplace_runner(func, target, device, optimizer):
+    """Run an in-place update: the new parameters and slots are read back from its inputs."""
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    n, k = len(SHAPES), len(optimizer.slots())
+
+    def run(arrays):
+        args = [tvm.runtime.tensor(np.asarray(a, dtype="float32"), device) for a in arrays]
+        lib["main"](*args)
+        return [a.numpy() for a in args[:n] + args[2 * n: 2 * n + n * k]]
+
+    return run
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gpu_form_tracks_torch(name):
+def test_inplace_portable_form_tracks_torch(name):
+    """Written over its inputs, the update still reads each element's old values before storing
+    the new ones (SGD's momentum reads the parameter, AdamW's update the new moments)."""
+    optimizer, make = CASES[name]
+    params, grads = _inputs()
+    func = optimizer_update.loop_primfunc(optimizer, [(s, "float32") for s in SHAPES], gpu=False, inplace=True)
+    assert len(func.params) == 2 * len(SHAPES) + len(SHAPES) * len(optimizer.slots()) + 1  # no outputs
+    got = _ours(optimizer, params, grads, _inplace_runner(func, tvm.target.Target({"kind": "llvm"}), tvm.cpu(), optimizer))
+    for g, w in zip(got, _torch_trajectory(make, params, grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_gpu_form_keeps_the_inplace_signature():
+    optimizer = CASES["adamw"][0]
+    func = optimizer_update.loop_primfunc(optimizer, [(s, "float32") for s in SHAPES], gpu=False, inplace=True)
+    mod = tvm.IRModule({"optimizer_update": func.with_attr("global_symbol", "optimizer_update")})
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        gpu = ScheduleTIRForGPU()(mod)["optimizer_update"]
+    assert int(gpu.attrs["tirx.is_scheduled"]) == 1 and len(gpu.params) == len(func.params)
+    assert gpu.script().count('thread="blockIdx.x"') == 1
+    tvm.tirx.build(tvm.IRModule({"optimizer_update": gpu}), target=target)  # nvrtc/nvcc: no GPU needed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_form_tracks_torch(name, inplace):
     if not tvm.cuda(0).exist:
         pytest.skip("no CUDA device")
     optimizer, make = CASES[name]
     params, grads = _inputs()
-    func = optimizer_update.gpu_primfunc(optimizer, [(s, "float32") for s in SHAPES])
+    func = optimizer_update.loop_primfunc(optimizer, [(s, "float32") for s in SHAPES], gpu=True, inplace=inplace)
+    runner = _inplace_runner if inplace else _runner
     got = _ours(optimizer, params, grads,
-                _runner(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}), tvm.cuda(0), optimizer))
+                runner(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}), tvm.cuda(0), optimizer))
     for g, w in zip(got, _torch_trajectory(make, params, grads)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 

@@ -34,11 +34,11 @@ def test_zoo_loss_and_grads_match_torch(name, monkeypatch):
     assert_step_matches_torch(step, entry, entry.example_inputs())  # fresh inputs, not the ones traced
 
 
-def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None):
+def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None, inplace=False):
     model = copy.deepcopy(entry.model)
     step = tvm_evt.compile_training(
         copy.deepcopy(model), entry.example_inputs(), loss_fn=entry.loss_fn,
-        optimizer=tvm_opt, target=LLVM,
+        optimizer=tvm_opt, target=LLVM, inplace=inplace,
     )
     ref = copy.deepcopy(entry.training_module()).train()
     ref_model = ref.model if hasattr(ref, "loss_fn") else ref
@@ -88,6 +88,42 @@ def test_adamw_trajectory(name):
         tvm_evt.optim.AdamW(lr=1e-3, weight_decay=0.05),
         lr=1e-3,
     )
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_inplace_update_trajectory(opt):
+    """inplace=True: the update writes over the step's parameters and slots, with torch's numbers."""
+    entry = models.ZOO["mlp"]()
+    no_dropout(entry.model)
+    if opt == "sgd":
+        _trajectory(entry, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
+                    tvm_evt.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-2), inplace=True)
+    else:
+        _trajectory(entry, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05),
+                    tvm_evt.optim.AdamW(lr=1e-3, weight_decay=0.05), lr=1e-3, inplace=True)
+
+
+def test_inplace_update_keeps_its_tensors_and_leaves_the_callers_alone():
+    entry = models.ZOO["mlp"]()
+    model = copy.deepcopy(entry.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = tvm_evt.compile_training(model, entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    optimizer=tvm_evt.optim.AdamW(lr=1e-2), target=LLVM, inplace=True)
+    held = list(step._params + step._slots)  # the tensors before the first step (kept alive here)
+    old = [t.numpy().copy() for t in held]
+    for _ in range(3):
+        step(*entry.example_inputs())
+    # the same tensors, written over (a functional step would have left them as they were)
+    assert all(a.same_as(b) for a, b in zip(step._params + step._slots, held))
+    assert all(float(abs(t.numpy() - o).max()) > 0 for t, o in zip(held, old))
+    for n, p in model.named_parameters():  # the model it was given is not written over
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_inplace_update_refuses_fp16_loss_scaling():
+    entry = models.ZOO["mlp"]()
+    with pytest.raises(ValueError, match="fp16"):
+        _compile(entry, entry.example_inputs(), precision="fp16", inplace=True)
 
 
 def test_torch_optimizer_instance_is_accepted():

@@ -121,12 +121,18 @@ class TrainingGraph:
     layout: StepLayout
     loss_scale: DynamicLossScale | None
     has_seed: bool
+    inplace: bool = False  # train_step writes the new parameters and slots over its arguments
 
 
-def build_training_module(imported: ImportedModel, optimizer, precision: str = "fp32") -> TrainingGraph:
-    """Steps 2-6 of the module docstring."""
+def build_training_module(imported: ImportedModel, optimizer, precision: str = "fp32",
+                          inplace: bool = False) -> TrainingGraph:
+    """Steps 2-6 of the module docstring; `inplace`: the optimizer update writes over the parameters
+    and slots train_step is given (``AppendOptimizer``; not with fp16's dynamic loss scaling)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if inplace and precision == "fp16":
+        raise ValueError("inplace=True: fp16 steps scale their loss dynamically and must keep the old parameters "
+                         "when the gradients overflow; use bf16 or fp32, or inplace=False")
     check_differentiable(imported)
     passes = [
         LowerDropout(),
@@ -167,10 +173,10 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     if not params:
         raise ValueError("the model has no trainable parameters")
     mod = relax.transform.Gradient("main", require_grads=params, target_index=0)(mod)
-    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale)
+    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace)
     mod = appender(mod)
     has_seed = any(p.name == SEED_PARAM for p in main.params)
-    return TrainingGraph(mod, appender.layout, loss_scale, has_seed)
+    return TrainingGraph(mod, appender.layout, loss_scale, has_seed, inplace)
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -230,7 +236,8 @@ class TrainingStep:
         return tvm.runtime.tensor(np.array(value, dtype="float32"), self.device)
 
     def _tensor(self, t):
-        return _to_tvm(t.detach(), self.device)
+        # an in-place step writes over its parameters: they must be its own, not views of the caller's
+        return _to_tvm(t.detach().clone() if self.graph.inplace else t.detach(), self.device)
 
     def _check_inputs(self, inputs: Sequence) -> list:
         specs, names = self.imported.input_specs, self.imported.input_names
@@ -345,6 +352,7 @@ def compile_training(
     precision: str = "fp32",
     seed: int = 0,
     tuning_dir=None,
+    inplace: bool = False,
 ) -> TrainingStep:
     """Compile forward + backward + optimizer update of `model` into one training step.
 
@@ -352,10 +360,12 @@ def compile_training(
     ``SGD(lr=1e-3)`` and may be a tvm_evt optimizer or a torch.optim.SGD/AdamW instance.
     With `loss_fn`, the last input is the loss target. `tuning_dir`: a work directory of
     `tvm_evt.tuning.tune` (scripts/tune.py) whose MetaSchedule database and CUTLASS choices to use.
+    `inplace`: the update writes the new parameters and optimizer slots over the old ones (one copy
+    of that state on the device instead of two; the step keeps them in the same tensors); not fp16.
     """
     start = time.perf_counter()
     imported = from_torch(model, example_inputs, loss_fn)
-    graph = build_training_module(imported, optimizer, precision)
+    graph = build_training_module(imported, optimizer, precision, inplace=inplace)
     tgt = as_target(target)
     if tuning_dir is None:
         executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
