@@ -16,7 +16,9 @@ A graph with dropout (`LowerDropout`'s ``rng_seed = (seed, counter)``) also retu
 step's seed, counter + 1: the state stays on the device, so a step never waits on a host copy.
 The adjoint is inlined, so forward, backward and update form one dataflow graph; the update of
 every parameter is one kernel (``optimizer_update``).  With ``inplace`` that kernel writes over
-the parameters and slots it is given, and ``new_params`` / ``new_slots`` are those tensors.
+the parameters and slots it is given, one ``write_back`` kernel copies the new step counter,
+buffers (``overwrites``: the argument after the params each overwrites) and seed over theirs, and
+every state result is the tensor it replaces.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tvm.relax import op as R
 from .lower_dropout import SEED_PARAM
 from .optimizer_update import emit_update
 from .optimizers import DynamicLossScale
+from .write_back import emit_write_back
 
 LOSS_SCALE_PARAM = "loss_scale"
 
@@ -61,7 +64,7 @@ class AppendOptimizer:
     """Add ``train_step`` = forward + backward + `optimizer` update (+ loss scaling)."""
 
     def __init__(self, optimizer, num_params: int, loss_scale: DynamicLossScale | None = None,
-                 inplace: bool = False):
+                 inplace: bool = False, overwrites: list[int] | None = None):
         if inplace and loss_scale is not None:
             raise ValueError("AppendOptimizer: an in-place update cannot be skipped on an overflow (dynamic loss "
                              "scaling keeps the old parameters); use inplace=False with fp16")
@@ -69,6 +72,7 @@ class AppendOptimizer:
         self.num_params = num_params
         self.loss_scale = loss_scale
         self.inplace = inplace
+        self.overwrites = list(overwrites or [])  # inplace: the rest argument each new buffer overwrites
         self.layout: StepLayout | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -137,6 +141,14 @@ class AppendOptimizer:
                     (seed,) = [v for v in step_args[n_in + n_p:] if v.name == SEED_PARAM]
                     counter = relax.const(np.array([0, 1], dtype="uint32"))
                     extra.append(bb.emit(R.add(seed, counter)))
+                if self.inplace:  # the rest of the state over its old tensors, in one kernel
+                    rest = step_args[n_in + n_p:]
+                    if len(self.overwrites) != len(new_bufs):
+                        raise ValueError(f"AppendOptimizer(inplace=True): {len(new_bufs)} new buffers but "
+                                         f"{len(self.overwrites)} positions to write them to (overwrites)")
+                    old = [step] + [rest[k] for k in self.overwrites] + ([seed] if self.layout.advances_seed else [])
+                    written = emit_write_back(bb, old, [new_step, *new_bufs, *extra])
+                    new_step, new_bufs, extra = written[0], written[1:1 + len(new_bufs)], written[1 + len(new_bufs):]
                 result = [loss, *new_params, *new_bufs, *new_slot_list, new_step, *extra]
                 out = bb.emit_output(relax.Tuple(result))
             bb.emit_func_output(out)

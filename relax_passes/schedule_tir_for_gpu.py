@@ -2,7 +2,7 @@
 
 Functions that bring their own GPU form (``OWN_GPU_FORMS``: the dropout masks, one thread per
 Philox draw; the optimizer update, one kernel for every parameter; a batch norm's column moments,
-one pass over its input) take it.  With ``vectorize``, injective kernels with a contiguous innermost
+one pass over its input; an in-place step's write-back of its small state, one kernel) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
 element to a thread), those that read an operand transposed to ``TiledTranspose`` (through
 shared-memory tiles), column sums to ``ColumnReduction`` (a vector of columns a thread) and row
@@ -33,13 +33,14 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from . import column_moments, optimizer_update, philox
+from . import column_moments, optimizer_update, philox, write_back
 
 # Kernels that bring their own GPU form: (the attribute that marks the functions, the hook that
 # builds their GPU form from them; the function keeps its symbol).
 OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
                  (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant),
-                 (column_moments.MOMENTS_ATTR, column_moments.gpu_variant))
+                 (column_moments.MOMENTS_ATTR, column_moments.gpu_variant),
+                 (write_back.WRITE_BACK_ATTR, write_back.gpu_variant))
 
 
 def _own_gpu_form_hook(func):

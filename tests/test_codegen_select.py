@@ -90,6 +90,8 @@ def test_emitter_tile_scheduler():
         assert src.count("struct ResettingStreamKScheduler") == 1  # the workspace
         assert "TileSchedulerSelector<tvm_evt::ResettingStreamK, arch::Sm90" in src
         assert "tvm_evt::launch_kept<Gemm>" in src
+        # under CUDA-graph capture the kept workspace's cudaMalloc would end the capture: launch's path
+        assert "cudaStreamIsCapturing(stream, &capture)" in src
 
 
 # ------------------------------------------------------------------------------------ signatures

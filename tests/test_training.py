@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import tvm
 
 import tvm_evt
 from tvm_evt import models, pipeline
@@ -118,6 +119,34 @@ def test_inplace_update_keeps_its_tensors_and_leaves_the_callers_alone():
     assert all(float(abs(t.numpy() - o).max()) > 0 for t, o in zip(held, old))
     for n, p in model.named_parameters():  # the model it was given is not written over
         assert torch.equal(p.detach(), before[n]), n
+
+
+@pytest.mark.parametrize("name", ["resnet_basic", "mlp"])
+def test_inplace_step_writes_its_small_state_back(name):
+    """inplace=True: batch norm's running statistics, the step counter and the dropout seed are
+    copied over their old tensors (one write_back kernel); the step computes what the functional
+    one does, dropout masks included (mlp keeps its dropout here)."""
+    entry = models.ZOO[name]()
+    batches = [entry.example_inputs() for _ in range(3)]
+    steps = {inplace: _compile(entry, batches[0], optimizer=tvm_evt.optim.SGD(lr=0.01, momentum=0.9), inplace=inplace)
+             for inplace in (False, True)}
+    ours = steps[True]
+    state = lambda st: [st._step, *st._buffers.values()] + ([st._rng] if st._rng is not None else [])
+    held = state(ours)
+    losses = {k: [float(st(*b)) for b in batches] for k, st in steps.items()}
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert all(a.same_as(b) for a, b in zip(state(ours), held))
+    assert float(ours._step.numpy()) == 3.0
+    want, got = steps[False].parameters(), ours.parameters()
+    assert set(want) == set(got)
+    for n in want:
+        assert rel_err(got[n], want[n]) <= 1e-5, n
+    inplace = tvm.ir.Op.get("relax.call_tir_inplace")
+    calls = []
+    tvm.relax.analysis.post_order_visit(ours.graph.mod["train_step"].body, lambda e: calls.append(
+        e.args[0].name_hint) if isinstance(e, tvm.relax.Call) and e.op == inplace else None)
+    assert sorted(calls) == ["optimizer_update", "write_back"]
+    assert (ours._rng is not None) == (name == "mlp") and bool(ours._buffers) == (name == "resnet_basic")
 
 
 def test_inplace_update_refuses_fp16_loss_scaling():

@@ -412,8 +412,10 @@ constexpr int kKeptWorkspaces = 8;  // devices x streams per kernel; launches be
 
 // ``launch`` for a kernel whose scheduler clears its locks: the workspace is kept between launches
 // on a stream (they run in order), so a launch after the first only updates the arguments.  An
-// epilogue with a workspace of its own (which it may need cleared), a table full of streams or an
-// allocation that fails (as under stream capture) take ``launch``'s path.
+// epilogue with a workspace of its own (which it may need cleared), a stream being captured into a
+// CUDA graph (cudaMalloc would end the capture; the graph gets ``launch``'s stream-ordered
+// allocation and memset instead), a table full of streams or an allocation that fails take
+// ``launch``'s path.
 template <class Operator>
 int launch_kept(typename Operator::Arguments const& args, cudaStream_t stream, const char* kernel,
                 const char* problem) {
@@ -421,7 +423,9 @@ int launch_kept(typename Operator::Arguments const& args, cudaStream_t stream, c
   static_assert(Kernel::TileScheduler::kClearsLocks, "launch_kept needs a scheduler that clears its locks");
   static KeptWorkspace kept[kKeptWorkspaces];
   static pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER;
-  if (Kernel::CollectiveEpilogue::get_workspace_size(args.problem_shape, args.epilogue) != 0) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (Kernel::CollectiveEpilogue::get_workspace_size(args.problem_shape, args.epilogue) != 0 ||
+      cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
     return launch<Operator>(args, stream, kernel, problem);
   }
   Operator op;

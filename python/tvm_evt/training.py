@@ -17,6 +17,7 @@ The training graph is built by `relax_passes` in this order:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Sequence
@@ -29,7 +30,7 @@ from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
 from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import NCHW_TO_NHWC, ImportedModel, from_torch
-from .pipeline import PIPELINE_NAME, enabled  # registers relax_pipeline="evt"
+from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
 from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
@@ -173,7 +174,8 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     if not params:
         raise ValueError("the model has no trainable parameters")
     mod = relax.transform.Gradient("main", require_grads=params, target_index=0)(mod)
-    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace)
+    overwrites = [imported.buffer_names.index(name) for name in imported.mutated_buffers]
+    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace, overwrites=overwrites)
     mod = appender(mod)
     has_seed = any(p.name == SEED_PARAM for p in main.params)
     return TrainingGraph(mod, appender.layout, loss_scale, has_seed, inplace)
@@ -353,6 +355,7 @@ def compile_training(
     seed: int = 0,
     tuning_dir=None,
     inplace: bool = False,
+    cuda_graph: bool | None = None,
 ) -> TrainingStep:
     """Compile forward + backward + optimizer update of `model` into one training step.
 
@@ -362,15 +365,24 @@ def compile_training(
     `tvm_evt.tuning.tune` (scripts/tune.py) whose MetaSchedule database and CUTLASS choices to use.
     `inplace`: the update writes the new parameters and optimizer slots over the old ones (one copy
     of that state on the device instead of two; the step keeps them in the same tensors); not fp16.
+    `cuda_graph` (None: the ``cuda_graph`` rewrite of ``pipeline.OPTIONAL``, off by default): on
+    CUDA, the step runs in place and TVM's ``RewriteCUDAGraph`` captures its kernels into CUDA
+    graphs, replayed by later steps (those that read the step's inputs or make its loss run outside
+    them).
     """
     start = time.perf_counter()
-    imported = from_torch(model, example_inputs, loss_fn)
-    graph = build_training_module(imported, optimizer, precision, inplace=inplace)
     tgt = as_target(target)
-    if tuning_dir is None:
-        executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
-    else:
-        from .tuning import compile_tuned
+    graphs = tgt.kind.name == "cuda" and (enabled("cuda_graph") if cuda_graph is None else cuda_graph)
+    if graphs and precision == "fp16":
+        raise ValueError("cuda_graph: a CUDA-graph step runs in place, which fp16's dynamic loss scaling cannot "
+                         "(it keeps the old parameters on an overflow); use bf16 or fp32")
+    imported = from_torch(model, example_inputs, loss_fn)
+    graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
+    with graph_capture() if graphs else contextlib.nullcontext():
+        if tuning_dir is None:
+            executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
+        else:
+            from .tuning import compile_tuned
 
-        executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
+            executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
     return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
