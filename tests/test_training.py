@@ -119,6 +119,11 @@ def test_inplace_update_keeps_its_tensors_and_leaves_the_callers_alone():
     assert all(float(abs(t.numpy() - o).max()) > 0 for t, o in zip(held, old))
     for n, p in model.named_parameters():  # the model it was given is not written over
         assert torch.equal(p.detach(), before[n]), n
+    # loading parameters copies them into the step's tensors (a captured graph reads those)
+    step.load_parameters(before)
+    assert all(a.same_as(b) for a, b in zip(step._params, held))
+    for n, v in step.parameters().items():
+        assert torch.equal(v, before[n]), n
 
 
 @pytest.mark.parametrize("name", ["resnet_basic", "mlp"])

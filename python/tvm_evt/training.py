@@ -311,13 +311,22 @@ class TrainingStep:
             raise KeyError(f"unknown parameter names: {unknown[:5]}")
         for k, v in state_dict.items():
             if k in self._buffers:
-                self._buffers[k] = self._tensor(v)
+                self._replace(self._buffers, k, v)
             else:
                 idx = names.index(k)
                 want = tuple(self._params[idx].shape)
                 if tuple(v.shape) != want:
                     raise InputMismatchError(f"parameter '{k}': expected shape {list(want)}, got {list(v.shape)}")
-                self._params[idx] = self._tensor(v)
+                self._replace(self._params, idx, v)
+
+    def _replace(self, store, key, value) -> None:
+        """``store[key] = value``; an in-place step copies `value` into the tensor it has instead
+        (a captured CUDA graph reads that tensor's memory, whatever tensor the step is given)."""
+        new = self._tensor(value)
+        if self.graph.inplace:
+            store[key].copyfrom(new)
+        else:
+            store[key] = new
 
     def report(self) -> dict:
         """EVT partitions of ``train_step``: {"partitions": [{"ops", "bytes_saved", ...}],
