@@ -298,7 +298,9 @@ class TrainingStep:
         return _to_torch(loss), {n: _to_torch(grads[k]) for k, n in enumerate(names)}
 
     def parameters(self) -> dict:
-        """{name: tensor} of the current parameters (and buffers, e.g. BatchNorm statistics)."""
+        """{name: tensor} of the current parameters (and buffers, e.g. BatchNorm statistics): torch
+        views of the step's tensors, which an in-place step (``inplace``/``cuda_graph``) goes on
+        writing over; ``.clone()`` them to keep a snapshot."""
         params = {n: _to_torch(v) for n, v in zip(self.imported.param_names, self._params)}
         params.update({n: _to_torch(v) for n, v in self._buffers.items()})
         return params
