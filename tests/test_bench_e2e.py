@@ -174,6 +174,22 @@ def test_a_step_that_leaves_no_room_for_another_is_the_measurement():
     assert not bench_e2e.only_the_first_step(0.0, 0.0)
 
 
+def test_active_time_counts_overlapping_kernels_once():
+    # two streams: [0, 10) and [5, 15) overlap, [20, 25) follows a gap, [21, 23) lies inside it
+    assert bench_e2e.active_time([(20, 5), (0, 10), (5, 10), (21, 2)]) == 20
+    assert bench_e2e.active_time([]) == 0
+
+
+def test_a_profile_with_side_streams_reports_the_active_time(tmp_path):
+    data = fake_results()
+    row = data["rows"][1]  # bert_large / tvm_evt: 80 ms a step
+    row.update(kernel_ms=90.0, active_ms=75.0)  # side-stream kernels overlap: summed > the step
+    bench_e2e.write_reports(data, tmp_path)
+    md = (tmp_path / "bench_e2e.md").read_text()
+    assert ("GPU busy 90.00 ms/step summed over 4 kernel launches; active 75.00 ms (some kernel running, "
+            "on any stream); idle 5.00 ms.") in md
+
+
 def test_fit_steps_shrinks_a_slow_system_to_the_time_left():
     assert bench_e2e.fit_steps(0.005, 500, steps=20, warmup=2, extra=3) == (20, 2)  # fast: as asked
     assert bench_e2e.fit_steps(30.0, 500, steps=20, warmup=2, extra=3) == (8, 0)  # 0.7 * 500 s: 11 steps, 3 profiled

@@ -312,9 +312,11 @@ def measure(job: dict) -> dict:
                steps=len(times), torch_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
                device_used_mb=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1))
     if job.get("profile"):
-        kernels = profile_kernels(step, system)
+        kernels, active = profile_kernels(step, system)
         # GPU busy time against the step time: the difference is the GPU idling on the host
         row["kernel_ms"] = round(sum(k["ms_per_step"] for k in kernels), 3)
+        if active is not None:  # with side streams the kernels' sum counts overlapping time twice
+            row["active_ms"] = round(active, 3)
         row["launches"] = round(sum(k["calls_per_step"] for k in kernels), 1)
         row["kernels"] = kernels[:job.get("top", 15)]
     return row
@@ -434,9 +436,35 @@ def attention_summary(ts) -> dict:
 PROFILE_STEPS = 3  # steps torch.profiler records
 
 
-def profile_kernels(step, system: str) -> list[dict]:
+def active_time(spans) -> float:
+    """The time covered by at least one of the (start, duration) `spans`: kernels on several
+    streams overlap, so their durations add up to more than the time the GPU was busy."""
+    total, end = 0.0, None
+    for start, dur in sorted(spans):
+        if end is None or start > end:
+            total, end = total + dur, start + dur
+        elif start + dur > end:
+            total, end = total + start + dur - end, start + dur
+    return total
+
+
+def _trace_active_ms(prof) -> float | None:
+    """GPU-active milliseconds a step in `prof`'s trace (kernels, memsets and copies), or None."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    spans = [(e["ts"], e["dur"]) for e in events
+             if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e]
+    return active_time(spans) / (1e3 * PROFILE_STEPS) if spans else None
+
+
+def profile_kernels(step, system: str) -> tuple[list[dict], float | None]:
     """The GPU kernels of a few steps, most time first (torch.profiler sees TVM's kernels as well,
-    through CUPTI); CUTLASS kernels are named by the evt partitions they run."""
+    through CUPTI; CUTLASS kernels are named by the evt partitions they run), and the milliseconds
+    a step the GPU ran at least one of them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -457,7 +485,7 @@ def profile_kernels(step, system: str) -> list[dict]:
             rows.append({"kernel": name, "calls_per_step": ev.count / PROFILE_STEPS,
                          "ms_per_step": dev_us / (1e3 * PROFILE_STEPS)})
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return rows
+    return rows, _trace_active_ms(prof)
 
 
 # ------------------------------------------------------------------------------------- reports
@@ -545,7 +573,11 @@ def markdown(data: dict) -> str:
     prof = [r for r in data["rows"] if r.get("kernels")]
     for r in prof:
         lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", ""]
-        if "kernel_ms" in r:
+        if "active_ms" in r:
+            lines += [f"GPU busy {r['kernel_ms']:.2f} ms/step summed over {r['launches']:.0f} kernel launches; "
+                      f"active {r['active_ms']:.2f} ms (some kernel running, on any stream); "
+                      f"idle {max(r['step_ms'] - r['active_ms'], 0):.2f} ms.", ""]
+        elif "kernel_ms" in r:
             lines += [f"GPU busy {r['kernel_ms']:.2f} ms/step in {r['launches']:.0f} kernel launches; "
                       f"idle {max(r['step_ms'] - r['kernel_ms'], 0):.2f} ms.", ""]
         lines += ["| kernel | calls/step | ms/step | % of step |", "|---|---:|---:|---:|"]
