@@ -125,32 +125,40 @@ class AppendOptimizer:
                     loss = bb.emit(R.multiply(loss, inv))
                     grads = [bb.emit(R.multiply(g, inv)) for g in grads]
                 p_vars = step_args[n_in : n_in + n_p]
-                new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step,
-                                                    inplace=self.inplace)
-                new_slot_list = [v for s in slots for v in new_slots[s]]
+                seed = next((v for v in step_args[n_in + n_p:] if v.name == SEED_PARAM), None)
                 extra = []
-                if scaled:
-                    found_inf = self._found_inf(bb, grads)
-                    keep = lambda old, new: bb.emit(R.where(found_inf, old, new))
-                    new_params = [keep(o, n) for o, n in zip(p_vars, new_params)]
-                    old_slots = [v for s in slots for v in slot_vars[s]]
-                    new_slot_list = [keep(o, n) for o, n in zip(old_slots, new_slot_list)]
-                    new_step = keep(step, new_step)
-                    extra = self._update_scaler(bb, found_inf, *scaler)
                 if self.layout.advances_seed:
-                    (seed,) = [v for v in step_args[n_in + n_p:] if v.name == SEED_PARAM]
-                    counter = relax.const(np.array([0, 1], dtype="uint32"))
-                    extra.append(bb.emit(R.add(seed, counter)))
-                if self.inplace:  # the rest of the state over its old tensors, in one kernel
-                    rest = step_args[n_in + n_p:]
-                    if len(self.overwrites) != len(new_bufs):
-                        raise ValueError(f"AppendOptimizer(inplace=True): {len(new_bufs)} new buffers but "
-                                         f"{len(self.overwrites)} positions to write them to (overwrites)")
-                    old = [step] + [rest[k] for k in self.overwrites] + ([seed] if self.layout.advances_seed else [])
-                    written = emit_write_back(bb, old, [new_step, *new_bufs, *extra])
-                    new_step, new_bufs, extra = written[0], written[1:1 + len(new_bufs)], written[1 + len(new_bufs):]
-                result = [loss, *new_params, *new_bufs, *new_slot_list, new_step, *extra]
-                out = bb.emit_output(relax.Tuple(result))
+                    extra.append(bb.emit(R.add(seed, relax.const(np.array([0, 1], dtype="uint32")))))
+                if self.inplace:  # what the in-place calls after this block read
+                    loss, new_step, *values = [bb.emit_output(v) for v in [loss, new_step, *new_bufs, *extra, *grads]]
+                    new_bufs, extra, grads = (values[:len(new_bufs)], values[len(new_bufs):len(new_bufs) + len(extra)],
+                                              values[len(new_bufs) + len(extra):])
+                else:
+                    new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step)
+                    new_slot_list = [v for s in slots for v in new_slots[s]]
+                    if scaled:
+                        found_inf = self._found_inf(bb, grads)
+                        keep = lambda old, new: bb.emit(R.where(found_inf, old, new))
+                        new_params = [keep(o, n) for o, n in zip(p_vars, new_params)]
+                        old_slots = [v for s in slots for v in slot_vars[s]]
+                        new_slot_list = [keep(o, n) for o, n in zip(old_slots, new_slot_list)]
+                        new_step = keep(step, new_step)
+                        extra = self._update_scaler(bb, found_inf, *scaler) + extra
+                    out = bb.emit_output(relax.Tuple([loss, *new_params, *new_bufs, *new_slot_list, new_step, *extra]))
+            if self.inplace:
+                # after the dataflow block, which passes may reorder: no reader of the old state
+                # can move past the calls that write over it
+                new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step,
+                                                    inplace=True)
+                rest = step_args[n_in + n_p:]
+                if len(self.overwrites) != len(new_bufs):
+                    raise ValueError(f"AppendOptimizer(inplace=True): {len(new_bufs)} new buffers but "
+                                     f"{len(self.overwrites)} positions to write them to (overwrites)")
+                old = [step] + [rest[k] for k in self.overwrites] + ([seed] if self.layout.advances_seed else [])
+                written = emit_write_back(bb, old, [new_step, *new_bufs, *extra])
+                new_step, new_bufs, extra = written[0], written[1:1 + len(new_bufs)], written[1 + len(new_bufs):]
+                new_slot_list = [v for s in slots for v in new_slots[s]]
+                out = bb.emit(relax.Tuple([loss, *new_params, *new_bufs, *new_slot_list, new_step, *extra]))
             bb.emit_func_output(out)
         mod = bb.get()
         gv = mod.get_global_var("train_step")
