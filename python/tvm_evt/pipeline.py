@@ -32,7 +32,9 @@ One list of phases, in order (``phases(target)``):
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
-    lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes
+    lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes (inside ``graph_capture()``,
+                       as ``compile_training(..., cuda_graph=True)`` builds, its RewriteCUDAGraph
+                       lifts each function's static regions into CUDA graphs)
     -- any other target (the CPU reference path) --
     InlineEVTPartitions  the partitions' ops go back into the caller, lowered by TVM, so CI checks
                          on the CPU that the partitioned training graph computes the same values
