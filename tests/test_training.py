@@ -490,3 +490,11 @@ def test_channels_last_inputs_are_taken_in_place(nhwc, monkeypatch):
     batch = entry.example_inputs()
     assert_step_matches_torch(step, entry, _channels_last(batch), torch_inputs=batch)
     assert_step_matches_torch(step, entry, batch)
+
+
+def test_train_command_takes_an_inplace_step(capsys):
+    from tvm_evt import cli
+
+    assert cli.main(["train", "--model", "mlp", "--steps", "2", "--target", "llvm", "--inplace"]) == 0
+    out = capsys.readouterr().out
+    assert "step    2  loss" in out and "time per step" in out
