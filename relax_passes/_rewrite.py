@@ -94,12 +94,24 @@ def binding_uses(func: relax.Function) -> dict:
     return uses
 
 
+def _outputs(builder: relax.BlockBuilder, call: relax.Call, count: int) -> list:
+    """The vars of `call`'s `count` outputs: the call's own var when it has one, else one a field."""
+    var = builder.emit(call)
+    return [var] if count == 1 else [builder.emit(relax.TupleGetItem(var, i)) for i in range(count)]
+
+
 def emit_call_tir(builder: relax.BlockBuilder, gvar: relax.GlobalVar, args: list, types: list) -> list:
     """Emit ``call_tir(gvar, args)`` with outputs of `types`; the output vars, one per type."""
-    call = builder.emit(relax.call_tir(gvar, args, types if len(types) > 1 else types[0]))
-    if len(types) == 1:
-        return [call]
-    return [builder.emit(relax.TupleGetItem(call, i)) for i in range(len(types))]
+    return _outputs(builder, relax.call_tir(gvar, args, types if len(types) > 1 else types[0]), len(types))
+
+
+def emit_call_tir_inplace(builder: relax.BlockBuilder, gvar: relax.GlobalVar, args: list, indices: list[int],
+                          types: list) -> list:
+    """Emit ``call_tir_inplace(gvar, args)`` whose outputs of `types` are the arguments at
+    `indices`, written over; the output vars, one per type."""
+    one = len(types) == 1
+    call = relax.op.call_tir_inplace(gvar, args, indices[0] if one else indices, types[0] if one else types)
+    return _outputs(builder, call, len(types))
 
 
 def has_call(expr: relax.Expr, op) -> bool:

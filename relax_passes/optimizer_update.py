@@ -20,8 +20,9 @@ portable one (``gpu_variant``) as ``philox.gpu_variant`` does for the dropout ma
 
 ``emit_update(..., inplace=True)`` emits a ``call_tir_inplace`` instead: the kernel writes the new
 parameters and slots over the old ones (each element's old values are bound to variables before
-any new one is stored: SGD's momentum reads the parameter), so a step keeps its state in the same tensors, as a captured CUDA graph needs, and holds
-one copy of it, not two.  Its portable form is the same loop nest as the GPU form, serial.
+any new one is stored: SGD's momentum reads the parameter), so a step keeps its state in the same
+tensors, as a captured CUDA graph needs, and holds one copy of it, not two.  Its portable form is
+the same loop nest as the GPU form, serial.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import math
 from tvm import relax, te, tirx
 
 from . import optimizers
-from ._rewrite import OPAQUE, emit_call_tir
+from ._rewrite import OPAQUE, emit_call_tir, emit_call_tir_inplace
 
 OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
 PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype], ...]
@@ -145,7 +146,11 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
                 """Element e of parameter i: every value read, then the new ones stored (in place,
                 each read is bound to a variable first: an expression would read the store before it)."""
                 flat = lambda buf: T.decl_buffer((numel,), buf.dtype, data=buf.data)
-                load = lambda buf: T.bind(tirx.BufferLoad(flat(buf), [e])) if inplace else tirx.BufferLoad(flat(buf), [e])
+
+                def load(buf):
+                    value = tirx.BufferLoad(flat(buf), [e])
+                    return T.bind(value) if inplace else value
+
                 value, values = _element(optimizer, slots, load(ps[i]), load(gs[i]),
                                          {s: load(states[s][i]) for s in slots},
                                          tirx.BufferLoad(step, []), dtype, grad_dtypes[i])
@@ -208,9 +213,7 @@ def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, s
     n = len(params)
     if inplace:  # the outputs are p and the slots: arguments 0..n-1 and 2n..
         indices = list(range(n)) + list(range(2 * n, 2 * n + n * len(slots)))
-        one = len(out_ty) == 1
-        call = bb.emit(relax.op.call_tir_inplace(gv, args, indices[0] if one else indices, out_ty[0] if one else out_ty))
-        outs = [call] if one else [bb.emit(relax.TupleGetItem(call, i)) for i in range(len(out_ty))]
+        outs = emit_call_tir_inplace(bb, gv, args, indices, out_ty)
     else:
         outs = emit_call_tir(bb, gv, args, out_ty)
     return outs[:n], {s: outs[n * (1 + k): n * (2 + k)] for k, s in enumerate(slots)}

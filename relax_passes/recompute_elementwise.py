@@ -19,10 +19,10 @@ reductions), when
   L + V + k V.  Where other readers need ``v`` written anyway, a copy must read no more than
   reading ``v`` back would: L <= V.
 
-With ``statistics``, values under ``MIN_ELEMENTS`` (a batch norm's per-channel statistics: ``mean = s / N``,
-``rstd = 1 / sqrt(v + eps)`` and the products of them its gradient reads) cost no bytes worth
-counting but a kernel launch each, with the gap around it: ResNet-50 conv3_x ran 110 such kernels
-a step.  Such a value (``SMALL_CHEAP``: ``CHEAP`` with ``sqrt``, ``rsqrt`` and ``reshape``) is
+With ``statistics``, values under ``MIN_ELEMENTS`` (a batch norm's per-channel statistics:
+``mean = s / N``, ``rstd = 1 / sqrt(v + eps)`` and the products of them its gradient reads) cost
+no bytes worth counting but a kernel launch each, with the gap around it: ResNet-50 conv3_x ran
+110 such kernels a step.  Such a value (``SMALL_CHEAP``: ``CHEAP`` with ``sqrt``, ``rsqrt`` and ``reshape``) is
 recomputed where that takes its kernel away: every reader is a fusable call (two or more, or a
 recomputed one) and it is not returned.  That takes 39 of ResNet-50 conv3_x's 247 kernels a step,
 but each element of the readers' kernels then recomputes what was computed once per channel (its
@@ -90,7 +90,7 @@ def plan(func: relax.Function, statistics: bool = False) -> tuple[dict, set]:
         if block_of.get(v) is None or n is None:
             continue
         small = n < MIN_ELEMENTS
-        if small and not statistics or op_name(value) not in (SMALL_CHEAP if small else CHEAP):
+        if (small and not statistics) or op_name(value) not in (SMALL_CHEAP if small else CHEAP):
             continue
         fusable = [r for r in readers.get(v, ()) if op_name(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
         others = v in outputs or len(fusable) < len(readers.get(v, ()))

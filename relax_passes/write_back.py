@@ -18,14 +18,10 @@ import math
 
 from tvm import relax, tirx
 
-from ._rewrite import OPAQUE
+from ._rewrite import OPAQUE, emit_call_tir_inplace, static_shape
 
 WRITE_BACK_ATTR = "tvm_evt.write_back"  # [[shape, dtype], ...] of the destinations
 THREADS = 256
-
-
-def _static_shape(var) -> tuple[int, ...]:
-    return tuple(int(d) for d in var.ty.shape.values)
 
 
 def primfunc(specs: list[tuple[tuple[int, ...], str]], gpu: bool = False) -> tirx.PrimFunc:
@@ -78,12 +74,8 @@ def emit_write_back(bb: relax.BlockBuilder, old: list, new: list) -> list:
     if not old:
         return []
     for o, n in zip(old, new):
-        if _static_shape(o) != _static_shape(n) or str(o.ty.dtype) != str(n.ty.dtype):
+        if static_shape(o) != static_shape(n) or str(o.ty.dtype) != str(n.ty.dtype):
             raise ValueError(f"write_back: {n.name} is {n.ty}, the tensor it overwrites "
                              f"({o.name}) {o.ty}")
-    gv = bb.add_func(primfunc([(_static_shape(o), str(o.ty.dtype)) for o in old]), "write_back")
-    types = [o.ty for o in old]
-    if len(old) == 1:
-        return [bb.emit(relax.op.call_tir_inplace(gv, list(old) + list(new), 0, types[0]))]
-    call = bb.emit(relax.op.call_tir_inplace(gv, list(old) + list(new), list(range(len(old))), types))
-    return [bb.emit(relax.TupleGetItem(call, i)) for i in range(len(old))]
+    gv = bb.add_func(primfunc([(static_shape(o), str(o.ty.dtype)) for o in old]), "write_back")
+    return emit_call_tir_inplace(bb, gv, list(old) + list(new), list(range(len(old))), [o.ty for o in old])

@@ -286,10 +286,8 @@ def measure(job: dict) -> dict:
     if compile_s is not None and job.get("timeout_s") and \
             only_the_first_step(row["first_step_s"], job["timeout_s"] - (time.monotonic() - started)):
         # (TVM systems compile before the first step, so it is a step like the others)
-        row.update(ok=True, step_ms=1e3 * row["first_step_s"], step_ms_min=1e3 * row["first_step_s"],
-                   step_ms_max=1e3 * row["first_step_s"], steps=1,
-                   note=f"1 step, the first: a step takes {row['first_step_s']:.1f} s",
-                   device_used_mb=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1))
+        row.update(_timed([1e3 * row["first_step_s"]], free0),
+                   note=f"1 step, the first: a step takes {row['first_step_s']:.1f} s")
         return row
     warmup, steps = job["warmup"], job["steps"]
     if warmup:  # one warm-up step, timed on the host, tells whether the rest fits the time left
@@ -311,9 +309,7 @@ def measure(job: dict) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = time_steps(step, steps)
-    row.update(ok=True, step_ms=statistics.median(times), step_ms_min=min(times), step_ms_max=max(times),
-               steps=len(times), torch_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
-               device_used_mb=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1))
+    row.update(_timed(times, free0), torch_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1))
     if job.get("profile"):
         kernels, active = profile_kernels(step, system)
         # GPU busy time against the step time: the difference is the GPU idling on the host
@@ -323,6 +319,15 @@ def measure(job: dict) -> dict:
         row["launches"] = round(sum(k["calls_per_step"] for k in kernels), 1)
         row["kernels"] = kernels[:job.get("top", 15)]
     return row
+
+
+def _timed(times: list[float], free0: int) -> dict:
+    """A measured row's fields from its step milliseconds, and the device memory in use since
+    `free0` bytes were free."""
+    import torch
+
+    return {"ok": True, "step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times),
+            "steps": len(times), "device_used_mb": round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1)}
 
 
 def fit_steps(step_s: float, left_s: float, steps: int, warmup: int, extra: int = 0,

@@ -142,7 +142,7 @@ def graph_capture() -> tvm.transform.PassContext:
     cur = tvm.transform.PassContext.current()
     return tvm.transform.PassContext(opt_level=cur.opt_level, required_pass=list(cur.required_pass),
                                      disabled_pass=list(cur.disabled_pass),
-                                     config={**{k: v for k, v in cur.config.items()}, CUDA_GRAPH_CONFIG: True})
+                                     config={**dict(cur.config.items()), CUDA_GRAPH_CONFIG: True})
 
 
 def enabled(name: str) -> bool:

@@ -132,8 +132,9 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if inplace and precision == "fp16":
-        raise ValueError("inplace=True: fp16 steps scale their loss dynamically and must keep the old parameters "
-                         "when the gradients overflow; use bf16 or fp32, or inplace=False")
+        raise ValueError("inplace=True (which cuda_graph=True implies): fp16 steps scale their loss dynamically "
+                         "and must keep the old parameters when the gradients overflow; use bf16 or fp32, or "
+                         "inplace=False")
     check_differentiable(imported)
     passes = [
         LowerDropout(),
@@ -384,9 +385,6 @@ def compile_training(
     start = time.perf_counter()
     tgt = as_target(target)
     graphs = tgt.kind.name == "cuda" and (enabled("cuda_graph") if cuda_graph is None else cuda_graph)
-    if graphs and precision == "fp16":
-        raise ValueError("cuda_graph: a CUDA-graph step runs in place, which fp16's dynamic loss scaling cannot "
-                         "(it keeps the old parameters on an overflow); use bf16 or fp32")
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
     with graph_capture() if graphs else contextlib.nullcontext():
