@@ -30,7 +30,7 @@ def fake_results():
 def test_parse_args_defaults_and_subsets():
     args = bench_e2e.parse_args([])
     assert args.models == list(bench_e2e.MODELS) and args.systems == bench_e2e.DEFAULT_SYSTEMS
-    assert set(bench_e2e.SYSTEMS) - set(args.systems) == {"tvm_evt_graph"}  # asked for by name
+    assert set(bench_e2e.SYSTEMS) - set(args.systems) == {"tvm_evt_launched"}  # asked for by name
     args = bench_e2e.parse_args(["--models", "bert_large,xml_cnn", "--systems", "eager,tvm_evt", "--steps", "25",
                                  "--quick", "--profile"])
     assert args.models == ["bert_large", "xml_cnn"] and args.systems == ["eager", "tvm_evt"]

@@ -1,4 +1,4 @@
-"""CUDA-graph steps (``compile_training(..., cuda_graph=True)``), what can be checked without a GPU:
+"""CUDA-graph steps (on by default on CUDA, but for fp16), what can be checked without a GPU:
 an in-place step leaves TVM's RewriteCUDAGraph every kernel but those that read the step's inputs
 or make its loss; a functional one keeps its optimizer update and state outside the graphs."""
 import copy
@@ -52,3 +52,24 @@ def test_a_cuda_graph_step_refuses_fp16():
     with pytest.raises(ValueError, match="fp16"):
         tvm_evt.compile_training(entry.model, entry.example_inputs(), loss_fn=entry.loss_fn,
                                  target={"kind": "cuda", "arch": "sm_90a"}, precision="fp16", cuda_graph=True)
+
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+
+
+@pytest.mark.parametrize("target,precision,asked,disable,want", [
+    (CUDA, "bf16", None, "", True),  # the default on CUDA
+    (CUDA, "fp32", None, "", True),
+    (CUDA, "fp16", None, "", False),  # fp16's loss scaler keeps the old parameters: not in place
+    (CUDA, "bf16", None, "cuda_graph", False),
+    (CUDA, "bf16", False, "", False),
+    (CUDA, "fp16", True, "", True),  # asked for: build_training_module refuses it (above)
+    (tvm.target.Target("llvm"), "bf16", None, "", False),
+    (tvm.target.Target("llvm"), "bf16", True, "", False),
+])
+def test_which_steps_are_captured(monkeypatch, target, precision, asked, disable, want):
+    from tvm_evt.pipeline import DISABLE_ENV
+    from tvm_evt.training import captures_graphs
+
+    monkeypatch.setenv(DISABLE_ENV, disable)
+    assert captures_graphs(target, precision, asked) is want

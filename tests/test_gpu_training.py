@@ -103,11 +103,19 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     assert any(not torch.equal(before[n], v) for n, v in step.parameters().items())
 
 
-@pytest.mark.parametrize("name", ["resnet_basic_cl", "gpt2_block_d64", "xml_cnn"])
-def test_cuda_graph_step_matches_the_eager_step(name):
+# GPT-2's key bias has no gradient in exact arithmetic (softmax ignores a per-query constant), so
+# its computed gradient is rounding noise, which AdamW scales up to +-lr a step (on an H100 its
+# parameters then differed by 8e-3 relative); SGD keeps noise at noise level.
+GRAPH_CASES = [("resnet_basic_cl", "adamw"), ("gpt2_block_d64", "sgd"), ("xml_cnn", "adamw")]
+
+
+@pytest.mark.parametrize("name,optimizer", GRAPH_CASES)
+def test_cuda_graph_step_matches_the_eager_step(name, optimizer):
     """cuda_graph=True: the step runs in place and TVM replays its captured CUDA graphs from the
     second step on (each CUTLASS entry launched on the capture stream, the split weight gradients'
     side streams joined back); losses and parameters track the step launched kernel by kernel."""
+    make_optimizer = {"adamw": lambda: tvm_evt.optim.AdamW(lr=1e-3),
+                      "sgd": lambda: tvm_evt.optim.SGD(lr=1e-2, momentum=0.9)}[optimizer]
     entry = models.ZOO[name.removesuffix("_d64").removesuffix("_cl")](**SMALL[name])
     no_dropout(entry.model)
     make = entry.example_inputs
@@ -116,7 +124,7 @@ def test_cuda_graph_step_matches_the_eager_step(name):
                         for t in entry.example_inputs()]
     batches = [[t.cuda() for t in make()] for _ in range(4)]
     steps = {graphs: tvm_evt.compile_training(copy.deepcopy(entry.model), make(), loss_fn=entry.loss_fn,
-                                              optimizer=tvm_evt.optim.AdamW(lr=1e-3), precision="bf16",
+                                              optimizer=make_optimizer(), precision="bf16",
                                               cuda_graph=graphs)
              for graphs in (False, True)}
     losses = {g: [float(st(*b)) for b in batches] for g, st in steps.items()}

@@ -45,7 +45,7 @@ def train(args: argparse.Namespace) -> int:
     step = tvm_evt.compile_training(
         entry.model, example, loss_fn=entry.loss_fn, optimizer=optimizer,
         target=_target_arg(args.target), precision=args.precision,
-        inplace=args.inplace, cuda_graph=args.cuda_graph or None,
+        inplace=args.inplace, cuda_graph=args.cuda_graph,
     )
     print(f"target: {step.target.kind.name}  precision: {args.precision}  "
           f"compiled in {time.perf_counter() - t0:.1f} s")
@@ -77,8 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--inplace", action="store_true",
                    help="the update writes over the step's parameters and optimizer state (not with fp16)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="on CUDA: in place, and later steps replay the first one's CUDA graphs (not with fp16)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="on CUDA: in place, and later steps replay the first one's CUDA graphs "
+                        "(default: on, except fp16)")
     p.set_defaults(func=train)
     args = parser.parse_args(argv)
     return args.func(args)

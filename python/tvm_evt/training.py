@@ -357,6 +357,13 @@ def runtime_module(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.DeadCodeElimination(entry_functions=["train_step", "main_adjoint"])(mod)
 
 
+def captures_graphs(target: tvm.target.Target, precision: str, cuda_graph: bool | None) -> bool:
+    """Does `compile_training` build this step as CUDA graphs? `cuda_graph` as given there."""
+    if cuda_graph is None:
+        cuda_graph = enabled("cuda_graph") and precision != "fp16"
+    return target.kind.name == "cuda" and cuda_graph
+
+
 def compile_training(
     model,
     example_inputs: Sequence,
@@ -377,14 +384,14 @@ def compile_training(
     `tvm_evt.tuning.tune` (scripts/tune.py) whose MetaSchedule database and CUTLASS choices to use.
     `inplace`: the update writes the new parameters and optimizer slots over the old ones (one copy
     of that state on the device instead of two; the step keeps them in the same tensors); not fp16.
-    `cuda_graph` (None: the ``cuda_graph`` rewrite of ``pipeline.OPTIONAL``, off by default): on
-    CUDA, the step runs in place and TVM's ``RewriteCUDAGraph`` captures its kernels into CUDA
-    graphs, replayed by later steps (those that read the step's inputs or make its loss run outside
-    them).
+    `cuda_graph`: on CUDA, the step runs in place and TVM's ``RewriteCUDAGraph`` captures its
+    kernels into CUDA graphs, replayed by later steps (those that read the step's inputs or make its
+    loss run outside them). None: on unless ``TVM_EVT_DISABLE=cuda_graph`` or fp16 (whose loss
+    scaler keeps the old parameters on an overflow, so its update cannot run in place).
     """
     start = time.perf_counter()
     tgt = as_target(target)
-    graphs = tgt.kind.name == "cuda" and (enabled("cuda_graph") if cuda_graph is None else cuda_graph)
+    graphs = captures_graphs(tgt, precision, cuda_graph)
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
     with graph_capture() if graphs else contextlib.nullcontext():
