@@ -130,9 +130,8 @@ class AppendOptimizer:
                 if self.layout.advances_seed:
                     extra.append(bb.emit(R.add(seed, relax.const(np.array([0, 1], dtype="uint32")))))
                 if self.inplace:  # what the in-place calls after this block read
-                    loss, new_step, *values = [bb.emit_output(v) for v in [loss, new_step, *new_bufs, *extra, *grads]]
-                    new_bufs, extra, grads = (values[:len(new_bufs)], values[len(new_bufs):len(new_bufs) + len(extra)],
-                                              values[len(new_bufs) + len(extra):])
+                    output = lambda values: [bb.emit_output(v) for v in values]
+                    (loss, new_step), new_bufs, extra, grads = map(output, ([loss, new_step], new_bufs, extra, grads))
                 else:
                     new_params, new_slots = emit_update(bb, self.optimizer, p_vars, grads, slot_vars, new_step)
                     new_slot_list = [v for s in slots for v in new_slots[s]]
