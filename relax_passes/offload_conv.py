@@ -13,8 +13,8 @@ the kernels take every phase.
 So is a call the kernel would run on too few CTAs (`too_few_tiles`): CUTLASS 4.2's SM90
 convolutions have no persistent schedules, so no stream-K or split-K, and a weight gradient's
 output is small while its reduction is long.  ResNet-50 conv3_x's 3x3 weight gradient is 9 tiles
-of 128x128 with K = 100352; the kernel splits it over the batch (``conv.splits``: 8 launches on
-side streams, 72 CTAs); one it cannot split enough goes to im2col + GEMM and the GEMM's stream-K.
+of 128x128 with K = 100352; the kernel splits it over the batch (``conv.splits``: 13 launches on
+side streams, 117 CTAs); one it cannot split enough goes to im2col + GEMM and the GEMM's stream-K.
 
     lv = tvm_evt.conv2d(x, w, R.shape([1, 1, 1, 1, 1, 1, 1, 1]))
   ->

@@ -189,7 +189,9 @@ def test_nvcc_builds_the_three_kernels_and_entries_check_arguments(cache_home, t
     from tvm_evt.codegen.relax_ext import build_conv
 
     geometry = dict(x=(2, 8, 8, 64), w=(64, 3, 3, 64), y=(2, 8, 8, 64))
-    calls = [call(kind=kind, symbol=f"build_{kind}", **geometry) for kind in ("fprop", "dgrad", "wgrad")]
+    split = dict(x=(27, 28, 28, 64), w=(64, 3, 3, 64), y=(27, 28, 28, 64))  # 14 uneven chunks (splits)
+    calls = [call(kind=kind, symbol=f"build_{kind}", **(split if kind == "wgrad" else geometry))
+             for kind in ("fprop", "dgrad", "wgrad")]
     lib = build_conv(calls)
     objects = sorted((cache_home / "tvm_evt").rglob("*.o"))
     kernels = [o for o in objects if kernel_entries(o)]
@@ -216,19 +218,40 @@ def test_nvcc_builds_the_three_kernels_and_entries_check_arguments(cache_home, t
 
 
 def test_a_long_weight_gradient_on_few_tiles_is_split_over_the_batch():
-    """ResNet-50 conv3_x's weight gradient: 9 tiles, K = 100352 -> 8 launches of 16 images on the
-    side streams into float32 partials, summed into dw; its forward convolution is one launch."""
+    """ResNet-50 conv3_x's weight gradient: 9 tiles, K = 100352 -> 13 launches (117 CTAs, 14 would
+    not shorten the largest chunk) on the side streams, 11 of 10 images and 2 of 9, into float32
+    partials summed into dw; its forward convolution is one launch."""
     from tvm_evt.codegen.backend.conv import emit_conv, splits
 
     geometry = dict(dtype="bfloat16", x=(128, 28, 28, 128), w=(128, 3, 3, 128), y=(128, 28, 28, 128),
                     pad=(1, 1, 1, 1), stride=(1, 1), dilation=(1, 1))
     wgrad = ConvCall(symbol="split_wgrad", kind="wgrad", **geometry)
     fprop = ConvCall(symbol="whole_fprop", kind="fprop", **geometry)
-    assert (splits(wgrad), splits(fprop)) == (8, 1)
+    assert (splits(wgrad), splits(fprop)) == (13, 1)
     src = emit_conv(wgrad)
-    for text in ("constexpr int kSplits = 8;", "make_problem(16)", "using ElementD = float;",
-                 "constexpr int64_t kStrideDy = 1605632, kStrideX = 1605632;", "tvm_evt::sum_partials<<<",
-                 "constexpr int64_t kOut = 147456;"):
+    for text in ("constexpr int kSplits = 13, kChunk = 9, kBig = 11;", "make_problem(kChunk + 1), make_problem(kChunk)",
+                 "using ElementD = float;", "constexpr int64_t kImageDy = 100352, kImageX = 100352;",
+                 "tvm_evt::sum_partials<<<", "constexpr int64_t kOut = 147456;", "constexpr int kMaxSplits = 16;"):
         assert text in src, text
     whole = emit_conv(fprop)
     assert "sum_partials" not in whole and "make_problem(128)" in whole and "using ElementD = Element;" in whole
+
+
+@pytest.mark.parametrize("batch,channels,hw,want", [
+    (128, 128, 28, 13),  # 9 tiles: 14 chunks fit the 132 SMs, but 13 have the same largest chunk (10 images)
+    (8, 128, 56, 8),  # a chunk per image
+    (27, 64, 28, 14),  # 13 chunks of two images and one of one
+    (1, 128, 128, 1),  # one image cannot be split (OffloadConv leaves it to im2col + GEMM)
+])
+def test_a_split_weight_gradient_fills_the_sms_with_chunks_an_image_apart(batch, channels, hw, want):
+    from tvm_evt.codegen.backend.conv import SMS, splits, tiles
+
+    call = ConvCall(symbol="wgrad", kind="wgrad", dtype="bfloat16", x=(batch, hw, hw, channels),
+                    w=(channels, 3, 3, channels), y=(batch, hw, hw, channels), pad=(1, 1, 1, 1), stride=(1, 1),
+                    dilation=(1, 1))
+    n = splits(call)
+    assert n == want and tiles(call) * n <= SMS
+    if n > 1:
+        chunk, big = batch // n, batch % n
+        assert f"constexpr int kSplits = {n}, kChunk = {chunk}, kBig = {big};" in emit_conv(call)
+        assert chunk * n + big == batch and 0 <= big < n

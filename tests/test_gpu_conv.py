@@ -31,6 +31,8 @@ CASES = [
     ("phase_1x1", (2, 8, 8, 64), (128, 1, 1), (0, 0, 0, 0), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     # a weight gradient of 9 tiles over K = 25088: split over the batch into 8 concurrent launches
     ("wgrad_split", (8, 56, 56, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
+    # 27 images over K = 21168: 14 launches, 13 of two images and one of one
+    ("wgrad_uneven_split", (27, 28, 28, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("wgrad",)),
 ]
 
 

@@ -36,8 +36,9 @@ def tile(call: ConvCall) -> tuple[int, int, int]:
     return rows, 128 if channels >= 128 else 64, 64
 
 
-MIN_CTAS = 66  # half the SMs of an H100 SXM (132)
-MAX_SPLITS = 8  # side streams a split weight gradient runs on (tvm_evt::kMaxSplits)
+SMS = 132  # the SMs of an H100 SXM (and an H200): one CTA of these kernels each
+MIN_CTAS = SMS // 2
+MAX_SPLITS = 16  # side streams a split weight gradient runs on (tvm_evt::kMaxSplits)
 LONG_K = 8192  # a reduction this long keeps one CTA busy for tens of microseconds
 
 
@@ -53,14 +54,15 @@ def tiles(call: ConvCall) -> int:
 def splits(call: ConvCall) -> int:
     """Batch chunks a weight gradient on fewer than ``MIN_CTAS`` tiles, each a reduction longer
     than ``LONG_K``, is split into (each chunk a launch of its own on a side stream, their float32
-    partials summed after): the fewest that give ``MIN_CTAS`` CTAs, at most ``MAX_SPLITS``, dividing
-    the batch.  1 for everything else."""
+    partials summed after; chunks differ by at most one image).  All chunks' CTAs fit the SMs at
+    once, so the largest chunk sets the time: the fewest chunks whose largest is the smallest that
+    fits, at most ``MAX_SPLITS``.  1 for everything else."""
     count, batch = tiles(call), call.x[0]
     if call.kind != "wgrad" or count >= MIN_CTAS or call.gemm[2] <= LONG_K:
         return 1
-    divisors = [d for d in range(2, min(MAX_SPLITS, batch) + 1) if batch % d == 0]
-    enough = [d for d in divisors if count * d >= MIN_CTAS]
-    return enough[0] if enough else (divisors[-1] if divisors else 1)
+    candidates = range(1, max(1, min(MAX_SPLITS, batch, SMS // count)) + 1)
+    largest = lambda n: -(-batch // n)
+    return min(candidates, key=lambda n: (largest(n), n))
 
 
 def _ints(values) -> str:
@@ -97,8 +99,8 @@ def emit_conv(call: ConvCall) -> str:
     a, b, d = OPERANDS[call.kind]
     (n_img, h, wd, c), (kk, r, ss, _), (_, p, q, _) = call.x, call.w, call.y
     launch = (SPLIT_LAUNCH if split > 1 else SINGLE_LAUNCH).substitute(
-        batch=n_img, chunk=n_img // split, splits=split, out_elems=kk * r * ss * c,
-        chunk_dy=(n_img // split) * p * q * kk, chunk_x=(n_img // split) * h * wd * c, xformed=XFORMED[call.kind],
+        batch=n_img, chunk=n_img // split, big=n_img % split, splits=split, out_elems=kk * r * ss * c,
+        image_dy=p * q * kk, image_x=h * wd * c, xformed=XFORMED[call.kind],
         y=_ints(call.y), y0=call.y[0], y1=call.y[1], y2=call.y[2], y3=call.y[3],
         operand_a=a, operand_b=b, operand_d=d,
     )

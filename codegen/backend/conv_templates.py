@@ -135,20 +135,25 @@ SINGLE_LAUNCH = Template("""\
                 tvm_evt::data_of<Element>(${operand_d}), device_id, stream, kKernel);""")
 
 # A weight gradient split over the batch (split-K by hand: CUTLASS 4.2's SM90 convolutions have no
-# persistent schedule, so no stream-K): ${splits} launches of ${chunk} images each, concurrent on the
-# side streams, write float32 partial filter gradients; one kernel on TVM's stream sums them into dw.
+# persistent schedule, so no stream-K): ${splits} launches, concurrent on the side streams, of
+# ${chunk} images each but the first ${big}, which take one more; they write float32 partial filter
+# gradients, and one kernel on TVM's stream sums them into dw.
 SPLIT_LAUNCH = Template("""\
-  ProblemShape problem = make_problem(${chunk});
-  auto const& xformed = problem.${xformed};
-  if (xformed[0] != ${chunk} || xformed[1] != ${y1} || xformed[2] != ${y2} || xformed[3] != ${y3}) {
-    return tvm_evt::fail("ValueError", "%s: CUTLASS computes a chunk's output as [%d, %d, %d, %d], the kernel was "
-                         "generated for [${chunk}, ${y1}, ${y2}, ${y3}]", kKernel, xformed[0], xformed[1], xformed[2], xformed[3]);
+  constexpr int kSplits = ${splits}, kChunk = ${chunk}, kBig = ${big};  // chunk i: kChunk + (i < kBig) images
+  ProblemShape problems[2] = {make_problem(kChunk + 1), make_problem(kChunk)};  // a big chunk's, the others'
+  for (int j = kBig > 0 ? 0 : 1; j < 2; ++j) {
+    int images = kChunk + (j == 0);
+    auto const& xformed = problems[j].${xformed};
+    if (xformed[0] != images || xformed[1] != ${y1} || xformed[2] != ${y2} || xformed[3] != ${y3}) {
+      return tvm_evt::fail("ValueError", "%s: CUTLASS computes a chunk's output as [%d, %d, %d, %d], the kernel "
+                           "was generated for [%d, ${y1}, ${y2}, ${y3}]", kKernel, xformed[0], xformed[1],
+                           xformed[2], xformed[3], images);
+    }
   }
   cudaSetDevice(device_id);
   cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device_id));
-  constexpr int kSplits = ${splits};
   constexpr int64_t kOut = ${out_elems};  // K * R * S * C
-  constexpr int64_t kStrideDy = ${chunk_dy}, kStrideX = ${chunk_x};  // elements of a chunk of images
+  constexpr int64_t kImageDy = ${image_dy}, kImageX = ${image_x};  // elements of one image
   tvm_evt::SideStreams* side = tvm_evt::side_streams(device_id);
   if (!side) return tvm_evt::fail("RuntimeError", "%s: cannot create side streams on device %d", kKernel, device_id);
   float* partial = nullptr;
@@ -160,9 +165,10 @@ SPLIT_LAUNCH = Template("""\
   Element const* a = tvm_evt::data_of<Element const>(${operand_a});  // dy
   Element const* b = tvm_evt::data_of<Element const>(${operand_b});  // x
   int rc = 0;
-  for (int i = 0; i < kSplits && !rc; ++i) {
+  for (int i = 0, image = 0; i < kSplits && !rc; image += kChunk + (i < kBig), ++i) {
     cudaStreamWaitEvent(side->streams[i], side->start, 0);
-    rc = launch(problem, a + i * kStrideDy, b + i * kStrideX, partial + i * kOut, device_id, side->streams[i], kKernel);
+    rc = launch(problems[i >= kBig], a + image * kImageDy, b + image * kImageX, partial + i * kOut, device_id,
+                side->streams[i], kKernel);
     cudaEventRecord(side->done[i], side->streams[i]);
     cudaStreamWaitEvent(stream, side->done[i], 0);
   }
@@ -183,7 +189,7 @@ SPLIT_PRELUDE = """\
 #ifndef TVM_EVT_CONV_SPLIT
 #define TVM_EVT_CONV_SPLIT
 namespace tvm_evt {
-constexpr int kMaxSplits = 8;
+constexpr int kMaxSplits = 16;
 struct SideStreams {
   cudaStream_t streams[kMaxSplits];
   cudaEvent_t start;
