@@ -1,6 +1,7 @@
 """NarrowBeforeLayout: casts to bf16 after layout ops move in front of them."""
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 
@@ -110,3 +111,58 @@ def test_a_weight_transpose_read_by_matmuls_is_cast_first():
 def test_a_weight_transpose_read_by_something_else_is_left_alone():
     before = _linear(False, other_reader=True)
     tvm.ir.assert_structural_equal(NarrowBeforeLayout()(before), before)
+
+
+XL = (2, 6, 6, 8)  # NHWC: a channels-last input
+
+
+def _channels_last(form: str, whole: str = "reshape"):
+    """ResNet's channels-last input, read by a 1x1 convolution (`whole`: through a reshape, or
+    "direct"ly as a cast, or "none": no whole read) and by a stride-2 shortcut's slice and reshape,
+    each cast to bf16. `form` "before", or "expected": one cast, which the slice reads."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(XL, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            emit = bb.emit
+            out = []
+            xl = emit(relax.op.astype(x, "bfloat16")) if form == "expected" and whole != "none" else None
+            if whole == "reshape":
+                a = emit(relax.op.reshape(xl if xl is not None else x, (72, 8)))
+                out.append(a if xl is not None else emit(relax.op.astype(a, "bfloat16")))
+            elif whole == "direct":
+                out.append(xl if xl is not None else emit(relax.op.astype(x, "bfloat16")))
+            s = emit(relax.op.strided_slice(xl if xl is not None else x, [1, 2], [0, 0], [6, 6], [2, 2]))
+            s = emit(relax.op.reshape(s, (18, 8)))
+            out.append(s if xl is not None else emit(relax.op.astype(s, "bfloat16")))
+            gv = bb.emit_output(relax.Tuple(out))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+@pytest.mark.parametrize("whole", ["reshape", "direct"])
+def test_a_slice_of_a_value_cast_whole_anyway_reads_the_narrow_copy(whole):
+    """The slice reads the bf16 copy the other reader makes (ResNet-50's stride-2 shortcut read
+    its float32 input a second time), and both share one cast."""
+    after = NarrowBeforeLayout()(_channels_last("before", whole))
+    assert _bindings(after) == _bindings(_channels_last("expected", whole))
+    assert [op for op, *_ in _bindings(after)].count("relax.astype") == 1
+
+
+def test_a_slice_alone_keeps_its_cast_after_it():
+    """Cast first, a lone slice would cast more than it reads."""
+    before = _channels_last("before", "none")
+    tvm.ir.assert_structural_equal(NarrowBeforeLayout()(before), before)
+
+
+@pytest.mark.parametrize("whole", ["reshape", "direct"])
+def test_a_sliced_narrow_copy_gives_the_same_numbers(whole):
+    x = np.random.default_rng().standard_normal(XL).astype("float32")
+
+    def run(mod):
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        return [t.numpy().astype("float32") for t in vm["main"](tvm.runtime.tensor(x))]
+
+    before = _channels_last("before", whole)
+    for w, g in zip(run(before), run(NarrowBeforeLayout()(before))):
+        np.testing.assert_array_equal(g, w)
