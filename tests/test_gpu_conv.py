@@ -32,7 +32,7 @@ CASES = [
     # a weight gradient of 9 tiles over K = 25088: split over the batch into 8 concurrent launches
     ("wgrad_split", (8, 56, 56, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     # 27 images over K = 21168: 14 launches, 13 of two images and one of one
-    ("wgrad_uneven_split", (27, 28, 28, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("wgrad",)),
+    ("wgrad_uneven_split", (27, 28, 28, 64), (64, 3, 3), (1, 1, 1, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
 ]
 
 
