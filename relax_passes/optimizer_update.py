@@ -124,8 +124,6 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
     slots = optimizer.slots()
     grad_dtypes = list(grad_dtypes or [dtype for _, dtype in params])
     numels = [math.prod(shape) for shape, _ in params]
-    blocks = [(m + ELEMS_PER_BLOCK - 1) // ELEMS_PER_BLOCK for m in numels]
-    starts = [sum(blocks[:i]) for i in range(len(blocks))]
     idx = "int64" if max(numels) >= 2**31 - ELEMS_PER_BLOCK else "int32"
     with IRBuilder() as ib:
         with T.prim_func():
@@ -158,24 +156,38 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
                 for s, v in zip(slots, values):
                     T.buffer_store(flat(new_states[s][i]), v, [e])
 
-            if not gpu:
-                for i, ((_shape, dtype), numel) in enumerate(zip(params, numels)):
-                    with T.serial(tirx.const(0, idx), tirx.const(numel, idx)) as e:
-                        update(i, dtype, numel, e)
-            else:
-                with T.thread_binding(tirx.const(sum(blocks), idx), thread="blockIdx.x") as bx:
-                    with T.thread_binding(tirx.const(THREADS, idx), thread="threadIdx.x") as tx:
-                        for i, ((_shape, dtype), numel) in enumerate(zip(params, numels)):
-                            lo, hi = tirx.const(starts[i], idx), tirx.const(starts[i] + blocks[i], idx)
-                            with T.If(tirx.all(lo <= bx, bx < hi)):
-                                with T.Then():
-                                    for j in range(PER_THREAD):
-                                        e = (bx - lo) * ELEMS_PER_BLOCK + j * THREADS + tx
-                                        with T.If(e < numel):
-                                            with T.Then():
-                                                update(i, dtype, numel, e)
+            element_loops(numels, lambda i, e: update(i, params[i][1], numels[i], e), gpu=gpu, idx=idx,
+                          per_thread=PER_THREAD)
     func = ib.get()
     return func if gpu else _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, inplace)
+
+
+def element_loops(numels: list[int], body, *, gpu: bool, idx: str = "int32", per_thread: int = 1) -> None:
+    """Inside an IRBuilder PrimFunc: ``body(i, e)`` for every flat element e of tensor i.  `gpu`:
+    one CUDA kernel, whose blocks are dealt out to the tensors (tensor i owns blocks [start_i,
+    start_i + ceil(numel_i / (THREADS * per_thread)))) and whose thread t of a block takes its
+    elements t, t + THREADS, ... (per_thread of them); else serial loops, a portable form."""
+    from tvm.script.ir_builder import tirx as T
+
+    if not gpu:
+        for i, numel in enumerate(numels):
+            with T.serial(tirx.const(0, idx), tirx.const(numel, idx)) as e:
+                body(i, e)
+        return
+    per_block = THREADS * per_thread
+    blocks = [(m + per_block - 1) // per_block for m in numels]
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    with T.thread_binding(tirx.const(sum(blocks), idx), thread="blockIdx.x") as bx:
+        with T.thread_binding(tirx.const(THREADS, idx), thread="threadIdx.x") as tx:
+            for i, numel in enumerate(numels):
+                lo, hi = tirx.const(starts[i], idx), tirx.const(starts[i] + blocks[i], idx)
+                with T.If(tirx.all(lo <= bx, bx < hi)):
+                    with T.Then():
+                        for j in range(per_thread):
+                            e = (bx - lo) * per_block + j * THREADS + tx
+                            with T.If(e < numel):
+                                with T.Then():
+                                    body(i, e)
 
 
 def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:

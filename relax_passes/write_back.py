@@ -9,7 +9,8 @@ memory (not in tensors it returns), so a CUDA graph can hold every kernel that m
 
 Arguments ``(*dst, *src)``, the sources stored over the destinations, element for element.  The
 portable form is serial loops; on CUDA ``ScheduleTIRForGPU`` swaps in ``gpu_primfunc``: one kernel
-whose blocks are dealt out to the tensors (``THREADS`` elements a block), as the optimizer update's.
+whose blocks are dealt out to the tensors (``THREADS`` elements a block): the
+optimizer update's ``element_loops``.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import math
 from tvm import relax, tirx
 
 from ._rewrite import OPAQUE, emit_call_tir_inplace, static_shape
+from .optimizer_update import THREADS, element_loops  # THREADS: elements a block of the GPU form
 
 WRITE_BACK_ATTR = "tvm_evt.write_back"  # [[shape, dtype], ...] of the destinations
-THREADS = 256
 
 
 def primfunc(specs: list[tuple[tuple[int, ...], str]], gpu: bool = False) -> tirx.PrimFunc:
@@ -30,8 +31,6 @@ def primfunc(specs: list[tuple[tuple[int, ...], str]], gpu: bool = False) -> tir
     from tvm.script.ir_builder import tirx as T
 
     numels = [max(1, math.prod(shape)) for shape, _ in specs]
-    blocks = [(m + THREADS - 1) // THREADS for m in numels]
-    starts = [sum(blocks[:i]) for i in range(len(blocks))]
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("write_back")
@@ -43,18 +42,7 @@ def primfunc(specs: list[tuple[tuple[int, ...], str]], gpu: bool = False) -> tir
                 flat = lambda buf: T.decl_buffer((numels[i],), buf.dtype, data=buf.data)
                 T.buffer_store(flat(dst[i]), tirx.BufferLoad(flat(src[i]), [e]), [e])
 
-            if not gpu:
-                for i, numel in enumerate(numels):
-                    with T.serial(0, numel) as e:
-                        copy(i, e)
-            else:
-                with T.thread_binding(sum(blocks), thread="blockIdx.x") as bx:
-                    with T.thread_binding(THREADS, thread="threadIdx.x") as tx:
-                        for i, numel in enumerate(numels):
-                            e = (bx - starts[i]) * THREADS + tx
-                            with T.If(tirx.all(starts[i] <= bx, bx < starts[i] + blocks[i], e < numel)):
-                                with T.Then():
-                                    copy(i, e)
+            element_loops(numels, copy, gpu=gpu)
     func = ib.get()
     if gpu:
         return func
