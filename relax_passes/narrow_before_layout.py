@@ -50,9 +50,10 @@ def _call(value, ops) -> bool:
     return isinstance(value, relax.Call) and value.op in ops
 
 
-def plan(func: relax.Function) -> tuple[dict, dict]:
-    """(var of a layout op -> the dtype its input is cast to first; cast var -> the var whose
-    narrow value replaces it)."""
+def plan(func: relax.Function) -> tuple[dict, dict, dict]:
+    """(var of a layout op -> the cast ``(x, dtype, block)`` of its input x it reads instead; cast
+    var -> the var whose narrow value replaces it; var of a reader's cast of such an x -> that
+    cast, which it becomes)."""
     bindings, block_of = flat_bindings(func)
     uses = binding_uses(func)
     at = {i: b for i, b in enumerate(bindings)}
@@ -98,24 +99,26 @@ def plan(func: relax.Function) -> tuple[dict, dict]:
                 or next(iter(low)) not in NARROW \
                 or any(block_of[c.var] != block_of[b.var] for c, _ in ends):
             continue
-        first[b.var] = next(iter(low))
+        first[b.var] = (b.value.args[0], next(iter(low)), block_of[b.var])
         replaced.update({c.var: src for c, src in ends})
         inner |= chain  # narrow already: their own casts are not moved again
     # slices of a value cast whole to the same dtype anyway in their block (by a reader of it, or
     # for a chain above)
-    whole = {key for b in bindings if (key := shared_cast(b, block_of))}
-    whole |= {(bound[v].args[0], low, block_of[v]) for v, low in first.items()}
+    whole = {key for b in bindings if (key := shared_cast(b, block_of))} | set(first.values())
     for b in bindings:
         if not _call(b.value, {SLICE}) or block_of[b.var] is None or b.var in inner:
             continue
         ends = chain_ends(b.var)
         lows = {cast_to(c) for c, _ in ends}
-        if not ends or len(lows) != 1 or (b.value.args[0], next(iter(lows)), block_of[b.var]) not in whole \
+        key = (b.value.args[0], next(iter(lows), None), block_of[b.var])
+        if not ends or len(lows) != 1 or key not in whole \
                 or any(block_of[c.var] != block_of[b.var] for c, _ in ends):
             continue
-        first[b.var] = next(iter(lows))
+        first[b.var] = key
         replaced.update({c.var: src for c, src in ends})
-    return first, replaced
+    moved = set(first.values())
+    shared = {b.var: key for b in bindings if (key := shared_cast(b, block_of)) in moved}
+    return first, replaced, shared
 
 
 def shared_cast(binding: relax.VarBinding, block_of: dict) -> tuple | None:
@@ -134,17 +137,15 @@ class _Narrower(PyExprMutator):
         super().__init__(mod)
         self.first: dict = {}
         self.replaced: dict = {}
-        self.block_of: dict = {}
+        self.shared: dict = {}
         self.narrow: dict = {}  # (x, low, block) -> the one cast of x to low there, once emitted
 
     def prime(self, func: relax.Function) -> None:
-        self.first, self.replaced = plan(func)
-        bindings, self.block_of = flat_bindings(func)
-        bound = {b.var: b.value for b in bindings}
-        self.narrow = {(bound[v].args[0], low, self.block_of[v]): None for v, low in self.first.items()}
+        self.first, self.replaced, self.shared = plan(func)
+        self.narrow = {}
 
     def _cast(self, key: tuple):
-        if self.narrow[key] is None:
+        if key not in self.narrow:
             x, low, _ = key
             self.narrow[key] = self.builder_.emit(relax.op.astype(self.visit_expr(x), low))
         return self.narrow[key]
@@ -152,13 +153,12 @@ class _Narrower(PyExprMutator):
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         v, value = binding.var, binding.value
         if v in self.first:
-            cast = self._cast((value.args[0], self.first[v], self.block_of[v]))
-            args = [cast, *(self.visit_expr(a) for a in value.args[1:])]
+            args = [self._cast(self.first[v]), *(self.visit_expr(a) for a in value.args[1:])]
             self.set_var_remap(v, self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args)))
         elif v in self.replaced:
             self.set_var_remap(v, self.visit_expr(self.replaced[v]))
-        elif shared_cast(binding, self.block_of) in self.narrow:
-            self.set_var_remap(v, self._cast(shared_cast(binding, self.block_of)))  # a reader's cast, shared
+        elif v in self.shared:
+            self.set_var_remap(v, self._cast(self.shared[v]))  # a reader's cast, shared
         else:
             super().visit_var_binding_(binding)
 
