@@ -325,11 +325,10 @@ class TrainingStep:
     def _replace(self, store, key, value) -> None:
         """``store[key] = value``; an in-place step copies `value` into the tensor it has instead
         (a captured CUDA graph reads that tensor's memory, whatever tensor the step is given)."""
-        new = self._tensor(value)
         if self.graph.inplace:
-            store[key].copyfrom(new)
+            store[key].copyfrom(_to_tvm(value.detach(), self.device))  # the copy is the step's own
         else:
-            store[key] = new
+            store[key] = self._tensor(value)
 
     def report(self) -> dict:
         """EVT partitions of ``train_step``: {"partitions": [{"ops", "bytes_saved", ...}],
