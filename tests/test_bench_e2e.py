@@ -47,10 +47,14 @@ def test_models_are_presets():
         assert set(small) <= set(full) | {"size", "seq", "batch"}
 
 
-def test_applicable():
+def test_applicable(tmp_path):
     assert bench_e2e.applicable("eager_sdpa", "resnet50", None) == "no attention"
     assert bench_e2e.applicable("eager_sdpa", "bert_large", None) is None
     assert bench_e2e.applicable("tvm_evt_tuned", "bert_large", None) == "no tuning dir"
+    (tmp_path / "bert_large").mkdir()
+    assert bench_e2e.applicable("tvm_evt_tuned", "bert_large", str(tmp_path)).startswith("no tuning results")
+    (tmp_path / "bert_large" / bench_e2e.TUNED_MARK).write_text("{}")
+    assert bench_e2e.applicable("tvm_evt_tuned", "bert_large", str(tmp_path)) is None
 
 
 def test_reports_from_fake_results(tmp_path):

@@ -131,6 +131,10 @@ def test_resnet50_batch_norm_sums_read_their_inputs_once():
 def test_load_model_specs():
     assert "MLP" in tuning.load_model("mlp", batch=3).description
     assert tuning.load_model("tvm_evt.models:mlp").model is not None
+    # a bench key gives the bench's entry (shapes, channels-last), so its --tuning-dir finds the choices
+    (x,) = tuning.load_model("resnet50", batch=2, size=8).example_inputs()[:1]
+    assert x.shape[0] == 2 and x.is_contiguous(memory_format=torch.channels_last)
+    assert tvm_evt.bench_e2e.TUNED_MARK == tuning.PROGRESS_FILE
     with pytest.raises(ValueError):
         tuning.load_model("no_such_model")
 

@@ -65,6 +65,7 @@ SYSTEMS = {
 # measured unless --systems says otherwise (tvm_evt_launched: an A/B of the CUDA graphs, asked for by name)
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "tvm_evt_launched"]
 BASELINE = "eager"
+TUNED_MARK = "progress.json"  # tuning.PROGRESS_FILE: scripts/tune.py writes it as it goes
 RESULTS_JSON, RESULTS_MD, RESULTS_PNG = "bench_e2e.json", "bench_e2e.md", "bench_e2e.png"
 
 
@@ -125,8 +126,11 @@ def applicable(system: str, model: str, tuning_dir: str | None) -> str | None:
     """Why (system, model) is not measured, or None."""
     if system.endswith("_sdpa") and model not in ATTENTION_MODELS:
         return "no attention"
-    if system == "tvm_evt_tuned" and not (tuning_dir and (Path(tuning_dir) / model).is_dir()):
-        return "no tuning dir"
+    if system == "tvm_evt_tuned":
+        if not (tuning_dir and (Path(tuning_dir) / model).is_dir()):
+            return "no tuning dir"
+        if not (Path(tuning_dir) / model / TUNED_MARK).is_file():
+            return f"no tuning results (no {TUNED_MARK}: run scripts/tune.py {model} first)"
     return None
 
 
@@ -234,14 +238,15 @@ def run_measurement(args, model: str, system: str) -> dict:
 CHANNELS_LAST = frozenset({"resnet50"})
 
 
-def build_entry(model: str, quick: bool):
+def build_entry(model: str, quick: bool = False, **overrides):
+    """The ZooEntry a bench model key names (at full size, or --quick's), with `overrides` on top."""
     from . import models
 
     preset, full, small, _label = MODELS[model]
     import torch
 
     torch.manual_seed(0)
-    entry = models.PRESETS[preset](**(small if quick else full))
+    entry = models.PRESETS[preset](**{**(small if quick else full), **overrides})
     if model in CHANNELS_LAST:
         make = entry.example_inputs
         entry = dataclasses.replace(entry, example_inputs=lambda: tuple(

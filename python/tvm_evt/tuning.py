@@ -52,16 +52,21 @@ def _log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------- models
 def load_model(spec: str, **overrides):
-    """A `models.ZooEntry` from a zoo name, a preset name, or ``package.module:factory`` (a callable
-    returning a ZooEntry, or an ``(nn.Module, example_inputs, loss_fn)`` tuple)."""
-    from . import models
+    """A `models.ZooEntry` from a bench model key (``scripts/bench.py --models``: the same shapes and
+    memory format, so the bench's ``--tuning-dir`` finds the choices), a zoo name, a preset name, or
+    ``package.module:factory`` (a callable returning a ZooEntry, or an ``(nn.Module,
+    example_inputs, loss_fn)`` tuple)."""
+    from . import bench_e2e, models
 
+    if spec in bench_e2e.MODELS:
+        return bench_e2e.build_entry(spec, **overrides)
     if spec in models.PRESETS:
         return models.PRESETS[spec](**overrides)
     if spec in models.ZOO:
         return models.ZOO[spec](**overrides)
     if ":" not in spec:
-        raise ValueError(f"unknown model {spec!r}: not in models.ZOO or models.PRESETS and not 'module:factory'")
+        raise ValueError(f"unknown model {spec!r}: not a bench model ({', '.join(bench_e2e.MODELS)}), "
+                         f"not in models.ZOO or models.PRESETS and not 'module:factory'")
     module_name, _, attr = spec.partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
     made = factory(**overrides)
