@@ -250,3 +250,9 @@ def test_attention_summary_counts_the_calls_the_kernels_run():
     assert bench_e2e.attention_summary(step) == {"fused": 2, "kernels": 2, "reasons": []}
     step = types.SimpleNamespace(graph=tvm_evt.build_training_module(imported, None, "fp32"))
     assert bench_e2e.attention_summary(step) == {"fused": 0, "kernels": 0, "reasons": []}
+
+
+def test_speedups_keep_a_significant_digit():
+    assert bench_e2e._fmt(2.751, "x") == "2.75×"
+    assert bench_e2e._fmt(15.63 / 70226.84, "x") == "0.0002×"
+    assert bench_e2e._fmt(None, "x") == "–"

@@ -605,6 +605,8 @@ def markdown(data: dict) -> str:
 def _fmt(x, how: str) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
+    if how == "x" and 0 < x < 0.01:  # TVM's default pipeline: a minute a step, not "0.00x"
+        return f"{x:.1g}×"
     return {"x": f"{x:.2f}×", "1": f"{x:.1f}", "0": f"{x:.0f}"}[how]
 
 
