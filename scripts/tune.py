@@ -4,7 +4,7 @@ remaining TVM kernels (MetaSchedule, XGBoost cost model) into a work dir; resuma
 
     python scripts/tune.py bert_large_layer --work-dir /tmp/tune/bert --trials 256 --time-budget 480
     python scripts/tune.py mlp --target llvm --work-dir /tmp/tune/mlp --trials 16 --max-tasks 3
-    python scripts/tune.py resnet50 --no-tir --work-dir /tmp/tune/resnet50   # a bench model key
+    python scripts/tune.py bench:resnet50 --no-tir --work-dir /tmp/tune/resnet50   # a bench model
 
 Later compiles use it: ``compile_training(..., tuning_dir=WORK_DIR)``, or ``scripts/bench.py
 --tuning-dir /tmp/tune`` for bench model keys tuned into ``/tmp/tune/<key>``.
@@ -17,8 +17,8 @@ import sys
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tune.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="bench model key (scripts/bench.py --models), zoo or preset name "
-                    "(tvm_evt.models.ZOO / PRESETS) or package.module:factory")
+    ap.add_argument("model", help="bench:KEY (a scripts/bench.py --models key, at the bench's shapes), zoo or "
+                    "preset name (tvm_evt.models.ZOO / PRESETS) or package.module:factory")
     ap.add_argument("--target", default="auto", help="auto (CUDA if present), llvm, cuda, or a TVM tag")
     ap.add_argument("--work-dir", required=True, help="tuning work dir (created; reused to resume)")
     ap.add_argument("--trials", type=int, default=64, help="MetaSchedule trial budget (total; 0: skip MetaSchedule)")

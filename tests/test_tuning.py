@@ -131,9 +131,16 @@ def test_resnet50_batch_norm_sums_read_their_inputs_once():
 def test_load_model_specs():
     assert "MLP" in tuning.load_model("mlp", batch=3).description
     assert tuning.load_model("tvm_evt.models:mlp").model is not None
-    # a bench key gives the bench's entry (shapes, channels-last), so its --tuning-dir finds the choices
-    (x,) = tuning.load_model("resnet50", batch=2, size=8).example_inputs()[:1]
+    # bench:KEY gives the bench's entry (shapes, channels-last), so its --tuning-dir finds the choices
+    (x,) = tuning.load_model("bench:resnet50", batch=2, size=8).example_inputs()[:1]
     assert x.shape[0] == 2 and x.is_contiguous(memory_format=torch.channels_last)
+    # a bare name that is also a zoo or preset name keeps meaning that one: ViT-B/16 with 12 layers
+    assert tuning.load_model("vit_b16", batch=1).model is not None
+    assert tuning.load_model("bench:vit_b16", batch=1).description != tuning.load_model("vit_b16", batch=1).description
+    with pytest.raises(ValueError, match="bench:resnet50"):
+        tuning.load_model("resnet50")
+    with pytest.raises(ValueError, match="unknown bench model"):
+        tuning.load_model("bench:no_such_model")
     assert tvm_evt.bench_e2e.TUNED_MARK == tuning.PROGRESS_FILE
     with pytest.raises(ValueError):
         tuning.load_model("no_such_model")

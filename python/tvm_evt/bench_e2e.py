@@ -130,7 +130,7 @@ def applicable(system: str, model: str, tuning_dir: str | None) -> str | None:
         if not (tuning_dir and (Path(tuning_dir) / model).is_dir()):
             return "no tuning dir"
         if not (Path(tuning_dir) / model / TUNED_MARK).is_file():
-            return f"no tuning results (no {TUNED_MARK}: run scripts/tune.py {model} first)"
+            return f"no tuning results (no {TUNED_MARK}: run scripts/tune.py bench:{model} first)"
     return None
 
 

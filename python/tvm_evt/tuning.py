@@ -40,6 +40,7 @@ from tvm import relax
 from .pipeline import front_passes, phases
 
 PROGRESS_FILE = "progress.json"
+BENCH_PREFIX = "bench:"  # load_model("bench:resnet50"): a scripts/bench.py model
 CUTLASS_FILE = "cutlass_select.json"
 MS_FILES = ("database_workload.json", "database_tuning_record.json")
 # what the CPU route must do before ApplyDatabase (the CUDA route has these in its legalize passes)
@@ -52,21 +53,26 @@ def _log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------- models
 def load_model(spec: str, **overrides):
-    """A `models.ZooEntry` from a bench model key (``scripts/bench.py --models``: the same shapes and
-    memory format, so the bench's ``--tuning-dir`` finds the choices), a zoo name, a preset name, or
-    ``package.module:factory`` (a callable returning a ZooEntry, or an ``(nn.Module,
-    example_inputs, loss_fn)`` tuple)."""
+    """A `models.ZooEntry` from ``bench:KEY`` (a ``scripts/bench.py --models`` key: the bench's
+    shapes and memory format, so ``bench.py --tuning-dir`` finds the choices), a zoo name, a preset
+    name, or ``package.module:factory`` (a callable returning a ZooEntry, or an ``(nn.Module,
+    example_inputs, loss_fn)`` tuple).  Bench keys take the prefix because two of them are also
+    zoo or preset names of other shapes (``xml_cnn``, ``vit_b16``)."""
     from . import bench_e2e, models
 
-    if spec in bench_e2e.MODELS:
-        return bench_e2e.build_entry(spec, **overrides)
+    if spec.startswith(BENCH_PREFIX):
+        key = spec[len(BENCH_PREFIX):]
+        if key not in bench_e2e.MODELS:
+            raise ValueError(f"unknown bench model {key!r}: the bench's are {', '.join(bench_e2e.MODELS)}")
+        return bench_e2e.build_entry(key, **overrides)
     if spec in models.PRESETS:
         return models.PRESETS[spec](**overrides)
     if spec in models.ZOO:
         return models.ZOO[spec](**overrides)
     if ":" not in spec:
-        raise ValueError(f"unknown model {spec!r}: not a bench model ({', '.join(bench_e2e.MODELS)}), "
-                         f"not in models.ZOO or models.PRESETS and not 'module:factory'")
+        hint = f"; the bench's is {BENCH_PREFIX}{spec}" if spec in bench_e2e.MODELS else ""
+        raise ValueError(f"unknown model {spec!r}: not in models.ZOO or models.PRESETS, not "
+                         f"'bench:KEY' and not 'module:factory'{hint}")
     module_name, _, attr = spec.partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
     made = factory(**overrides)
