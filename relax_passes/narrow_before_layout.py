@@ -104,7 +104,8 @@ def plan(func: relax.Function) -> tuple[dict, dict, dict]:
         inner |= chain  # narrow already: their own casts are not moved again
     # slices of a value cast whole to the same dtype anyway in their block (by a reader of it, or
     # for a chain above)
-    whole = {key for b in bindings if (key := shared_cast(b, block_of))} | set(first.values())
+    casts = {b.var: key for b in bindings if (key := shared_cast(b, block_of))}  # readers' casts
+    whole = set(casts.values()) | set(first.values())
     for b in bindings:
         if not _call(b.value, {SLICE}) or block_of[b.var] is None or b.var in inner:
             continue
@@ -117,8 +118,7 @@ def plan(func: relax.Function) -> tuple[dict, dict, dict]:
         first[b.var] = key
         replaced.update({c.var: src for c, src in ends})
     moved = set(first.values())
-    shared = {b.var: key for b in bindings if (key := shared_cast(b, block_of)) in moved}
-    return first, replaced, shared
+    return first, replaced, {v: key for v, key in casts.items() if key in moved}
 
 
 def shared_cast(binding: relax.VarBinding, block_of: dict) -> tuple | None:

@@ -135,8 +135,9 @@ def test_load_model_specs():
     (x,) = tuning.load_model("bench:resnet50", batch=2, size=8).example_inputs()[:1]
     assert x.shape[0] == 2 and x.is_contiguous(memory_format=torch.channels_last)
     # a bare name that is also a zoo or preset name keeps meaning that one: ViT-B/16 with 12 layers
-    assert tuning.load_model("vit_b16", batch=1).model is not None
-    assert tuning.load_model("bench:vit_b16", batch=1).description != tuning.load_model("vit_b16", batch=1).description
+    preset = tuning.load_model("vit_b16", batch=1)
+    assert preset.model is not None
+    assert tuning.load_model("bench:vit_b16", batch=1).description != preset.description
     with pytest.raises(ValueError, match="bench:resnet50"):
         tuning.load_model("resnet50")
     with pytest.raises(ValueError, match="unknown bench model"):
