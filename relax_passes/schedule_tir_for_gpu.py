@@ -33,13 +33,13 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from . import column_moments, optimizer_update, philox, write_back
+from . import column_sums, optimizer_update, philox, write_back
 
 # Kernels that bring their own GPU form: (the attribute that marks the functions, the hook that
 # builds their GPU form from them; the function keeps its symbol).
 OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
                  (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant),
-                 (column_moments.MOMENTS_ATTR, column_moments.gpu_variant),
+                 (column_sums.SUMS_ATTR, column_sums.gpu_variant),
                  (write_back.WRITE_BACK_ATTR, write_back.gpu_variant))
 
 

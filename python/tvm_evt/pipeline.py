@@ -59,6 +59,7 @@ from .relax_passes.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
+from .relax_passes.fuse_column_sums import FuseColumnSums
 from .relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower_take_backward import LowerTakeBackward
@@ -121,6 +122,10 @@ OPTIONAL = {
                                     "statistics) recomputed in each reader where that takes their kernel away "
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
                                     default=False),
+    "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
+                           "stored tensors as one column_sums kernel reading them once (BERT-Large: the loss, the "
+                           "last layer norm's dgamma and dbeta; modelled TIR traffic -202 MB a step)",
+                           default=False),
 }
 
 
@@ -217,6 +222,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 RecomputeElementwise(statistics=enabled("recompute_statistics")),
                 # a layer norm's dgamma and dbeta: one pass over its output gradient and input
                 FuseColumnMoments(LAYER_NORM, stored=True),
+                # column sums recomputing the same values (BERT-Large's loss, dgamma, dbeta): one pass
+                *([FuseColumnSums()] if enabled("column_sums") else []),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
