@@ -182,19 +182,20 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       0.321 (default), GPT-2 0.263 / 0.272, ViT-B/16 0.304 / 0.324; ping-pong lost there (0.363,
       0.273, 0.402): one warp group alone is too slow at erf and tanh to hide behind the other's
       main loop;
-    * K >= 2048 over two or more waves with M x N loads or two or more stores, and no heavy
-      arithmetic: ping-pong 128x128 with a 64x16 epilogue tile, whose memory traffic then
-      overlaps the other warp group's main loop (H200, ms / default): GPT-2's FFN2 forward with
-      the loss gradient (4 loads, 3 stores) 0.233 / 0.343, BERT-Large's FFN1 dX (2 stores) 0.203
-      / 0.240, its FFN2 forward (dropout mask and residual loads) 0.194 / 0.200, GPT-2's FFN1 dX
-      0.189 / 0.204; ViT-B/16's (K 2304, 3072) 0.132 / 0.146, 0.170 / 0.183, 0.168 / 0.178.
-      On H100 that FFN2 forward went the other way: 0.230 against 0.189 for a cooperative 128x256
-      tile and 0.191 without the narrow epilogue tile (docs/bench/h100-2026-11-26-f); a tuned
-      build times both;
+    * K >= 2048 over two or more waves with two or more stores, and no heavy arithmetic:
+      ping-pong 128x128 with a 64x16 epilogue tile, whose memory traffic then overlaps the other
+      warp group's main loop (H200, ms / default): GPT-2's FFN2 forward with the loss gradient (4
+      loads, 3 stores) 0.233 / 0.343, BERT-Large's FFN1 dX (2 stores) 0.203 / 0.240, GPT-2's FFN1
+      dX 0.189 / 0.204; H100 (2026-11-27, ``bench_partitions.py --sweep``): GPT-2's FFN2 forward
+      0.258 / 0.347 without the narrow tile, its FFN1 dX 0.194 / 0.212;
+    * with M x N loads and one store the narrow tile lost on H100 (2026-11-27, ms: ping-pong 64x16
+      / cooperative 128x128 / cooperative 128x256): BERT-Large's FFN2 forward (dropout mask and
+      residual) 0.240 / 0.202 / 0.192, ViT-B/16's (K 3072) 0.200 / 0.185 / 0.189 (on an H200 it had
+      won, 0.194 / 0.200 and 0.170 / 0.183); those take the next rule or the default;
     * K >= 4096 over a full wave of 128x256 tiles (at most 1/16 of the SMs idle) with at most one
-      stored output and no loaded one: 128x256 (H100: 0.200 / 0.233; BERT-Large's FFN weight
-      gradients 4096x1024x16384 and 1024x4096x16384, 128 tiles: 0.169-0.172 / 0.175-0.177 in three
-      runs on 2026-11-27).
+      stored output (and no loaded one beside heavy arithmetic: not measured): 128x256 (H100: 0.200 / 0.233; BERT-Large's FFN weight gradients
+      4096x1024x16384 and 1024x4096x16384, 128 tiles: 0.169-0.172 / 0.175-0.177 in three runs on
+      2026-11-27; its FFN2 forward above).
 
     16-bit operands only; anything else, or a choice ``prune`` or the emitter rejects, gets the
     default."""
@@ -229,9 +230,9 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
     elif 256 <= k <= 1024 and n >= 3072 and tiles(128, 256) >= 2 * num_sms and heavy:
         cfg = _cfg((128, 256, 64))
-    elif k >= 2048 and tiles(128, 128) >= 2 * num_sms and (loads or stores > 1) and not heavy:
+    elif k >= 2048 and tiles(128, 128) >= 2 * num_sms and stores > 1 and not heavy:
         cfg = _cfg((128, 128, 64), schedule=PP, epi_tile=(64, 16))
-    elif k >= 4096 and tiles(128, 256) >= num_sms - num_sms // 16 and stores <= 1 and loads == 0:
+    elif k >= 4096 and tiles(128, 256) >= num_sms - num_sms // 16 and stores <= 1 and not (loads and heavy):
         cfg = _cfg((128, 256, 64))
     else:
         return default

@@ -225,8 +225,9 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("bias_gelu_aux", "fwd", (16384, 4096, 1024), "coop_128x256x64_c1x1"),  # two stores and erf: no ping-pong
     ("bias_gelu_aux", "fwd", (16384, 2048, 1024), "coop_128x128x64_c1x1"),  # N < 4096: not measured
     ("dropout_residual", "fwd", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # Philox draws: no ping-pong
-    ("relu_bwd", "dgrad", (16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # an M x N load behind long K
-    ("relu_bwd", "dgrad", (16384, 1024, 2048), "pp_128x128x64_c1x1_e64x16"),
+    # an M x N load and one store behind long K: the narrow-tile ping-pong lost on H100
+    ("relu_bwd", "dgrad", (16384, 1024, 4096), "coop_128x256x64_c1x1"),
+    ("relu_bwd", "dgrad", (16384, 1024, 2048), "coop_128x128x64_c1x1"),
     ("relu_bwd", "dgrad", (16384, 1024, 1536), "coop_128x128x64_c1x1"),
     ("gelu_bwd", "dgrad", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # ... but not with erf
 ])

@@ -123,9 +123,9 @@ OPTIONAL = {
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
                                     default=False),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
-                           "stored tensors as one column_sums kernel reading them once (BERT-Large: the loss, the "
-                           "last layer norm's dgamma and dbeta; modelled TIR traffic -202 MB a step)",
-                           default=False),
+                           "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
+                           "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
+                           "3.76 ms per step)"),
 }
 
 
