@@ -175,7 +175,10 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
       dropout, stores of h and of the result) took 1.362 ms ping-pong against 0.416 ms
       cooperative (``scripts/bench_partitions.py bert_large``, H100): one warp group runs the
-      whole 128x128 tile's heavy epilogue while the other waits;
+      whole 128x128 tile's heavy epilogue while the other waits.  Two stores of light arithmetic
+      do overlap: a ViT-B/16 dX adding two residual gradients and storing the float32 sum and its
+      product with a layer norm's gamma (2 loads, 2 stores, K 768; H100 2026-11-27) took 0.114
+      against 0.132 ms cooperative;
     * short K over two or more waves of 128x256 tiles, N >= 3072, with two or more stores and an
       arithmetic-heavy epilogue (``alu_heavy``): 128x256.  FFN1's forward that stores gelu(x)
       and gelu'(x) (H200, 2026-11-26, ms against the plain GEMM's 0.19-0.20): BERT-Large 0.309 /
@@ -226,7 +229,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         return default
     elif long_k and tiles(128, 128) <= num_sms // 2:
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
-    elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and stores <= 1:
+    elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and (stores <= 1 or not heavy):
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
     elif 256 <= k <= 1024 and n >= 3072 and tiles(128, 256) >= 2 * num_sms and heavy:
         cfg = _cfg((128, 256, 64))

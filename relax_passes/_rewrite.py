@@ -82,6 +82,20 @@ def local_composite(outer: relax.Function):
     return (local, call) if local is not None and call is not None else None
 
 
+_RESHAPE = tvm.ir.Op.get("relax.reshape")
+_KERNEL_CALLS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("call_tir", "call_dps_packed"))
+
+
+def stored(bound: dict, var) -> bool:
+    """Is `var` (with `bound`: var -> its bound value) a parameter or a kernel's output, or a
+    reshape of one: a tensor in memory anyway, not a value a fused kernel would compute?"""
+    value = bound.get(var)
+    while isinstance(value, relax.Call) and value.op == _RESHAPE and isinstance(value.args[0], relax.Var):
+        value = bound.get(value.args[0])
+    return value is None or isinstance(value, relax.TupleGetItem) or (
+        isinstance(value, relax.Call) and value.op in _KERNEL_CALLS)
+
+
 def binding_uses(func: relax.Function) -> dict:
     """var -> indices of the bindings (and len(bindings) for the function's result) that read it,
     the bindings counted as in `flat_bindings`."""

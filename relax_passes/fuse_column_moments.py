@@ -31,13 +31,12 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_moments
 from ._rewrite import flat_bindings, mutate_relax_functions, static_shape
+from ._rewrite import stored as is_stored  # (plan's `stored` is a flag)
 
 REDUCE = {tvm.ir.Op.get("relax.sum"): "sum", tvm.ir.Op.get("relax.mean"): "mean"}
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
 ASTYPE = tvm.ir.Op.get("relax.astype")
-RESHAPE = tvm.ir.Op.get("relax.reshape")
-KERNEL_CALLS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("call_tir", "call_dps_packed"))
 FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -61,13 +60,8 @@ class _Function:
         return var
 
     def stored(self, var) -> bool:
-        """Is `var` a parameter or a kernel's output (or a reshape of one), not a value a fused
-        kernel would compute?"""
-        value = self.value.get(var)
-        while _call(value, RESHAPE) and isinstance(value.args[0], relax.Var):
-            value = self.value.get(value.args[0])
-        return value is None or isinstance(value, relax.TupleGetItem) or (
-            isinstance(value, relax.Call) and value.op in KERNEL_CALLS)
+        """Is `var` a parameter or a kernel's output (or a reshape of one)? (``_rewrite.stored``)"""
+        return is_stored(self.value, var)
 
     def before(self, var, i: int) -> bool:
         return self.index.get(var, -1) < i  # a parameter, or bound before binding i

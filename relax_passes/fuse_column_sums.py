@@ -16,7 +16,7 @@ reductions become one ``column_sums`` call (its kernel reads the *leaves* once a
   or over every axis (``loss``: the column sums, then a sum of C numbers);
 * its operand is a prologue (``_prologue.inline_prologue``: elementwise float32 ops it alone
   reads) over leaves that are stored anyway (parameters, kernel outputs, reshapes of them:
-  ``fuse_column_moments._Function.stored``) and broadcast to the shape one of the ways the kernel
+  ``_rewrite.stored``) and broadcast to the shape one of the ways the kernel
   reads (``column_sums.leaf_class``), at least one of them the full shape.
 
 Reductions over the same shape that share a full-size leaf form a group (up to ``MAX_TERMS``); a
@@ -28,6 +28,7 @@ and ``FuseColumnMoments`` (which takes a layer norm's dγ and dβ over a stored 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tvm
 from tvm import relax
@@ -35,8 +36,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_sums
 from ._prologue import Prologue, inline_prologue, leaf_index, scalar_constant, unique_leaves
-from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, op_name, static_shape
-from .fuse_column_moments import _Function
+from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, op_name, static_shape, stored
 
 REDUCE = {"relax.sum": "sum", "relax.mean": "mean"}
 MAX_TERMS = 4  # sums one kernel takes: 4 KB of shared memory each
@@ -80,12 +80,17 @@ def term(p: Prologue, leaves: list):
     return of(p.root)
 
 
+@dataclass(frozen=True)
 class _Sum:
-    """One qualifying reduction: its binding index and var, kind, whether over every axis, operand
-    shape and prologue."""
+    """One qualifying reduction: its binding's index and var, sum or mean, whether over every
+    axis, its operand's shape and prologue."""
 
-    def __init__(self, i, var, kind, total, shape, prologue):
-        self.i, self.var, self.kind, self.total, self.shape, self.prologue = i, var, kind, total, shape, prologue
+    i: int
+    var: relax.Var
+    kind: str
+    total: bool
+    shape: tuple
+    prologue: Prologue
 
     def full_leaves(self) -> list:
         return [e for e in self.prologue.leaves if column_sums.leaf_class(static_shape(e), self.shape) == "full"]
@@ -93,11 +98,10 @@ class _Sum:
 
 def plan(func: relax.Function) -> list[list[_Sum]]:
     """The groups of reductions (binding order) that become one ``column_sums`` call each."""
-    fn = _Function(func)
-    bindings = fn.bindings
+    bindings, block_of = flat_bindings(func)
     uses = binding_uses(func)
     bound = {b.var: b.value for b in bindings}
-    block_of = flat_bindings(func)[1]
+    index = {b.var: i for i, b in enumerate(bindings)}
 
     def readers(var):
         return [bindings[i].var if i < len(bindings) else None for i in uses.get(var, [])]
@@ -112,7 +116,7 @@ def plan(func: relax.Function) -> list[list[_Sum]]:
         p = inline_prologue(operand, bound, readers, {b.var}, shape)
         if not p.calls or not all(block_of.get(v) == block_of.get(b.var) for v in p.vars):
             continue
-        if not all(fn.stored(e) and static_shape(e) is not None for e in p.leaves):
+        if not all(stored(bound, e) and static_shape(e) is not None for e in p.leaves):
             continue
         if not column_sums.supported(list(shape), [static_shape(e) for e in p.leaves]):
             continue
@@ -124,7 +128,7 @@ def plan(func: relax.Function) -> list[list[_Sum]]:
         # the call (at the group's first member) finds this one's leaves bound
         home = next((g for g in groups if g[0].shape == s.shape and len(g) < MAX_TERMS
                      and any(e.same_as(f) for m in g for e in m.full_leaves() for f in s.full_leaves())
-                     and all(fn.before(e, g[0].i) for e in s.prologue.leaves)), None)
+                     and all(index.get(e, -1) < g[0].i for e in s.prologue.leaves)), None)
         if home is None:
             groups.append([s])
         else:

@@ -229,6 +229,7 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("relu_bwd", "dgrad", (16384, 1024, 4096), "coop_128x256x64_c1x1"),
     ("relu_bwd", "dgrad", (16384, 1024, 2048), "coop_128x128x64_c1x1"),
     ("relu_bwd", "dgrad", (16384, 1024, 1536), "coop_128x128x64_c1x1"),
+    ("relu_bwd", "dgrad", (16384, 1024, 1024), "pp_128x128x64_c1x1"),  # short K, light epilogue
     ("gelu_bwd", "dgrad", (16384, 1024, 4096), "coop_128x128x64_c1x1"),  # ... but not with erf
 ])
 def test_heuristic_config_by_shape(epilogue, kind, mnk, want):
