@@ -317,3 +317,32 @@ def test_bench_prebuild_builds_what_needs_no_timing(cache_home, monkeypatch, cap
     assert sorted(fused["evt_gelu_bwd_FFN2_dX"]) == ["coop_128x128x64_c1x1", "coop_128x128x64_c1x1_e128x16",
                                                       "pp_128x128x64_c2x1", "pp_128x128x64_c2x1_e64x16"]
     assert select.SelectionCache().load() == {}  # nothing persisted
+
+
+def _two_light_stores(m, n, k):
+    """A dX GEMM storing its bf16 result and that result times two in float32: two stores, no heavy
+    arithmetic (the shape of ViT-B/16's residual-gradient sums with a layer norm's gamma)."""
+    from tvm import relax
+
+    from tvm_evt.codegen.frontend import from_function
+    from tvm_evt.codegen.passes import lower
+
+    params, mm = bench._operands(bench.Problem("p", "dgrad", m, n, k))
+    bb = relax.BlockBuilder()
+    with bb.function("two_stores", params):
+        with bb.dataflow():
+            y = bb.emit(mm)
+            y32 = bb.emit(relax.op.astype(y, "float32"))
+            out = bb.emit_output(relax.Tuple([y, bb.emit(relax.op.multiply(y32, relax.const(2.0, "float32")))]))
+        bb.emit_func_output(out)
+    return lower(from_function(bb.get()["two_stores"]))
+
+
+@pytest.mark.parametrize("mnk,want", [
+    ((16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # long K: the narrow epilogue tile hides the stores
+    ((25216, 768, 768), "pp_128x128x64_c1x1"),  # short K: ping-pong, as with one store
+])
+def test_heuristic_two_light_stores_take_ping_pong(mnk, want):
+    p = _two_light_stores(*mnk)
+    assert sum(type(n).__name__ == "AuxStore" for n in p.epilogue.nodes) == 2 and not select.alu_heavy(p)
+    assert select.heuristic_config(p).name == want
