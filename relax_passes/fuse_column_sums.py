@@ -124,9 +124,10 @@ def plan(func: relax.Function) -> list[list[_Sum]]:
         if s.full_leaves():
             sums.append(s)
     groups: list[list[_Sum]] = []
-    for s in sums:  # first fit: a group of the same shape sharing a full-size leaf, with room, where
-        # the call (at the group's first member) finds this one's leaves bound
+    for s in sums:  # first fit: a group of the same shape and dataflow block sharing a full-size leaf,
+        # with room, where the call (at the group's first member) finds this one's leaves bound
         home = next((g for g in groups if g[0].shape == s.shape and len(g) < MAX_TERMS
+                     and block_of.get(g[0].var) == block_of.get(s.var)  # the call's outputs stay in its block
                      and any(e.same_as(f) for m in g for e in m.full_leaves() for f in s.full_leaves())
                      and all(index.get(e, -1) < g[0].i for e in s.prologue.leaves)), None)
         if home is None:

@@ -139,6 +139,25 @@ def test_left_alone_when_alone_or_reading_what_nothing_stores():
     assert calls == [] and len(reductions) == 3, (calls, reductions)
 
 
+def test_sums_in_different_dataflow_blocks_stay_apart():
+    """A call's outputs are dataflow vars of its block: sums of two blocks are not one group."""
+    shape = (3, 40, 32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "bfloat16"))
+    t = relax.Var("t", relax.TensorType(shape, F32))
+    with bb.function("main", [x, t]):
+        outs = []
+        for _ in range(2):
+            with bb.dataflow():
+                e = bb.emit(R.subtract(bb.emit(R.astype(x, F32)), t))
+                outs.append(bb.emit_output(R.sum(bb.emit(R.multiply(e, e)), [0, 1])))
+            outs.append(bb.emit(R.add(outs[-1], outs[-1])))  # a binding outside: the blocks stay two
+        bb.emit_func_output(relax.Tuple(outs))
+    before = bb.get()
+    assert len(before["main"].body.blocks) == 4
+    assert _sums_calls(FuseColumnSums()(before)) == ([], [list(shape)] * 2)
+
+
 def test_bert_layer_route_takes_the_loss_sums():
     """On the CUDA route (nvcc-free), with the rewrite on, a BERT layer's loss and its last layer
     norm's dgamma and dbeta are one column_sums call reading that layer norm's input and the target."""
