@@ -85,11 +85,13 @@ class OpNode:
     dtype: str | None
     is_output: bool  # the value leaves the block
     users: list[int] = field(default_factory=list)
+    absorbed: bool = False  # a later kernel computes it in passing (a layer norm gradient's row kernel)
 
     @property
     def traffic(self) -> int:
-        """Bytes this op moves as a kernel of its own (a reshape is a free view)."""
-        if self.op is None or self.op == "relax.reshape":
+        """Bytes this op moves as a kernel of its own (a reshape is a free view; an absorbed op is
+        no kernel of its own: its reader's kernel reads its inputs instead)."""
+        if self.op is None or self.op == "relax.reshape" or self.absorbed:
             return 0
         return self.input_bytes + self.nbytes
 
@@ -118,10 +120,12 @@ def _leaf_args(expr):
 
 
 class OpGraph:
-    """The bindings of one dataflow block as a DAG, with bytes and users."""
+    """The bindings of one dataflow block as a DAG, with bytes and users; the vars in `absorbed`
+    are ops a later kernel computes in passing (``OpNode.absorbed``)."""
 
-    def __init__(self, block: relax.DataflowBlock):
+    def __init__(self, block: relax.DataflowBlock, absorbed: frozenset = frozenset()):
         self.block = block
+        self.absorbed = absorbed
         self.nodes: list[OpNode] = []
         self.index_of: dict = {}
         ext_keys: dict = {}
@@ -147,7 +151,7 @@ class OpGraph:
                 index=i, var=b.var, value=value, op=_op_name(value) if value is not None else None,
                 inputs=tuple(inputs), ext_inputs=tuple(ext), nbytes=nbytes,
                 shape=shape, dtype=dtype,
-                is_output=not isinstance(b.var, relax.DataflowVar),
+                is_output=not isinstance(b.var, relax.DataflowVar), absorbed=b.var in absorbed,
             )
             node.input_bytes = sum(self.nodes[j].nbytes for j in inputs) + sum(n for _, n in ext)
             self.nodes.append(node)
@@ -182,7 +186,7 @@ class OpGraph:
             attrs = str(node.value.attrs) if isinstance(node.value, relax.Call) and node.value.attrs is not None else ""
             kind = type(node.value).__name__
             ty = (node.shape, node.dtype) if node.shape is not None else str(node.var.ty)
-            h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{ty}|{node.is_output}\n".encode())
+            h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{ty}|{node.is_output}|{node.absorbed}\n".encode())
         return h.hexdigest()
 
 
@@ -1048,8 +1052,8 @@ class FunctionReport:
 
 def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
                        time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
-                       transpose_operands: bool = True):
-    """(new function, FunctionReport)."""
+                       transpose_operands: bool = True, absorbed: frozenset = frozenset()):
+    """(new function, FunctionReport); `absorbed`: vars later kernels compute in passing."""
     if not isinstance(func.body, relax.SeqExpr):
         return func, FunctionReport([], [], 0.0, 0, "none", 0.0)
     blocks, infos, unfused = [], [], []
@@ -1059,7 +1063,7 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
             blocks.append(block)
             continue
         start = time.perf_counter()
-        graph = OpGraph(block)
+        graph = OpGraph(block, absorbed)
         check = _Legality(graph)
         graph_key = "g" + hashlib.sha256(
             f"{graph.canonical_hash()}|{_capability_key()}|{evt_cost.COST_MODEL_VERSION}|{MAX_CANDIDATES}"
@@ -1070,7 +1074,7 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
         if cached is not None:
             rewrites = {int(k): tuple(v) for k, v in cached["transposes"]}
             if rewrites:
-                graph = OpGraph(_apply_transposes(graph, rewrites))
+                graph = OpGraph(_apply_transposes(graph, rewrites), absorbed)
                 check.graph = graph
             problem = _problem_from_cache(graph, cached)
             assign = {int(v): c for v, c in cached["assign"]}
@@ -1082,7 +1086,7 @@ def partition_function(bb: relax.BlockBuilder, name: str, func: relax.Function,
             if problem.refused and transpose_operands:
                 rewrites, also = _find_transposes(graph, problem.refused, check)
             if rewrites:  # the cache key stays the one of the original block
-                graph = OpGraph(_apply_transposes(graph, rewrites))
+                graph = OpGraph(_apply_transposes(graph, rewrites), absorbed)
                 check.graph = graph
                 problem = build_problem(graph, check)
             for i in problem.refused:
@@ -1142,11 +1146,25 @@ class PartitionEVT:
     as JSON."""
 
     def __init__(self, time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
-                 functions: tuple[str, ...] | None = None, transpose_operands: bool = True):
+                 functions: tuple[str, ...] | None = None, transpose_operands: bool = True,
+                 row_kernels: bool = False, row_kernel_epilogue: bool = False):
         self.transpose_operands = transpose_operands
+        # FuseLayerNormBackward runs after the partitioner (CUDA route): the ops its row kernels
+        # compute in passing (a layer norm gradient's dy * gamma and means; with the epilogue, the
+        # elementwise ops after it) cost no kernel of their own, so an epilogue that took them
+        # would only add a store (BERT-Large: dy * gamma, 67 MB of float32, beside dy)
+        self.row_kernels, self.row_kernel_epilogue = row_kernels, row_kernel_epilogue
         self.time_limit = time_limit
         self.use_cache = use_cache
         self.functions = functions
+
+    def _absorbed(self, func: relax.Function) -> frozenset:
+        if not self.row_kernels:
+            return frozenset()
+        from .fuse_layer_norm_backward import find_chains
+
+        chains = find_chains(func, self.row_kernel_epilogue).values()
+        return frozenset().union(*(c.absorbed for c in chains))
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         bb = relax.BlockBuilder(mod)
@@ -1157,7 +1175,7 @@ class PartitionEVT:
             if self.functions is not None and gv.name_hint not in self.functions:
                 continue
             new, report = partition_function(bb, gv.name_hint, func, self.time_limit, self.use_cache,
-                                             self.transpose_operands)
+                                             self.transpose_operands, self._absorbed(func))
             bb.update_func(gv, new)
             reports[gv.name_hint] = report
         out = relax.transform.Normalize()(bb.get())  # types of the rebuilt bodies

@@ -280,3 +280,30 @@ def test_ops_only_unfused_reductions_read_stay_out_of_epilogues():
     names = {graph.nodes[i].var.name for i in cluster.candidates}
     assert a.name in names and h.name in names
     assert sq.name not in names and m.name not in names
+
+
+def test_row_kernels_keep_what_a_layer_norm_gradient_kernel_computes_out_of_epilogues():
+    """With ``row_kernels`` the partitioner counts the ops FuseLayerNormBackward's row kernels
+    compute in passing (dy * gamma, the row means) as free: the FFN1 dX GEMM of a BERT layer then
+    stores its dy once (for dgamma and dbeta, and for the row kernel), not also dy * gamma; the
+    CUDA route's layer norm gradient kernel reads dy and gamma instead (its ``dyg`` form)."""
+    from tvm_evt.relax_passes.fuse_layer_norm_backward import find_chains
+    from tvm_evt.tuning import training_graph
+
+    entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)
+    _, graph = training_graph(entry, "bf16")
+    mod = tvm.transform.Sequential(pre_partition_passes())(graph.mod)
+    chains = find_chains(mod["train_step"]).values()
+    assert len(chains) == 2 and all(c.gamma is not None for c in chains)  # before: both take dy * gamma
+
+    def stores(parted):  # the outputs of every partition
+        return sum(len(f.ret_ty.fields) if isinstance(f.ret_ty, relax.TupleType) else 1
+                   for f in _partitions(parted).values())
+
+    plain = PartitionEVT(use_cache=False, functions=("train_step",))(mod)
+    rows = PartitionEVT(use_cache=False, functions=("train_step",), row_kernels=True)(mod)
+    assert stores(rows) == stores(plain) - 1
+    # after the partitioner every layer norm gradient takes dy and gamma: nothing stores dy * gamma
+    left = find_chains(rows["train_step"]).values()
+    assert sum(c.gamma is not None for c in left) == 2, [c.gamma for c in left]
+    assert sum(c.gamma is not None for c in find_chains(plain["train_step"]).values()) == 1

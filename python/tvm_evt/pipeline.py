@@ -122,6 +122,11 @@ OPTIONAL = {
                                     "statistics) recomputed in each reader where that takes their kernel away "
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
                                     default=False),
+    "partition_row_kernels": Rewrite("PartitionEVT(row_kernels=True): the ops a layer norm gradient's row kernel "
+                                     "(FuseLayerNormBackward, after the partitioner) computes in passing cost no "
+                                     "kernel of their own, so no GEMM epilogue takes one only to store it "
+                                     "(BERT-Large's FFN1 dX stores dy, not also dy * gamma; not yet timed on a GPU)",
+                                     default=False),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
@@ -180,10 +185,14 @@ def pre_partition_passes() -> list:
 
 
 def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
-                 functions: tuple[str, ...] | None = None) -> list:
-    """The target-independent phases: graph passes, then the partitioner."""
+                 functions: tuple[str, ...] | None = None, target: tvm.target.Target | None = None) -> list:
+    """The graph passes, then the partitioner.  Given a CUDA `target`, the partitioner is told
+    which ops that route's layer-norm gradient kernels compute in passing (``partition_row_kernels``)."""
+    row_kernels = (target is not None and target.kind.name == "cuda" and enabled("layer_norm")
+                   and enabled("partition_row_kernels"))
     return pre_partition_passes() + [
-        PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions),
+        PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions,
+                     row_kernels=row_kernels, row_kernel_epilogue=row_kernels and enabled("ln_epilogue")),
         *([AbsorbPartitionInputCasts()] if enabled("input_casts") else []),  # casts done in epilogues
         DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
     ]
@@ -191,7 +200,7 @@ def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
 
 def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
            use_cache: bool = True) -> list:
-    front = front_passes(time_limit, use_cache)
+    front = front_passes(time_limit, use_cache, target=target)
     if target.kind.name == "cuda":
         from tvm.relax.backend.cuda import pipeline as cuda
 

@@ -29,9 +29,10 @@ from .pipeline import front_passes
 from .relax_passes.partition_evt import CODEGEN, partition_report
 
 
-def partitioned(mod: tvm.IRModule, function: str = "train_step") -> tvm.IRModule:
-    """``mod`` after the graph passes and the partitioner (``function`` only)."""
-    return tvm.transform.Sequential(front_passes(functions=(function,)))(mod)
+def partitioned(mod: tvm.IRModule, function: str = "train_step", target: tvm.target.Target | None = None) -> tvm.IRModule:
+    """``mod`` after the graph passes and the partitioner (``function`` only), as compiled for
+    `target` (``pipeline.front_passes``)."""
+    return tvm.transform.Sequential(front_passes(functions=(function,), target=target))(mod)
 
 
 def attention_calls(func: relax.Function) -> list[dict]:
@@ -78,8 +79,8 @@ def conv_calls(func: relax.Function) -> list[dict]:
     return rows
 
 
-def training_report(mod: tvm.IRModule, function: str = "train_step") -> dict:
-    part = partitioned(mod, function)
+def training_report(mod: tvm.IRModule, function: str = "train_step", target: tvm.target.Target | None = None) -> dict:
+    part = partitioned(mod, function, target)
     report = partition_report(part).get(function, {})
     return {**report, "attention": attention_calls(part[function]), "convolutions": conv_calls(part[function])}
 

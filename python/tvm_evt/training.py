@@ -335,13 +335,13 @@ class TrainingStep:
         "unfused_matmuls", "solve_seconds", ...} (see `tvm_evt.report`)."""
         from .report import training_report
 
-        return training_report(self.graph.mod)
+        return training_report(self.graph.mod, target=self.target)
 
     def report_png(self, path: str) -> str:
         """Draw the partitioned ``train_step`` into the PNG ``path`` (needs matplotlib)."""
         from .report import draw, partitioned
 
-        return draw(partitioned(self.graph.mod), path)
+        return draw(partitioned(self.graph.mod, target=self.target), path)
 
     @property
     def step_count(self) -> int:

@@ -242,7 +242,7 @@ class OpaqueEVTCalls:
 def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """The training module after the ``evt`` pipeline's front passes (graph passes, PartitionEVT)."""
     with target:
-        return tvm.transform.Sequential(front_passes())(mod)
+        return tvm.transform.Sequential(front_passes(target=target))(mod)
 
 
 def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str = "train_step") -> list[dict]:
