@@ -86,13 +86,25 @@ _RESHAPE = tvm.ir.Op.get("relax.reshape")
 _KERNEL_CALLS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("call_tir", "call_dps_packed"))
 
 
-def stored(bound: dict, var) -> bool:
-    """Is `var` (with `bound`: var -> its bound value) a parameter or a kernel's output, or a
-    reshape of one: a tensor in memory anyway, not a value a fused kernel would compute?"""
+def kernel_inputs(bindings) -> frozenset:
+    """The vars some ``call_tir`` / ``call_dps_packed`` of `bindings` reads: values a kernel of its
+    own reads, which ``FuseOps`` cannot fuse into it, so they are written to memory."""
+    out = set()
+    for b in bindings:
+        if isinstance(b.value, relax.Call) and b.value.op in _KERNEL_CALLS:
+            relax.analysis.post_order_visit(b.value, lambda e: out.add(e) if isinstance(e, relax.Var) else None)
+    return frozenset(out)
+
+
+def stored(bound: dict, var, kernel_read: frozenset = frozenset()) -> bool:
+    """Is `var` (with `bound`: var -> its bound value) in memory anyway, not a value only a fused
+    kernel would compute: a parameter, a kernel's output, a value a kernel reads (`kernel_read`:
+    ``kernel_inputs``), or a reshape of one of these?"""
     value = bound.get(var)
-    while isinstance(value, relax.Call) and value.op == _RESHAPE and isinstance(value.args[0], relax.Var):
-        value = bound.get(value.args[0])
-    return value is None or isinstance(value, relax.TupleGetItem) or (
+    while var not in kernel_read and isinstance(value, relax.Call) and value.op == _RESHAPE \
+            and isinstance(value.args[0], relax.Var):
+        var, value = value.args[0], bound.get(value.args[0])
+    return var in kernel_read or value is None or isinstance(value, relax.TupleGetItem) or (
         isinstance(value, relax.Call) and value.op in _KERNEL_CALLS)
 
 

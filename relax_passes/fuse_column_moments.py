@@ -17,7 +17,8 @@ the kernel reads) over channel-last reductions (with ``keepdims`` or without) th
 The evt graph passes fuse the batch-norm pairs.  The layer-norm pair is fused on the CUDA route
 after ``FuseLayerNorm`` and ``RecomputeElementwise`` (``FuseColumnMoments(LAYER_NORM,
 stored=True)``), where ``xhat`` is recomputed from the input and the row statistics, and only
-when the kernel reads tensors some kernel writes anyway (``stored``): BERT-Large's last layer
+when the kernel reads tensors in memory anyway (``stored``: parameters, kernels' outputs and the
+values a kernel of its own reads, such as ViT-B/16's bf16 input): BERT-Large's last layer
 norm's ``g`` is the loss gradient, which each sum recomputes from the layer norm's input and the
 target, and one kernel reading it would have it written in float32 for it alone.
 """
@@ -30,7 +31,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_moments
-from ._rewrite import flat_bindings, mutate_relax_functions, static_shape
+from ._rewrite import flat_bindings, kernel_inputs, mutate_relax_functions, static_shape
 from ._rewrite import stored as is_stored  # (plan's `stored` is a flag)
 
 REDUCE = {tvm.ir.Op.get("relax.sum"): "sum", tvm.ir.Op.get("relax.mean"): "mean"}
@@ -49,6 +50,7 @@ class _Function:
 
     def __init__(self, func: relax.Function):
         self.bindings = flat_bindings(func)[0]
+        self.kernel_read = kernel_inputs(self.bindings)
         self.index = {b.var: i for i, b in enumerate(self.bindings)}
         self.value = {b.var: b.value for b in self.bindings}
 
@@ -60,8 +62,9 @@ class _Function:
         return var
 
     def stored(self, var) -> bool:
-        """Is `var` a parameter or a kernel's output (or a reshape of one)? (``_rewrite.stored``)"""
-        return is_stored(self.value, var)
+        """Is `var` in memory anyway: a parameter, a kernel's output or input, or a reshape of one
+        (``_rewrite.stored``)?"""
+        return is_stored(self.value, var, self.kernel_read)
 
     def before(self, var, i: int) -> bool:
         return self.index.get(var, -1) < i  # a parameter, or bound before binding i

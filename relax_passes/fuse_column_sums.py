@@ -15,9 +15,9 @@ reductions become one ``column_sums`` call (its kernel reads the *leaves* once a
 * it is a float32 ``sum``/``mean`` of a static ``[..., C]`` value over every axis but the last,
   or over every axis (``loss``: the column sums, then a sum of C numbers);
 * its operand is a prologue (``_prologue.inline_prologue``: elementwise float32 ops it alone
-  reads) over leaves that are stored anyway (parameters, kernel outputs, reshapes of them:
-  ``_rewrite.stored``) and broadcast to the shape one of the ways the kernel
-  reads (``column_sums.leaf_class``), at least one of them the full shape.
+  reads) over leaves that are stored anyway (parameters, kernels' outputs and inputs, reshapes of
+  them: ``_rewrite.stored``) and broadcast to the shape one of the ways the kernel reads
+  (``column_sums.leaf_class``), at least one of them the full shape.
 
 Reductions over the same shape that share a full-size leaf form a group (up to ``MAX_TERMS``); a
 group of two or more is one call at the place of its first member, its leaves bound before it.
@@ -36,7 +36,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_sums
 from ._prologue import Prologue, inline_prologue, leaf_index, scalar_constant, unique_leaves
-from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, op_name, static_shape, stored
+from ._rewrite import (binding_uses, flat_bindings, kernel_inputs, mutate_relax_functions, op_name, static_shape,
+                       stored)
 
 REDUCE = {"relax.sum": "sum", "relax.mean": "mean"}
 MAX_TERMS = 4  # sums one kernel takes: 4 KB of shared memory each
@@ -102,6 +103,7 @@ def plan(func: relax.Function) -> list[list[_Sum]]:
     uses = binding_uses(func)
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
+    kernel_read = kernel_inputs(bindings)
 
     def readers(var):
         return [bindings[i].var if i < len(bindings) else None for i in uses.get(var, [])]
@@ -116,7 +118,7 @@ def plan(func: relax.Function) -> list[list[_Sum]]:
         p = inline_prologue(operand, bound, readers, {b.var}, shape)
         if not p.calls or not all(block_of.get(v) == block_of.get(b.var) for v in p.vars):
             continue
-        if not all(stored(bound, e) and static_shape(e) is not None for e in p.leaves):
+        if not all(stored(bound, e, kernel_read) and static_shape(e) is not None for e in p.leaves):
             continue
         if not column_sums.supported(list(shape), [static_shape(e) for e in p.leaves]):
             continue

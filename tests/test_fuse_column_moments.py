@@ -248,3 +248,26 @@ def test_stored_pairs_only_read_what_a_kernel_writes_anyway():
     assert len(_moments_calls(FuseColumnMoments(LAYER_NORM, stored=True)(view))[0]) == 1
     with pytest.raises(ValueError, match="unknown pair"):
         FuseColumnMoments(("layer norm",))(mod)
+
+
+@pytest.mark.parametrize("kernel_reads_x", [True, False])
+def test_stored_counts_what_a_kernel_of_its_own_reads(kernel_reads_x):
+    """x computed by an elementwise op (ViT-B/16's bf16 input, cast from float32) is in memory
+    when a kernel of its own (a call_tir / call_dps_packed) also reads it: then the pair reads it."""
+    shape = (3, 40, 32)
+    bb = relax.BlockBuilder()
+    g = relax.Var("g", relax.TensorType(shape, "float32"))
+    x32 = relax.Var("x32", relax.TensorType(shape, "float32"))
+    mean = relax.Var("mean", relax.TensorType(cm.row_shape(shape), "float32"))
+    rstd = relax.Var("rstd", relax.TensorType(cm.row_shape(shape), "float32"))
+    with bb.function("main", [g, x32, mean, rstd]):
+        with bb.dataflow():
+            x = bb.emit(R.astype(x32, "bfloat16"))
+            outs = [bb.emit(relax.call_dps_packed("layer_norm_kernel", x, x.ty))] if kernel_reads_x else []
+            xhat = bb.emit(R.multiply(bb.emit(R.subtract(bb.emit(R.astype(x, "float32")), mean)), rstd))
+            outs.append(bb.emit(R.sum(bb.emit(R.multiply(g, xhat)), [0, 1])))
+            outs.append(bb.emit(R.sum(g, [0, 1])))
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    calls, reductions = _moments_calls(FuseColumnMoments(LAYER_NORM, stored=True)(bb.get()))
+    assert (len(calls), reductions) == ((1, 0) if kernel_reads_x else (0, 2))
