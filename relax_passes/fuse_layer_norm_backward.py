@@ -109,7 +109,35 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
 
 
 def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
-    """``{dx var: LayerNormGradChain}`` for each match of the module docstring's pattern."""
+    """``{dx var (or its tail's last var): LayerNormGradChain}`` for each match of the module
+    docstring's pattern.
+
+    With `epilogue`, a chain whose dx (or its cast) is also read by another chain's tail (ViT-B/16:
+    the bf16 dx of one layer norm feeds the dropout backward and the next layer norm's residual
+    add) gets a second look: that reader is then a kernel of its own reading the value, like a
+    GEMM, and the tail takes the other reader.  A second-look tail that would share an op with
+    another chain's tail is not taken."""
+    found = _find_chains(func, epilogue)
+    tails = {c.dx: c.tail.vars for c in found.values() if c.tail is not None}
+    if not epilogue or not tails or all(c.tail is not None for c in found.values()):
+        return found
+    others = {c.dx: frozenset().union(*[v for d, v in tails.items() if not d.same_as(c.dx)])
+              for c in found.values()}
+    again = {c.dx: c for c in _find_chains(func, epilogue, others).values()}
+    out = {}
+    for key, c in found.items():
+        c2 = again.get(c.dx)
+        if c.tail is None and c2 is not None and c2.tail is not None and not (c2.tail.vars & others[c.dx]):
+            out[c2.tail.root] = c2
+        else:
+            out[key] = c
+    return out
+
+
+def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None = None) -> dict:
+    """``find_chains``' matches; `other_tails` (dx -> the vars other chains' tails take) are
+    readers the tail search passes over, as it does kernels."""
+    other_tails = other_tails or {}
     bindings, blocks = flat_bindings(func)
     bound = {b.var: b.value for b in bindings}
     index = {b.var: i for i, b in enumerate(bindings)}
@@ -193,10 +221,11 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
             # the chain starts at dx, beside its casts; else at its one cast, beside the cast's
             # readers that are not elementwise (BERT-Large: dropout's backward of the bf16 dx, which
             # a GEMM epilogue also reads)
-            starts = [(dx, set(casts))]
+            taken = other_tails.get(dx, frozenset())
+            starts = [(dx, set(casts) | taken)]
             if len(casts) == 1:
                 starts.append((casts[0], {r for r in readers(casts[0])
-                                          if r is None or op_name(bound.get(r)) not in ELEMENTWISE}))
+                                          if r is None or op_name(bound.get(r)) not in ELEMENTWISE or r in taken}))
             for start, skip in starts:
                 tail = epilogue_chain(start, bound, readers, skip, shape, same_block)
                 if tail is None:

@@ -192,7 +192,10 @@ def _random_args(func, rng):
     # the epilogue's result is within a bf16 ulp of the ops' (its float32 sum rounds once, fused),
     # and on this small random block a 1-ulp change of that gradient (x 1.0078) moves the QKV
     # gradients by 12-18 % -- the attention backward amplifies it, the epilogue is not wrong
-    ("gpt2_block", "fp32", True, True), ("gpt2_block", "bf16", True, False)])
+    ("gpt2_block", "fp32", True, True), ("gpt2_block", "bf16", True, False),
+    # ViT: the first layer norm gradient's bf16 dx feeds both the dropout backward and the next
+    # one's residual add; the epilogue takes the dropout backward (find_chains' second look)
+    ("vit", "fp32", True, True)])
 def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, precision, dropout, epilogue):
     """The CUDA route's layer norm rewrites on a whole training graph (both layer norms of a
     BERT layer or a GPT-2 block, forward and backward, with the recomputation after them), run on
@@ -206,7 +209,8 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
 
     from _torch_ref import no_dropout
 
-    entry = models.ZOO[model](batch=2, seq=16, hidden=64, heads=4)
+    small = {"vit": dict(batch=2, image=16, patch=4, hidden=64, heads=4)}
+    entry = models.ZOO[model](**small.get(model, dict(batch=2, seq=16, hidden=64, heads=4)))
     if not dropout:  # the graph the GPU tier's whole-step tests compile
         no_dropout(entry.model)
     _imported, graph = tuning.training_graph(entry, precision)
@@ -220,12 +224,14 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
     pairs = [b.value.args[0].name_hint for block in fused["main_adjoint"].body.blocks for b in block.bindings
              if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.call_tir")
              and b.value.args[0].name_hint.startswith("column_moments_normalized")]
-    assert len(pairs) == 2, pairs  # both layer norms' dgamma and dbeta
+    assert len(pairs) == (3 if model == "vit" else 2), pairs  # every layer norm's dgamma and dbeta
     names = [gv.name_hint for gv in fused.get_global_vars() if gv.name_hint.startswith("layer_norm_")]
     assert len([n for n in names if not n.startswith("layer_norm_grad")]) >= 2, names  # both forwards
     # both gradients (GPT-2: the second one's combine is in a GEMM epilogue, its means in TVM's kernels)
     assert len([n for n in names if n.startswith("layer_norm_grad")]) >= (2 if model == "bert_layer" else 1), names
     assert any("_tail" in n for n in names) == epilogue, names
+    if model == "vit":  # the last layer norm's dx feeds two elementwise readers; its kernel takes one
+        assert all("_tail" in n for n in names if n.startswith("layer_norm_grad")), names
     rng = np.random.default_rng()
     args = _random_args(inlined["main_adjoint"], rng)
 
