@@ -67,12 +67,12 @@ def sums_args(shape, dtypes, kind: str, out=None) -> tuple[list, list, list, lis
     out = _check(shape, kind, out)
     a = ["astype", ["in", 0], F32]
     leaves = [(shape, dtypes[0])]
+    if kind != "moments":
+        leaves += [(shape, dtypes[1])] + [(st, F32) for _, st in _stats(shape, kind)]
     match kind:
         case "centered":
-            leaves += [(shape, dtypes[1]), (keep_shape(shape), F32)]
             second = ["multiply", a, ["subtract", ["astype", ["in", 1], F32], ["in", 2]]]
         case "normalized":
-            leaves += [(shape, dtypes[1]), (row_shape(shape), F32), (row_shape(shape), F32)]
             second = ["multiply", a, ["multiply", ["subtract", ["astype", ["in", 1], F32], ["in", 2]], ["in", 3]]]
         case _:
             second = ["multiply", a, a]
@@ -84,10 +84,10 @@ def moments_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:
     of the kind's term (``KINDS``) over every axis but the last, in float32, shaped `out` (default
     ``keep_shape``), and the partial sums ``p0``/``p1`` ``[row blocks, C]`` they are the sums of:
     ``column_sums.sums_primfunc`` of ``sums_args``, its GPU form ``column_sums``'."""
-    shape = [int(d) for d in shape]
-    func = column_sums.sums_primfunc(*sums_args(shape, dtypes, kind, out))
+    shape, leaves, terms, outs = sums_args(shape, dtypes, kind, out)
+    func = column_sums.sums_primfunc(shape, leaves, terms, outs)
     return func.with_attr(MOMENTS_ATTR, json.dumps({"shape": shape, "dtypes": list(dtypes), "kind": kind,
-                                                    "out": _check(shape, kind, out)}))
+                                                    "out": outs[0]}))
 
 
 def moments_gpu_primfunc(shape, dtypes, kind: str, out=None) -> tirx.PrimFunc:

@@ -10,7 +10,8 @@ MB a read).  Here one kernel reads the *leaves* once and adds up every *term*:
 * a leaf is a tensor that broadcasts to the shape one of four ways (``leaf_class``): ``full``
   (the shape itself), ``row`` (``[..., 1]``: a per-row statistic), ``col`` (``[1, ..., C]`` or
   ``[C]``: a per-channel parameter) or ``scalar``;
-* a term is an expression over the leaves, as JSON-able nested lists (``OPS``):
+* a term is an expression over the leaves, as JSON-able nested lists of ``_prologue.ELEMENTWISE``'s
+  ops (the ones a prologue inlines, without their ``relax.`` prefix; a cast names its dtype last):
   ``["multiply", ["astype", ["in", 0], "float32"], ["in", 2]]``, ``["const", 2.0, "float32"]``.
   Each term's value is float32, and the kernel sums it per channel in float32.
 
@@ -31,10 +32,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from types import SimpleNamespace
 from typing import Callable
 
 from tvm import relax, te, tirx
 
+from ._prologue import ELEMENTWISE, at
 from ._rewrite import OPAQUE, emit_call_tir
 
 SUMS_ATTR = "tvm_evt.column_sums"  # {"shape": [...], "leaves": [[shape, dtype], ...], "terms": [...], "outs": [...]}
@@ -45,30 +48,25 @@ TARGET_BLOCKS = 4 * 132  # blocks of the first kernel: four a streaming multipro
 FINAL_TY = 32  # threads a channel in the second kernel
 LEAF_CLASSES = ("full", "row", "col", "scalar")
 
-# term op -> (operand count, the value from the operands' values and the op's extra field)
-OPS: dict[str, tuple[int, Callable]] = {
-    "astype": (1, lambda args, dtype: args[0].astype(dtype)),
-    "add": (2, lambda args, _: args[0] + args[1]),
-    "subtract": (2, lambda args, _: args[0] - args[1]),
-    "multiply": (2, lambda args, _: args[0] * args[1]),
-    "divide": (2, lambda args, _: args[0] / args[1]),
-    "negative": (1, lambda args, _: -args[0]),
-    "where": (3, lambda args, _: tirx.Select(args[0], args[1], args[2])),
-}
+def _op(term) -> tuple[Callable, list, object]:
+    """(the TE builder of `term`'s op, its operand terms, the op's attributes)."""
+    build = ELEMENTWISE.get("relax." + term[0])
+    if build is None:
+        known = ", ".join(name[len("relax."):] for name in ELEMENTWISE)
+        raise ValueError(f"column sums: unknown term op {term[0]!r}; known: in, const, {known}")
+    if term[0] == "astype":
+        return build, term[1:2], SimpleNamespace(dtype=term[2])
+    return build, term[1:], None
 
 
 def evaluate(term, read: Callable[[int], tirx.PrimExpr]) -> tirx.PrimExpr:
     """The value of `term` with leaf ``i`` read as ``read(i)``."""
-    head = term[0]
-    if head == "in":
+    if term[0] == "in":
         return read(int(term[1]))
-    if head == "const":
+    if term[0] == "const":
         return tirx.const(float(term[1]), term[2])
-    if head not in OPS:
-        raise ValueError(f"column sums: unknown term op {head!r}; known: in, const, {', '.join(OPS)}")
-    arity, fn = OPS[head]
-    args = [evaluate(t, read) for t in term[1:1 + arity]]
-    return fn(args, term[1 + arity] if len(term) > 1 + arity else None)
+    build, operands, attrs = _op(term)
+    return build([evaluate(t, read) for t in operands], attrs)
 
 
 def leaves_of(term) -> set[int]:
@@ -77,9 +75,7 @@ def leaves_of(term) -> set[int]:
         return {int(term[1])}
     if term[0] == "const":
         return set()
-    if term[0] not in OPS:
-        raise ValueError(f"column sums: unknown term op {term[0]!r}; known: in, const, {', '.join(OPS)}")
-    return set().union(*(leaves_of(t) for t in term[1:1 + OPS[term[0]][0]]))
+    return set().union(*(leaves_of(t) for t in _op(term)[1]))
 
 
 def leaf_class(leaf_shape, shape) -> str | None:
@@ -161,19 +157,16 @@ def sums_primfunc(shape, leaves, terms, outs=None) -> tirx.PrimFunc:
     _, row_blocks, rows = grid(shape)
     ins = [te.placeholder(s, dt, name=f"in{i}") for i, (s, dt) in enumerate(spec["leaves"])]
 
-    def at(t, r, ch):  # leaf t at row r of the flattened leading axes and channel ch, broadcast
+    def index(r, ch):  # the index of row r of the flattened leading axes, channel ch
         idx, rest = [], r
         for d in reversed(shape[:-1]):
             idx.append(rest % d)
             rest = rest // d
-        full = tuple(reversed(idx)) + (ch,)
-        dims = [int(d) for d in t.shape]
-        off = len(full) - len(dims)
-        return t[tuple(0 if d == 1 else full[off + i] for i, d in enumerate(dims))]
+        return tuple(reversed(idx)) + (ch,)
 
     def partial(k, term):
         i = te.reduce_axis((0, rows), name="i")
-        value = lambda rb, ch: evaluate(term, lambda j: at(ins[j], rb * rows + i, ch))  # noqa: E731
+        value = lambda rb, ch: evaluate(term, lambda j: at(ins[j], index(rb * rows + i, ch)))  # noqa: E731
         return te.compute((row_blocks, c), lambda rb, ch: te.sum(
             tirx.if_then_else(rb * rows + i < m, value(rb, ch), tirx.const(0.0, F32)), axis=i), name=f"p{k}")
 

@@ -125,7 +125,6 @@ class OpGraph:
 
     def __init__(self, block: relax.DataflowBlock, absorbed: frozenset = frozenset()):
         self.block = block
-        self.absorbed = absorbed
         self.nodes: list[OpNode] = []
         self.index_of: dict = {}
         ext_keys: dict = {}
