@@ -196,9 +196,9 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
       residual) 0.240 / 0.202 / 0.192, ViT-B/16's (K 3072) 0.200 / 0.185 / 0.189 (on an H200 it had
       won, 0.194 / 0.200 and 0.170 / 0.183); those take the next rule or the default;
     * K >= 4096 over a full wave of 128x256 tiles (at most 1/16 of the SMs idle) with at most one
-      stored output (and no loaded one beside heavy arithmetic: not measured): 128x256 (H100: 0.200 / 0.233; BERT-Large's FFN weight gradients
-      4096x1024x16384 and 1024x4096x16384, 128 tiles: 0.169-0.172 / 0.175-0.177 in three runs on
-      2026-11-27; its FFN2 forward above).
+      stored output (and no loaded one beside heavy arithmetic: not measured): 128x256 (H100:
+      0.200 / 0.233; BERT-Large's FFN weight gradients 4096x1024x16384 and 1024x4096x16384, 128
+      tiles: 0.169-0.172 / 0.175-0.177 in three runs on 2026-11-27; its FFN2 forward above).
 
     16-bit operands only; anything else, or a choice ``prune`` or the emitter rejects, gets the
     default."""
