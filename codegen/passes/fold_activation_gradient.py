@@ -7,7 +7,7 @@ derivative next to x, so the backward GEMM loads one tensor).  Spelled out, the 
 dozen compute nodes, each rounded to bf16, with an erf (or tanh) of its own: an ALU-bound epilogue
 that the cooperative schedule does not hide behind the main loop.  As one node it is computed in
 fp32 and rounded once, and its erf (tanh) term is the same C++ expression as gelu's
-(``templates.gelu_erf_term``), so nvcc computes it once.
+(``templates.PRELUDE``'s ``gelu_cdf_term``), so nvcc computes it once.
 
 Patterns are data: ``(op, result, pattern)`` rows, a pattern being a nested tuple of operation
 names (``add``/``mul`` match either operand order), ``X`` (the activation's input: one node
