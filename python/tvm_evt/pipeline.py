@@ -125,8 +125,9 @@ OPTIONAL = {
     "partition_row_kernels": Rewrite("PartitionEVT(row_kernels=True): the ops a layer norm gradient's row kernel "
                                      "(FuseLayerNormBackward, after the partitioner) computes in passing cost no "
                                      "kernel of their own, so no GEMM epilogue takes one only to store it "
-                                     "(BERT-Large's FFN1 dX stores dy, not also dy * gamma; not yet timed on a GPU)",
-                                     default=False),
+                                     "(BERT-Large's FFN1 dX stores dy, not also dy * gamma; H100 bf16, off/on/off: "
+                                     "GPT-2 medium 3.40/3.38 -> 3.34, ViT-B/16 3.68/3.68 -> 3.65, BERT-Large "
+                                     "3.07/3.06 -> 3.08 ms per step)"),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
