@@ -120,6 +120,16 @@ def binding_uses(func: relax.Function) -> dict:
     return uses
 
 
+def bind_as(builder: relax.BlockBuilder, old: relax.Var, value: relax.Expr) -> relax.Var:
+    """A var holding `value` to remap `old` to: a dataflow var where `old` is one, else a block
+    output.  An in-place step's block hands its gradients to the update after it; remapped to a
+    dataflow var, such an output would be read outside its block (ill-formed: the partitioner
+    then sees a value nothing reads)."""
+    if isinstance(old, relax.DataflowVar):
+        return value if isinstance(value, relax.Var) else builder.emit(value)
+    return builder.emit_output(value)
+
+
 def _outputs(builder: relax.BlockBuilder, call: relax.Call, count: int) -> list:
     """The vars of `call`'s `count` outputs: the call's own var when it has one, else one a field."""
     var = builder.emit(call)

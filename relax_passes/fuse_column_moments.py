@@ -31,7 +31,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_moments
-from ._rewrite import flat_bindings, kernel_inputs, mutate_relax_functions, static_shape
+from ._rewrite import bind_as, flat_bindings, kernel_inputs, mutate_relax_functions, static_shape
 from ._rewrite import stored as is_stored  # (plan's `stored` is a flag)
 
 REDUCE = {tvm.ir.Op.get("relax.sum"): "sum", tvm.ir.Op.get("relax.mean"): "mean"}
@@ -233,7 +233,7 @@ class _Fuser(PyExprMutator):
             inv = relax.const(1.0 / rows, "float32")
             s = [self.builder_.emit(relax.op.multiply(t, inv)) for t in s]
         for var, new in zip((first, second), s):
-            self.set_var_remap(var, new)
+            self.set_var_remap(var, bind_as(self.builder_, var, new))
             self.done.add(var)
 
 

@@ -36,7 +36,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_sums
 from ._prologue import Prologue, inline_prologue, leaf_index, scalar_constant, unique_leaves
-from ._rewrite import (binding_uses, flat_bindings, kernel_inputs, mutate_relax_functions, op_name, static_shape,
+from ._rewrite import (bind_as, binding_uses, flat_bindings, kernel_inputs, mutate_relax_functions, op_name, static_shape,
                        stored)
 
 REDUCE = {"relax.sum": "sum", "relax.mean": "mean"}
@@ -172,7 +172,7 @@ class _Fuser(PyExprMutator):
                     v = bb.emit(relax.op.reshape(v, static_shape(s.var)))
             if s.kind == "mean":
                 v = bb.emit(relax.op.multiply(v, relax.const(1.0 / (elements if s.total else elements // c), F32)))
-            self.set_var_remap(s.var, v)
+            self.set_var_remap(s.var, bind_as(bb, s.var, v))
             self.done.add(s.var)
 
 

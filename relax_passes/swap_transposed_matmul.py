@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, flat_bindings, mutate_relax_functions, swaps_last_two
+from ._rewrite import bind_as, binding_uses, flat_bindings, mutate_relax_functions, swaps_last_two
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
 ASTYPE = tvm.ir.Op.get("relax.astype")
@@ -77,12 +77,11 @@ class _Swapper(PyExprMutator):
         cast = value if value.op == ASTYPE else None
         product = self.lookup_binding(value.args[0]) if cast is not None else value
         a, b = product.args
-        swapped = self.builder_.emit(relax.op.matmul(self.builder_.emit(relax.op.permute_dims(b, [1, 0])),
-                                                     self.builder_.emit(relax.op.permute_dims(a, [1, 0])),
-                                                     out_dtype=product.attrs.out_dtype))
+        swapped = relax.op.matmul(self.builder_.emit(relax.op.permute_dims(b, [1, 0])),
+                                  self.builder_.emit(relax.op.permute_dims(a, [1, 0])), out_dtype=product.attrs.out_dtype)
         if cast is not None:
-            swapped = self.builder_.emit(relax.op.astype(swapped, cast.attrs.dtype))
-        self.set_var_remap(binding.var, swapped)
+            swapped = relax.op.astype(self.builder_.emit(swapped), cast.attrs.dtype)
+        self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, swapped))  # an in-place step's dW
 
 
 @tvm.transform.module_pass(opt_level=0, name="SwapTransposedMatmul")

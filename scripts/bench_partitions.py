@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     from tvm_evt import bench_e2e, tuning
 
     entry = bench_e2e.build_entry(args.model, args.quick)
-    _, graph = tuning.training_graph(entry, args.precision)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    _, graph = tuning.training_graph(entry, args.precision, target=cuda)
     parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
     if args.only:
         wanted = set(args.only.split(","))

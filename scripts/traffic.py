@@ -30,8 +30,9 @@ def main(argv=None) -> int:
     from tvm_evt import bench_e2e, optim, tuning
 
     entry = bench_e2e.build_entry(args.model, args.quick)
-    _, graph = tuning.training_graph(entry, args.precision, optim.AdamW(lr=1e-4))  # as scripts/bench.py
-    rows = tuning.kernel_traffic(graph.mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    _, graph = tuning.training_graph(entry, args.precision, optim.AdamW(lr=1e-4), cuda)  # as scripts/bench.py
+    rows = tuning.kernel_traffic(graph.mod, cuda)
     for kind in ("cutlass", "flash", "conv", "tir"):
         total = sum(r["bytes"] for r in rows if r["kind"] == kind)
         print(f"{kind:8s} {sum(r['kind'] == kind for r in rows):4d} kernels {total / 1e6:10.0f} MB/step")

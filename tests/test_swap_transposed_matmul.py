@@ -66,3 +66,28 @@ def test_numbers_are_unchanged():
 def test_through_the_widening_cast():
     """Mixed precision: the bf16 product is cast to float32 before the transpose."""
     tvm.ir.assert_structural_equal(_passes(_weight_grad(False, widen=True)), _passes(_weight_grad(True, widen=True)))
+
+
+def _weight_grad_handed_on(swapped: bool):
+    """The float32 dW as an in-place step's dataflow block hands it to the update after the block:
+    a block output, read outside it."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((T, IN), "bfloat16"))
+    dy = relax.Var("dy", relax.TensorType((T, OUT), "bfloat16"))
+    with bb.function("main", [x, dy]):
+        with bb.dataflow():
+            if swapped:
+                dw = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(dy, [1, 0])), x))
+            else:
+                dw = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(x, [1, 0])), dy))
+            dw = bb.emit_output(relax.op.permute_dims(bb.emit(relax.op.astype(dw, "float32")), [1, 0])
+                                if not swapped else relax.op.astype(dw, "float32"))
+        out = bb.emit(relax.op.multiply(dw, relax.const(2.0, "float32")))  # the update, after the block
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_gradient_handed_on_after_the_block_stays_a_block_output():
+    after = SwapTransposedMatmul()(_weight_grad_handed_on(False))
+    relax.analysis.well_formed(after)  # raises on a dataflow var read outside its block (as before the fix)
+    tvm.ir.assert_structural_equal(_passes(after), _passes(_weight_grad_handed_on(True)))

@@ -305,3 +305,39 @@ def test_cuda_route_leaves_no_var_undefined():
                 defined.add(b.var)
         relax.analysis.post_order_visit(func.body.body, note)
         assert not missing, (gv.name_hint, missing[:5])
+
+
+def test_in_place_step_partitions_as_the_functional_one():
+    """A CUDA step runs in place (CUDA graphs): its dataflow block hands the gradients to the
+    update after it.  The graph passes must keep those block outputs (a rewrite that remapped one
+    to a dataflow var left the weight gradients' bf16 -> float32 casts to kernels of their own:
+    four 1024 x 1024 and two 4096 x 1024 on BERT-Large), so the in-place step has the functional
+    step's partitions, and tune.py (``training_graph(..., target)``) tunes those of the compile."""
+    import dataclasses
+
+    from tvm import relax
+
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    entry = models.ZOO["bert_layer"](batch=2, seq=64, hidden=128, heads=2)
+    _imported, functional = tuning.training_graph(entry, "bf16")
+    _imported, in_place = tuning.training_graph(entry, "bf16", target=cuda)
+    assert not functional.inplace and in_place.inplace
+    before, _schedule = tuning.until_scheduling(cuda)
+    mod = in_place.mod
+    with cuda:
+        for p in before:
+            mod = p(mod)
+            relax.analysis.well_formed(mod)  # raises naming a dataflow var read outside its block
+
+    def partitions(graph):
+        parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
+        assert not skipped
+        return sorted(repr(dataclasses.replace(p, symbol="")) for p in parts)
+
+    assert partitions(in_place) == partitions(functional)
+
+    def casts(graph):  # (bytes, calls) of the cast kernels: the parameters' to bf16, the input's
+        return sorted((r["bytes_per_call"], r["calls"]) for r in tuning.kernel_traffic(graph.mod, cuda)
+                      if r["kind"] == "tir" and r["kernel"].startswith("cast"))
+
+    assert casts(in_place) == casts(functional)

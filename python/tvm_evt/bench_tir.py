@@ -30,8 +30,8 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
     entry = bench_e2e.build_entry(model, False)
-    _, graph = tuning.training_graph(entry, precision, optim.AdamW(lr=1e-4))  # as scripts/bench.py
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    _, graph = tuning.training_graph(entry, precision, optim.AdamW(lr=1e-4), target)  # as scripts/bench.py
     before, schedule = tuning.until_scheduling(target)
     with target:
         fused = tvm.transform.Sequential(before)(graph.mod)

@@ -83,13 +83,15 @@ def load_model(spec: str, **overrides):
     return models.ZooEntry(model, lambda: inputs, loss_fn, f"{spec}", num_targets=1 if loss_fn else 0)
 
 
-def training_graph(entry, precision: str = "bf16", optimizer=None):
-    """(imported, TrainingGraph) as `compile_training` builds them."""
+def training_graph(entry, precision: str = "bf16", optimizer=None, target: tvm.target.Target | None = None):
+    """(imported, TrainingGraph) as `compile_training` builds them for `target`: in place where it
+    captures CUDA graphs (``captures_graphs``), functional without a target."""
     from .frontend import from_torch
-    from .training import build_training_module
+    from .training import build_training_module, captures_graphs
 
     imported = from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
-    return imported, build_training_module(imported, optimizer, precision)
+    inplace = target is not None and captures_graphs(target, precision, None)
+    return imported, build_training_module(imported, optimizer, precision, inplace=inplace)
 
 
 # ----------------------------------------------------------------------------- pipeline split
@@ -796,7 +798,7 @@ def tune(model, target=None, work_dir: str | os.PathLike = "tuning", trials: int
     entry = load_model(model, **(model_kwargs or {})) if isinstance(model, str) else model
     tgt = as_target(target)
     _log(f"{name}: building the training graph ({precision}) for {tgt.kind.name}")
-    _imported, graph = training_graph(entry, precision, optimizer)
+    _imported, graph = training_graph(entry, precision, optimizer, tgt)
     mod = partitioned(graph.mod, tgt)
     cutlass_summary: dict = {"skipped": "not a CUDA target" if tgt.kind.name != "cuda" else "disabled"}
     if cutlass and tgt.kind.name == "cuda":
