@@ -125,7 +125,7 @@ def bind_as(builder: relax.BlockBuilder, old: relax.Var, value: relax.Expr) -> r
     output.  An in-place step's block hands its gradients to the update after it; remapped to a
     dataflow var, such an output would be read outside its block (ill-formed: the partitioner
     then sees a value nothing reads)."""
-    if isinstance(old, relax.DataflowVar):
+    if isinstance(old, relax.DataflowVar) or not builder.current_block_is_dataflow():
         return value if isinstance(value, relax.Var) else builder.emit(value)
     return builder.emit_output(value)
 

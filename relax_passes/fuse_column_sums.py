@@ -36,8 +36,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import column_sums
 from ._prologue import Prologue, inline_prologue, leaf_index, scalar_constant, unique_leaves
-from ._rewrite import (bind_as, binding_uses, flat_bindings, kernel_inputs, mutate_relax_functions, op_name, static_shape,
-                       stored)
+from ._rewrite import (bind_as, binding_uses, flat_bindings, kernel_inputs, mutate_relax_functions, op_name,
+                       static_shape, stored)
 
 REDUCE = {"relax.sum": "sum", "relax.mean": "mean"}
 MAX_TERMS = 4  # sums one kernel takes: 4 KB of shared memory each

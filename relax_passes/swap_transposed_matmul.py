@@ -78,7 +78,8 @@ class _Swapper(PyExprMutator):
         product = self.lookup_binding(value.args[0]) if cast is not None else value
         a, b = product.args
         swapped = relax.op.matmul(self.builder_.emit(relax.op.permute_dims(b, [1, 0])),
-                                  self.builder_.emit(relax.op.permute_dims(a, [1, 0])), out_dtype=product.attrs.out_dtype)
+                                  self.builder_.emit(relax.op.permute_dims(a, [1, 0])),
+                                  out_dtype=product.attrs.out_dtype)
         if cast is not None:
             swapped = relax.op.astype(self.builder_.emit(swapped), cast.attrs.dtype)
         self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, swapped))  # an in-place step's dW
