@@ -91,3 +91,23 @@ def test_gradient_handed_on_after_the_block_stays_a_block_output():
     after = SwapTransposedMatmul()(_weight_grad_handed_on(False))
     relax.analysis.well_formed(after)  # raises on a dataflow var read outside its block (as before the fix)
     tvm.ir.assert_structural_equal(_passes(after), _passes(_weight_grad_handed_on(True)))
+
+
+def _weight_grad_outside_dataflow(swapped: bool):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((T, IN), "bfloat16"))
+    dy = relax.Var("dy", relax.TensorType((T, OUT), "bfloat16"))
+    with bb.function("main", [x, dy]):
+        if swapped:
+            dw = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(dy, [1, 0])), x, out_dtype="float32"))
+        else:
+            dwt = bb.emit(relax.op.matmul(bb.emit(relax.op.permute_dims(x, [1, 0])), dy, out_dtype="float32"))
+            dw = bb.emit(relax.op.permute_dims(dwt, [1, 0]))
+        bb.emit_func_output(dw)
+    return bb.get()
+
+
+def test_swaps_outside_a_dataflow_block():
+    after = SwapTransposedMatmul()(_weight_grad_outside_dataflow(False))
+    relax.analysis.well_formed(after)
+    tvm.ir.assert_structural_equal(_passes(after), _passes(_weight_grad_outside_dataflow(True)))
