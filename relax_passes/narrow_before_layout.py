@@ -27,6 +27,9 @@ cast would put the transpose into the cast's readers' kernel, where it breaks th
 (the EVT codegen's K-major B), so the transpose disappears: a linear layer's float32 weight
 ``W [out, in]`` is cast as it is, where the cast kernel wrote bf16 ``W^T`` at a quarter of the
 bandwidth (DLight's transpose schedule does not coalesce: 0.11 ms a step on BERT-Large's six).
+The same holds for a slice of a weight (``SplitFusedProjection``'s pieces of GPT-2's QKV weight):
+``astype(slice(W))`` is cast first and its transpose left to the matmul; other chains that start
+below a slice stay as they are.
 """
 
 from __future__ import annotations
@@ -87,14 +90,17 @@ def plan(func: relax.Function) -> tuple[dict, dict, dict]:
     bound = {b.var: b.value for b in bindings}
     first, replaced, inner = {}, {}, set()
     for b in bindings:
+        made_by = bound.get(b.value.args[0]) if _call(b.value, HEADS) else None
         if not _call(b.value, HEADS) or str(b.value.args[0].ty.dtype) != "float32" or block_of[b.var] is None \
-                or b.var in inner or _call(bound.get(b.value.args[0]), LAYOUT):
-            continue  # chains start at a permute / reshape of a value no layout op made
+                or b.var in inner or _call(made_by, HEADS):
+            continue  # chains start at a permute / reshape of a value no permute / reshape made
         chain = set()
         ends = chain_ends(b.var, chain)
         low = {cast_to(c) for c, _ in ends}
         direct = len(ends) == 1 and ends[0][1].same_as(b.var)
         operand = direct and swaps_last_two(b.value) and operand_of_matmuls(ends[0][0].var)
+        if _call(made_by, {SLICE}) and not operand:
+            continue  # of a slice's layout chains, only a matmul operand's transpose (a split weight's)
         if not ends or (direct and b.value.op == PERMUTE and not operand) or len(low) != 1 \
                 or next(iter(low)) not in NARROW \
                 or any(block_of[c.var] != block_of[b.var] for c, _ in ends):
