@@ -43,7 +43,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import attention_op
-from ._rewrite import binding_uses, drop_unreferenced, flat_bindings, scalar_value, static_shape, substitute
+from ._rewrite import bind_as, binding_uses, drop_unreferenced, flat_bindings, scalar_value, static_shape, substitute
 from .philox import KEEP_RATE_ATTR
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
@@ -360,10 +360,7 @@ class _Fuser(PyExprMutator):
             return
         call = self.visit_expr(match.call())
         fused = self.builder_.emit(call, "attention")
-        item = relax.TupleGetItem(fused, 0)
-        dataflow = isinstance(binding.var, relax.DataflowVar)
-        new = self.builder_.emit(item) if dataflow else self.builder_.emit_output(item)
-        self.set_var_remap(binding.var, new)
+        self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, relax.TupleGetItem(fused, 0)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseAttention")

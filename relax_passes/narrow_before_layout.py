@@ -90,9 +90,11 @@ def plan(func: relax.Function) -> tuple[dict, dict, dict]:
     bound = {b.var: b.value for b in bindings}
     first, replaced, inner = {}, {}, set()
     for b in bindings:
-        made_by = bound.get(b.value.args[0]) if _call(b.value, HEADS) else None
         if not _call(b.value, HEADS) or str(b.value.args[0].ty.dtype) != "float32" or block_of[b.var] is None \
-                or b.var in inner or _call(made_by, HEADS):
+                or b.var in inner:
+            continue
+        made_by = bound.get(b.value.args[0])
+        if _call(made_by, HEADS):
             continue  # chains start at a permute / reshape of a value no permute / reshape made
         chain = set()
         ends = chain_ends(b.var, chain)

@@ -33,7 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._rewrite import binding_uses, drop_unreferenced, flat_bindings, op_name, scalar_value, static_shape
+from ._rewrite import bind_as, binding_uses, drop_unreferenced, flat_bindings, op_name, scalar_value, static_shape
 from .lower_dropout import keep_mask_function
 from .philox import KEEP_RATE_ATTR
 
@@ -205,7 +205,7 @@ class _Padder(PyExprMutator):
         return bool(chains)
 
     def _bind(self, old: relax.Var, expr: relax.Expr) -> relax.Var:
-        new = self.builder_.emit(expr) if isinstance(old, relax.DataflowVar) else self.builder_.emit_output(expr)
+        new = bind_as(self.builder_, old, expr)
         self.set_var_remap(old, new)
         return new
 

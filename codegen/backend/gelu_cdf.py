@@ -34,6 +34,8 @@ COEFFS = (0.24251980775117454, 0.2442940604581625, 0.20547039159160807, 0.245089
           -0.08232529740136584, 0.3799139014879791, -0.3081130573057151, 0.07315041846537822)
 """erfc(z)·e^{z²} ≈ Σ COEFFS[i]·t^(i+1), from ``fit()``: relative error 9.9e-8 in exact arithmetic."""
 Z_MAX = 10.0  # e^{-z²} is below float32's normal range from z ≈ 9.35 on
+_P_X = P / math.sqrt(2.0)  # t = 1 / (1 + _P_X·|x|)
+_DENSITY = -0.5 * math.log2(math.e)  # e^{-x²/2} = 2^(_DENSITY·x·x)
 
 
 def _target(z: np.ndarray) -> np.ndarray:
@@ -67,16 +69,12 @@ def evaluate_float32(x) -> np.ndarray:
     """2Φ(x) as ``SOURCE`` computes it, in float32 (the reciprocal and the exp2 correctly rounded
     where the device's approximations are within 2 ulp)."""
     x = _f32(x)
-    with np.errstate(over="ignore"):  # x·x of a huge x: e^{-inf} = 0, as on the device
-        return _evaluate(x)
-
-
-def _evaluate(x: np.ndarray) -> np.ndarray:
-    t = _f32(np.float32(1.0) / _fma(np.float32(P / math.sqrt(2.0)), np.abs(x), np.float32(1.0)))
+    t = _f32(np.float32(1.0) / _fma(np.float32(_P_X), np.abs(x), np.float32(1.0)))
     r = _f32(COEFFS[-1])
     for c in reversed(COEFFS[:-1]):
         r = _fma(r, t, np.float32(c))
-    density = _f32(np.exp2(_f32(np.float32(-0.5 * math.log2(math.e)) * x) * x))
+    with np.errstate(over="ignore"):  # x·x of a huge x: e^{-inf} = 0, as on the device
+        density = _f32(np.exp2(_f32(np.float32(_DENSITY) * x) * x))
     tail = _f32(_f32(r * t) * density)
     return np.where(x >= 0, _f32(np.float32(2.0) - tail), tail)
 
@@ -89,11 +87,11 @@ def _source() -> str:
     horner = "".join(f"\n  r = fmaf(r, t, {_literal(c)});" for c in reversed(COEFFS[:-1]))
     return f"""\
 // exp(-x^2 / 2), through one ex2.approx
-CUTLASS_HOST_DEVICE float gelu_pdf_term(float x) {{ return exp2f({_literal(-0.5 * math.log2(math.e))} * x * x); }}
+CUTLASS_HOST_DEVICE float gelu_pdf_term(float x) {{ return exp2f({_literal(_DENSITY)} * x * x); }}
 // 2 Phi(x) = 1 + erf(x / sqrt 2) without an erf (codegen/backend/gelu_cdf.py): erfc(|x| / sqrt 2) =
 // t P(t) exp(-x^2 / 2), t = 1 / (1 + p |x| / sqrt 2), sharing gelu_pdf_term with gelu's derivative
 CUTLASS_HOST_DEVICE float gelu_cdf_term(float x) {{
-  const float d = fmaf({_literal(P / math.sqrt(2.0))}, fabsf(x), 1.0f);
+  const float d = fmaf({_literal(_P_X)}, fabsf(x), 1.0f);
 #if defined(__CUDA_ARCH__)
   const float t = __fdividef(1.0f, d);  // div.approx: one MUFU.RCP, and nvcc merges two calls' (inline asm it would not)
 #else
