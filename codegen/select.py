@@ -103,9 +103,18 @@ def reduction_variant(partition: Partition, cfg: KernelConfig) -> KernelConfig |
 
 
 def is_long_k(m: int, n: int, k: int, num_sms: int = H100_SMS) -> bool:
-    """Stream-K pays off when the 128x128 output tiles leave SMs idle and each tile has a long K."""
+    """Stream-K pays off when the 128x128 output tiles leave SMs idle and each tile has a long K;
+    with a thin output (``is_thin``) from K = 2048 on."""
     tiles = math.ceil(m / 128) * math.ceil(n / 128)
-    return k >= 4096 and (tiles < 2 * num_sms or k >= 4 * max(m, n))
+    return k >= 4096 and (tiles < 2 * num_sms or k >= 4 * max(m, n)) or is_thin(m, n, k, num_sms)
+
+
+def is_thin(m: int, n: int, k: int, num_sms: int = H100_SMS) -> bool:
+    """At most 64 output rows in at most a quarter wave of 128-wide tiles, over K >= 2048: the
+    kernel streams the N x K operand through a handful of CTAs, so it needs K split, and a 128-row
+    tile's MMA work on padding rows costs nothing (XML-CNN's weight gradients, 32 x 600..2400 x
+    ~16000)."""
+    return m <= 64 and k >= 2048 and math.ceil(n / 128) <= num_sms // 4
 
 
 def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str = "bfloat16",
@@ -116,8 +125,9 @@ def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str 
         tm, tn, tk = cfg.tile
         if dtype_a == "float32" and tk != 32 or dtype_a != "float32" and tk != 64:
             continue  # K tile is 128 bytes of operand
-        if tm > max(64, _round_up(m, 64)) or tn > max(64, _round_up(n, 64)):
-            continue  # tile larger than the problem: wasted MMA work
+        if (tm > max(64, _round_up(m, 64)) and not (is_thin(m, n, k, num_sms) and cfg.decomposition is not Decomposition.DATA_PARALLEL)
+                or tn > max(64, _round_up(n, 64))):
+            continue  # tile larger than the problem: wasted MMA work (free when a thin output splits K)
         if math.ceil(m / tm) < cfg.cluster[0] or math.ceil(n / tn) < cfg.cluster[1]:
             continue  # the cluster would span padding
         tiles = math.ceil(m / tm) * math.ceil(n / tn)
@@ -150,6 +160,13 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     tuning runs of BERT-Large made most often (scripts/tune.py, 2026-11-23; ms best / default):
 
     * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156);
+    * at most 64 rows over K >= 2048 (``is_thin``): split-K 4 on 128x64 tiles, or on 128x128 tiles
+      where 4 slices of the 128x64 ones would pass a wave.  XML-CNN's weight gradients (H100,
+      2026-11-27, ms against ping-pong 64x256 / the default, ``docs/bench/h100-2026-11-27-h/
+      xml-cnn-split-k/``): 32x1200x15904 0.032 / 0.089 / 0.077, 32x600x15968 0.034 / 0.118 / 0.091,
+      32x512x3956 0.027 / 0.036 / 0.037, and 32x2400x15776 on 128x128 tiles 0.044 / 0.092 / 0.078
+      (0.050 on 128x64: 152 CTAs); each the best of split-K 2-8 and stream-K on 128x128 tiles, and
+      split-K 4 and stream-K on 128x64;
     * M <= 64 with N >= 256: ping-pong 64x256 (0.118);
     * long K over at most half a wave of 128x128 tiles (weight gradients 1024x1024x16384, 64
       tiles): split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
@@ -217,6 +234,8 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     long_k = g.batch == 1 and k >= 4096 and k >= 4 * max(m, n)  # a weight gradient's reduction
     if n <= 64 and m >= 128:
         cfg = _cfg((128, 64, 64))
+    elif g.batch == 1 and is_thin(m, n, k, num_sms):
+        cfg = _cfg((128, 64, 64) if 4 * tiles(128, 64) <= num_sms else (128, 128, 64), decomposition=SPLIT, splits=4)
     elif m <= 64 and n >= 256:
         cfg = _cfg((64, 256, 64), schedule=PP)
     elif long_k and tiles(128, 64) <= 8:

@@ -135,13 +135,18 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", SPLIT_CASES, ids=["splitk2", "splitk3", "streamk", "streamk128x256_2x1"])
-def test_split_k_workspace_is_reused_across_launches(config):
-    func = bias_gelu_func(m=256, n=256, k=4096, dtype="bfloat16", column_sum=False)
-    vm = offload(func, f"evt_gpu_{config['decomposition']}_{config.get('splits', 1)}_{config['tile'][1]}", config)
+# A thin output (32 rows: XML-CNN's weight gradients) split 4 ways on 128-row tiles, rows 32..127 padding.
+THIN_CASE = {"tile": [128, 64, 64], "decomposition": "split_k", "splits": 4}
+
+
+@pytest.mark.parametrize("m,config", [(256, c) for c in SPLIT_CASES] + [(32, THIN_CASE)],
+                         ids=["splitk2", "splitk3", "streamk", "streamk128x256_2x1", "thin_splitk4"])
+def test_split_k_workspace_is_reused_across_launches(m, config):
+    func = bias_gelu_func(m=m, n=256, k=4096, dtype="bfloat16", column_sum=False)
+    vm = offload(func, f"evt_gpu_{config['decomposition']}_{config.get('splits', 1)}_{config['tile'][1]}_{m}", config)
     rng = np.random.default_rng(2)
     for _ in range(4):
-        x, w, b = (torch.tensor(rng.uniform(-1, 1, s), dtype=torch.bfloat16) for s in ((256, 4096), (256, 4096), (256,)))
+        x, w, b = (torch.tensor(rng.uniform(-1, 1, s), dtype=torch.bfloat16) for s in ((m, 4096), (256, 4096), (256,)))
         g, y = run(vm, [t.float().numpy().astype(reference.NP_DTYPES["bfloat16"]) for t in (x, w, b)])
         y64 = x.double() @ w.double().T
         g64 = torch.nn.functional.gelu(y64 + b.double())

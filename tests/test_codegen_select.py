@@ -44,6 +44,18 @@ def test_small_m_keeps_only_small_tiles():
     assert all(c.schedule is Schedule.PINGPONG for c in kept)
 
 
+def test_thin_long_k_output_keeps_128_row_tiles_only_to_split_k():
+    # 32 rows, K ~ 16000 (XML-CNN's weight gradients): a handful of output tiles streams a 75 MB
+    # operand, so K-split 128-row tiles stay (their padding rows cost no memory traffic) ...
+    kept = select.prune(select.CANDIDATES, m=32, n=2400, k=15776)
+    assert any(c.decomposition is Decomposition.SPLIT_K and c.tile[0] == 128 for c in kept)
+    assert any(c.decomposition is Decomposition.STREAM_K and c.tile[0] == 128 for c in kept)
+    assert all(c.tile[0] == 64 for c in kept if c.decomposition is Decomposition.DATA_PARALLEL)
+    # ... but not over a short K, nor over as many output tiles as a thin output's full wave
+    assert all(c.tile[0] == 64 for c in select.prune(select.CANDIDATES, m=32, n=768, k=512))
+    assert all(c.tile[0] == 64 for c in select.prune(select.CANDIDATES, m=32, n=8192, k=4096))
+
+
 def test_clusters_and_big_tiles_pruned_for_small_problems():
     kept = select.prune(select.CANDIDATES, m=128, n=128, k=1024)
     assert all(c.cluster == (1, 1, 1) for c in kept)
@@ -217,6 +229,11 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("gemm", "wgrad", (256, 128, 401408), "coop_128x64x64_c1x1_streamk"),  # 4 tiles of 128x64
     ("gemm", "wgrad", (512, 128, 100352), "coop_128x64x64_c1x1_streamk"),  # 8
     ("gemm", "wgrad", (512, 256, 100352), "coop_128x128x64_c1x1_splitk16"),  # 16: split-K
+    # a thin output over long K: split-K 4, on 128x64 tiles while 4 slices of them fit a wave
+    ("gemm", "wgrad", (32, 1200, 15904), "coop_128x64x64_c1x1_splitk4"),
+    ("gemm", "wgrad", (32, 512, 3956), "coop_128x64x64_c1x1_splitk4"),
+    ("gemm", "wgrad", (32, 2400, 15776), "coop_128x128x64_c1x1_splitk4"),  # 38 tiles of 128x64
+    ("gemm", "wgrad", (32, 768, 512), "pp_64x256x64_c1x1"),  # short K: no split
     ("gemm", "fwd", (16384, 1024, 1024), "pp_128x128x64_c1x1"),  # short K, many tiles
     ("gemm", "fwd", (16384, 4096, 1024), "pp_128x128x64_c2x1"),
     ("gemm", "fwd", (16384, 1024, 4096), "coop_128x256x64_c1x1"),  # long K, one store
