@@ -125,15 +125,16 @@ def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str 
         tm, tn, tk = cfg.tile
         if dtype_a == "float32" and tk != 32 or dtype_a != "float32" and tk != 64:
             continue  # K tile is 128 bytes of operand
-        if (tm > max(64, _round_up(m, 64)) and not (is_thin(m, n, k, num_sms) and cfg.decomposition is not Decomposition.DATA_PARALLEL)
-                or tn > max(64, _round_up(n, 64))):
-            continue  # tile larger than the problem: wasted MMA work (free when a thin output splits K)
+        split = cfg.decomposition is not Decomposition.DATA_PARALLEL
+        padded = tm > max(64, _round_up(m, 64)) and not (split and is_thin(m, n, k, num_sms))
+        if padded or tn > max(64, _round_up(n, 64)):
+            continue  # tile larger than the problem: wasted MMA work (hidden where a thin output splits K)
         if math.ceil(m / tm) < cfg.cluster[0] or math.ceil(n / tn) < cfg.cluster[1]:
             continue  # the cluster would span padding
         tiles = math.ceil(m / tm) * math.ceil(n / tn)
         if cfg.cluster[:2] != (1, 1) and tiles < num_sms // 4:
             continue  # a handful of tiles gains nothing from multicast
-        if cfg.decomposition is not Decomposition.DATA_PARALLEL and not is_long_k(m, n, k, num_sms):
+        if split and not is_long_k(m, n, k, num_sms):
             continue
         if cfg.decomposition is Decomposition.SPLIT_K and tiles >= 2 * num_sms:
             continue  # enough output tiles without splitting K
