@@ -2,7 +2,7 @@
 
 Every case builds a one-op Relax function on random shapes and attributes, takes
 loss = sum(op(inputs) * w) with a random weight w, differentiates it with
-relax.transform.Gradient, compiles it for llvm, and compares the loss and the gradients with
+relax.transform.Gradient, compiles it for the project's llvm target, and compares the loss and the gradients with
 torch autograd in float64. The random seed is printed with every failure.
 """
 
@@ -17,6 +17,7 @@ from tvm import relax, te, topi
 from tvm.relax import op as R
 
 import tvm_evt.relax_passes.gradient_rules as gradient_rules
+from tvm_evt.training import cpu_target
 
 RTOL = 1e-4
 
@@ -73,7 +74,7 @@ def check(rng, build, reference, *inputs, wrt=None, legalize=None, compare_loss=
     mod = relax.transform.Gradient("main", require_grads=[params[i] for i in wrt])(bb.get())
     if legalize:
         mod = relax.transform.LegalizeOps(customize_legalize_map=legalize)(mod)
-    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(cpu_target())), tvm.cpu())
     loss_tvm, grads_tvm = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs + (weight,)])
 
     where = f"(input shapes {[a.shape for a in inputs]})"
@@ -546,7 +547,7 @@ def test_imported_model(rng, name):
     params = mod["main"].params[len(inputs) :]
     param_values = mod["main"].attrs["params"]
     mod = relax.transform.Gradient("main", require_grads=list(params))(mod)
-    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(cpu_target())), tvm.cpu())
     loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs], *param_values)
 
     reference = model.double()

@@ -53,6 +53,18 @@ FLASH_PRECISIONS = tuple(p for p, dtype in PRECISIONS.items() if dtype in FLASH_
 # ---------------------------------------------------------------------------- targets
 
 
+# LLVM's SLP vectorizer (the LLVM inside apache-tvm 0.27.0.post1) can emit invalid IR for the
+# unscheduled loops our CPU kernels are: silu -> multiply -> sum over a (4, 5, 2) tensor fails
+# module verification with "Instruction does not dominate all uses" (at -O0 too; 40 elements
+# as (40,) or (8, 5) build). TVM applies a target's cl-opt while it builds and restores it after.
+LLVM_OPTIONS = ("-vectorize-slp=false",)
+
+
+def cpu_target() -> dict:
+    """The llvm target every CPU build uses (see LLVM_OPTIONS)."""
+    return {"kind": "llvm", "cl-opt": list(LLVM_OPTIONS)}
+
+
 def default_target() -> dict:
     """CUDA (with the GPU's arch) when a GPU is present, else llvm."""
     dev = tvm.cuda(0)
@@ -60,17 +72,22 @@ def default_target() -> dict:
         major, minor = (int(x) for x in dev.compute_version.split("."))
         arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
         return {"kind": "cuda", "arch": arch}
-    return {"kind": "llvm"}
+    return cpu_target()
 
 
 def as_target(target) -> tvm.target.Target:
+    """``target`` (None for `default_target`, "llvm", "cuda", a dict, a tag or a Target) as a
+    Target; an llvm target gets LLVM_OPTIONS added to its own cl-opt."""
     if target is None:
         target = default_target()
-    if isinstance(target, tvm.target.Target):
-        return target
     if isinstance(target, str) and target in ("llvm", "cuda"):
         target = {"kind": target}
-    return tvm.target.Target(target)
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    if target.kind.name != "llvm":
+        return target
+    options = [str(o) for o in target.attrs.get("cl-opt", [])]
+    missing = [o for o in LLVM_OPTIONS if o not in options]
+    return tvm.target.Target({**target.export(), "cl-opt": options + missing}) if missing else target
 
 
 # --------------------------------------------------------------- differentiability check
