@@ -10,13 +10,14 @@ __version__ = "0.1.0"
 from . import optim
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import from_torch
-from .training import TrainingStep, build_training_module, compile_training, default_target
+from .training import TrainingStep, build_training_module, compile_training, cpu_target, default_target
 
 __all__ = [
     "compile_training",
     "from_torch",
     "build_training_module",
     "default_target",
+    "cpu_target",
     "TrainingStep",
     "UnsupportedOpError",
     "InputMismatchError",
