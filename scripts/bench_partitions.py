@@ -32,12 +32,11 @@ def main(argv=None) -> int:
                     help="with --sweep: only these comma-separated configuration names (as the sweep prints them)")
     args = ap.parse_args(argv)
 
-    import tvm
-
     from tvm_evt import bench_e2e, tuning
+    from tvm_evt.training import hopper_target
 
     entry = bench_e2e.build_entry(args.model, args.quick)
-    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    cuda = hopper_target()
     _, graph = tuning.training_graph(entry, args.precision, target=cuda)
     parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
     if args.only:

@@ -25,12 +25,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
 
-    import tvm
-
     from tvm_evt import bench_e2e, optim, tuning
+    from tvm_evt.training import hopper_target
 
     entry = bench_e2e.build_entry(args.model, args.quick)
-    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    cuda = hopper_target()
     _, graph = tuning.training_graph(entry, args.precision, optim.AdamW(lr=1e-4), cuda)  # as scripts/bench.py
     rows = tuning.kernel_traffic(graph.mod, cuda)
     for kind in ("cutlass", "flash", "conv", "tir"):

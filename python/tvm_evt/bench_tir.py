@@ -18,6 +18,8 @@ import sys
 
 import tvm
 
+from .training import hopper_target
+
 LAUNCHES = 20
 ITERS = 15
 
@@ -30,7 +32,7 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
 
     entry = bench_e2e.build_entry(model, False)
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    target = hopper_target()
     _, graph = tuning.training_graph(entry, precision, optim.AdamW(lr=1e-4), target)  # as scripts/bench.py
     before, schedule = tuning.until_scheduling(target)
     with target:
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     rows = [int(r) for r in args.column_rows.split(",") if r] or [None]
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    target = hopper_target()
     kernels = scheduled_kernels(args.model, args.precision, rows, args.match)
     print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
     for name in sorted(set().union(*kernels.values())):

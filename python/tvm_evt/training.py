@@ -65,6 +65,11 @@ def cpu_target() -> dict:
     return {"kind": "llvm", "cl-opt": list(LLVM_OPTIONS)}
 
 
+def hopper_target() -> tvm.target.Target:
+    """The H100/H200 target (sm_90a) that the analysis and per-kernel timing tools build for."""
+    return tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+
+
 def default_target() -> dict:
     """CUDA (with the GPU's arch) when a GPU is present, else llvm."""
     dev = tvm.cuda(0)
