@@ -2,8 +2,9 @@
 
 Every case builds a one-op Relax function on random shapes and attributes, takes
 loss = sum(op(inputs) * w) with a random weight w, differentiates it with
-relax.transform.Gradient, compiles it for the project's llvm target, and compares the loss and the gradients with
-torch autograd in float64. The random seed is printed with every failure.
+relax.transform.Gradient, compiles it for the project's llvm target (cpu_target), and compares
+the loss and the gradients with torch autograd in float64. The random seed is printed with every
+failure.
 """
 
 import math

@@ -71,7 +71,7 @@ def hopper_target() -> tvm.target.Target:
 
 
 def default_target() -> dict:
-    """CUDA (with the GPU's arch) when a GPU is present, else llvm."""
+    """CUDA (with the GPU's arch) when a GPU is present, else `cpu_target`."""
     dev = tvm.cuda(0)
     if dev.exist:
         major, minor = (int(x) for x in dev.compute_version.split("."))
