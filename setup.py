@@ -13,6 +13,11 @@ setup(
     packages=[
         "tvm_evt",
         "tvm_evt.relax_passes",
+        "tvm_evt.relax_passes.training",
+        "tvm_evt.relax_passes.ops",
+        "tvm_evt.relax_passes.graph",
+        "tvm_evt.relax_passes.partition",
+        "tvm_evt.relax_passes.lower",
         "tvm_evt.codegen",
         "tvm_evt.codegen.backend",
         "tvm_evt.codegen.build",

@@ -1,6 +1,6 @@
 """Counter-based dropout masks: the exact Philox4x32-10 convention the epilogue implements.
 
-It is the convention of the training graph's ``LowerDropout`` (relax_passes/philox.py), so a GEMM
+It is the convention of the training graph's ``LowerDropout`` (relax_passes/training/philox.py), so a GEMM
 epilogue regenerates exactly the mask the graph's other dropout sites and backward pass use.
 Element ``(l, m, n)`` of an ``L x M x N`` epilogue value (``l`` the flattened batch index; the
 indices are logical, independent of memory layout) has the row-major index
@@ -27,7 +27,7 @@ are 20 integer multiplies a draw, and where a kernel draws a mask (the flash-att
 round p = 0.1 to 26/256) keep the rate within 2^-17 of p.  A Hopper GEMM epilogue holds adjacent
 columns in pairs, so it draws once per pair.  ``philox4x32_10`` and ``dropout_keep`` below are the
 numpy reference that tests check the device code (``backend/templates.py``:
-``tvm_evt::philox_draw``, ``backend/flash_templates.py``, ``relax_passes/philox.py``) against.
+``tvm_evt::philox_draw``, ``backend/flash_templates.py``, ``relax_passes/training/philox.py``) against.
 """
 from __future__ import annotations
 

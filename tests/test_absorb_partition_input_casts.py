@@ -6,8 +6,8 @@ from tvm import relax
 
 from tvm_evt import models, pipeline, tuning
 from tvm_evt.codegen.legality import legality
-from tvm_evt.relax_passes.absorb_partition_input_casts import AbsorbPartitionInputCasts
-from tvm_evt.relax_passes.save_softmax_low_precision import SaveSoftmaxLowPrecision, low_precision_copies
+from tvm_evt.relax_passes.partition.absorb_partition_input_casts import AbsorbPartitionInputCasts
+from tvm_evt.relax_passes.graph.save_softmax_low_precision import SaveSoftmaxLowPrecision, low_precision_copies
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 

@@ -4,7 +4,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tvm_evt.relax_passes.accumulate_in_float32 import AccumulateInFloat32
+from tvm_evt.relax_passes.graph.accumulate_in_float32 import AccumulateInFloat32
 
 
 @I.ir_module

@@ -11,8 +11,8 @@ from tvm import relax
 from tvm.relax import op as R
 
 from tvm_evt.codegen import philox
-from tvm_evt.relax_passes import attention_op
-from tvm_evt.relax_passes.auto_mixed_precision import AutoMixedPrecision
+from tvm_evt.relax_passes.ops import attention_op
+from tvm_evt.relax_passes.training.auto_mixed_precision import AutoMixedPrecision
 
 B, H, D = 2, 3, 8
 SEED = (0x1234ABCD, 0x0BADF00D)

@@ -2,7 +2,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.bounded_fuse_ops import BoundedFuseOps
+from tvm_evt.relax_passes.lower.bounded_fuse_ops import BoundedFuseOps
 
 
 def _chain(n: int) -> tvm.IRModule:

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from tvm_evt.codegen.bench import load_library  # noqa: E402
 from tvm_evt.codegen.frontend import GELU_BACKWARD_EXTERN, RELU_BACKWARD_EXTERN  # noqa: E402
 from tvm_evt.codegen.relax_ext import build_kernels, generate_kernels  # noqa: E402
-from tvm_evt.relax_passes import gradient_rules  # noqa: E402
+from tvm_evt.relax_passes.training import gradient_rules  # noqa: E402
 
 M, N, K, BATCH = 256, 192, 128, 3
 TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-3}

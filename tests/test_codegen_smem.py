@@ -139,8 +139,8 @@ def test_partitioner_output_for_bert_tiny_adamw_fits(cache_home):
     epilogue subtile."""
     import tvm_evt
     import tvm_evt.models
-    from tvm_evt.relax_passes.graph_passes import evt_graph_passes
-    from tvm_evt.relax_passes.partition_evt import PartitionEVT
+    from tvm_evt.relax_passes.graph.graph_passes import evt_graph_passes
+    from tvm_evt.relax_passes.partition.partition_evt import PartitionEVT
 
     m = tvm_evt.models.ZOO["bert_tiny"]()
     graph = tvm_evt.build_training_module(

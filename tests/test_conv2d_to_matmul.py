@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.conv2d_to_matmul import Conv2dToMatmul
+from tvm_evt.relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
 
 CASES = [  # (x shape, w shape, stride, padding, dilation)
     ((2, 8, 6, 6), (5, 8, 1, 1), 1, 0, 1),  # 1x1
@@ -105,7 +105,7 @@ def test_nhwc_window_gather_moves_whole_channel_vectors(monkeypatch):
     from tvm.s_tir import dlight as dl
 
     from tvm_evt import models, tuning
-    from tvm_evt.relax_passes.vectorized_elementwise import VectorizedElementwise
+    from tvm_evt.relax_passes.lower.vectorized_elementwise import VectorizedElementwise
 
     from tvm_evt import pipeline
 

@@ -126,7 +126,7 @@ def _op(name):
     import tvm
 
     try:
-        import tvm_evt.relax_passes.conv_op  # noqa: F401  (registers the ops)
+        import tvm_evt.relax_passes.ops.conv_op  # noqa: F401  (registers the ops)
 
         return tvm.ir.Op.get(name)
     except Exception:  # the ops are not registered (yet)

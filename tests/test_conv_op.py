@@ -1,4 +1,4 @@
-"""tvm_evt.conv2d and its gradient ops (relax_passes/conv_op.py), Conv2dToMatmul(implicit=True),
+"""tvm_evt.conv2d and its gradient ops (relax_passes/ops/conv_op.py), Conv2dToMatmul(implicit=True),
 and a ResNet step with implicit-GEMM convolutions on the CPU reference path."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tvm.script import relax as R
 
 import tvm_evt
 from tvm_evt import models, pipeline
-from tvm_evt.relax_passes import conv_op
-from tvm_evt.relax_passes.conv2d_to_matmul import Conv2dToMatmul
+from tvm_evt.relax_passes.ops import conv_op
+from tvm_evt.relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
 
 from _torch_ref import no_dropout, rel_err
 
@@ -156,7 +156,7 @@ def _conv_step_module(channels: int) -> tvm.IRModule:
 def test_offload_conv_shares_one_kernel_function_per_distinct_call():
     """Equal calls (two 3x3 64-channel convolutions; their input and weight gradients) share a
     Codegen="evt_conv" function each: fprop, dgrad, wgrad."""
-    from tvm_evt.relax_passes.offload_conv import CODEGEN, OffloadConv
+    from tvm_evt.relax_passes.lower.offload_conv import CODEGEN, OffloadConv
 
     offload = OffloadConv()
     mod = offload(_conv_step_module(64))
@@ -179,7 +179,7 @@ def test_offload_conv_shares_one_kernel_function_per_distinct_call():
 def test_offload_conv_decomposes_what_the_kernels_cannot_take():
     """4 channels are not 16-byte rows: every call becomes the im2col gather and a matmul (whose
     values test_conv2d_op_and_its_gradient_match_torch checks), with the reason kept."""
-    from tvm_evt.relax_passes.offload_conv import OffloadConv
+    from tvm_evt.relax_passes.lower.offload_conv import OffloadConv
 
     before = _conv_step_module(4)
     offload = OffloadConv()
@@ -196,7 +196,7 @@ def test_offload_conv_splits_a_long_weight_gradient_or_leaves_it_to_the_gemm():
     forward convolution and input gradient (784 tiles) are kernels as they are."""
     from tvm_evt.codegen.backend import conv
     from tvm_evt.codegen.frontend.conv_call import conv_of_call
-    from tvm_evt.relax_passes.offload_conv import too_few_tiles
+    from tvm_evt.relax_passes.lower.offload_conv import too_few_tiles
 
     g = conv_op.Geometry((1, 1, 1, 1), (1, 1), (1, 1))
     x = relax.Var("x", relax.TensorType([128, 28, 28, 128], "bfloat16"))
@@ -269,7 +269,7 @@ def _strided_dgrad_module(batch: int, out: int, channels: int) -> tvm.IRModule:
 def test_offload_conv_splits_a_strided_dgrad_into_unit_stride_kernels():
     """ResNet-50 conv3_x's stride-2 3x3 dgrad (28x28 -> 56x56, 128 channels) becomes four
     unit-stride dgrad kernels (sub-filters 1x1, 1x2, 2x1, 2x2) instead of the im2col fallback."""
-    from tvm_evt.relax_passes.offload_conv import CODEGEN, OffloadConv
+    from tvm_evt.relax_passes.lower.offload_conv import CODEGEN, OffloadConv
 
     offload = OffloadConv()
     mod = offload(_strided_dgrad_module(8, 28, 128))
@@ -293,7 +293,7 @@ def test_training_report_lists_a_strided_dgrad_by_its_stride_phases():
 def test_offload_conv_keeps_a_strided_dgrad_whole_where_a_phase_has_no_kernel():
     """4 channels are not 16-byte rows: no phase would run as a kernel, so the strided dgrad is
     one im2col product and col2im (not one per phase), with the reason kept."""
-    from tvm_evt.relax_passes.offload_conv import OffloadConv
+    from tvm_evt.relax_passes.lower.offload_conv import OffloadConv
 
     offload = OffloadConv()
     mod = offload(_strided_dgrad_module(2, 4, 4))

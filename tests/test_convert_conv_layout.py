@@ -4,8 +4,8 @@ from tvm import relax
 
 from tvm_evt import models
 from tvm_evt.frontend import from_torch
-from tvm_evt.relax_passes.convert_conv_layout import ConvertConvLayout
-from tvm_evt.relax_passes.conv2d_to_matmul import Conv2dToMatmul
+from tvm_evt.relax_passes.training.convert_conv_layout import ConvertConvLayout
+from tvm_evt.relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
 
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
@@ -45,7 +45,7 @@ def test_loss_over_every_axis_reads_the_nhwc_value():
     reduction reads the NHWC value, and the loss is unchanged."""
     import numpy as np
 
-    from tvm_evt.relax_passes.expand_small_power import ExpandSmallPower
+    from tvm_evt.relax_passes.training.expand_small_power import ExpandSmallPower
 
     before = ExpandSmallPower()(_imported("resnet_basic"))
     after = ConvertConvLayout()(before)

@@ -3,7 +3,7 @@
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.deduplicate_partitions import DeduplicateEVTPartitions, duplicates
+from tvm_evt.relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartitions, duplicates
 
 
 def _partition(bb, name):

@@ -5,7 +5,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tvm_evt.relax_passes.eliminate_masked_fill_gradient import EliminateMaskedFillGradient
+from tvm_evt.relax_passes.graph.eliminate_masked_fill_gradient import EliminateMaskedFillGradient
 
 
 def _module(fill: float = float("-inf"), same_mask: bool = True):

@@ -10,7 +10,7 @@ from tvm.script import relax as R
 from tvm_evt import models
 from tvm_evt.frontend import from_torch
 from tvm_evt.pipeline import pre_partition_passes
-from tvm_evt.relax_passes.eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
+from tvm_evt.relax_passes.graph.eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
 from tvm_evt.training import build_training_module
 
 F32 = "float32"

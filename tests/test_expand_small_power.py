@@ -4,7 +4,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tvm_evt.relax_passes.expand_small_power import ExpandSmallPower
+from tvm_evt.relax_passes.training.expand_small_power import ExpandSmallPower
 
 
 def test_square_becomes_multiply_and_other_exponents_stay():

@@ -14,7 +14,7 @@ from tvm import relax
 from tvm_evt.codegen import emit, from_function, lower, reference
 from tvm_evt.codegen.ir import Compute, OpKind, ScalarBroadcast, canonicalize
 from tvm_evt.codegen.passes import FoldActivationGradient, PIPELINE
-from tvm_evt.relax_passes import gradient_rules
+from tvm_evt.relax_passes.training import gradient_rules
 
 M, N, K = 32, 48, 16
 ACTIVATIONS = {  # relax op, its gradient rule, the folded node

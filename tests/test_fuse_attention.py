@@ -13,9 +13,9 @@ from tvm.script import relax as R_
 
 import tvm_evt
 from tvm_evt import models, pipeline
-from tvm_evt.relax_passes import attention_op as A
-from tvm_evt.relax_passes.fuse_attention import FuseAttention, find_attention
-from tvm_evt.relax_passes.lower_dropout import keep_mask_function
+from tvm_evt.relax_passes.ops import attention_op as A
+from tvm_evt.relax_passes.training.fuse_attention import FuseAttention, find_attention
+from tvm_evt.relax_passes.training.lower_dropout import keep_mask_function
 
 from _torch_ref import grad_err, no_dropout, rel_err
 

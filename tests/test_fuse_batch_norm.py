@@ -6,9 +6,9 @@ import torch
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes import batch_norm_op
-from tvm_evt.relax_passes.decompose_batch_norm import DecomposeBatchNorm
-from tvm_evt.relax_passes.fuse_batch_norm import FuseBatchNorm, find_batch_norms
+from tvm_evt.relax_passes.ops import batch_norm_op
+from tvm_evt.relax_passes.graph.decompose_batch_norm import DecomposeBatchNorm
+from tvm_evt.relax_passes.training.fuse_batch_norm import FuseBatchNorm, find_batch_norms
 
 BN = tvm.ir.Op.get(batch_norm_op.OP)
 SHAPE, AXES, STAT = (4, 3, 3, 8), [0, 1, 2], (1, 1, 1, 8)  # NHWC, channels last

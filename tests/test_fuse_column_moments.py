@@ -14,8 +14,8 @@ import tvm
 from tvm import relax
 from tvm.support import nvcc
 
-from tvm_evt.relax_passes import column_moments as cm
-from tvm_evt.relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
+from tvm_evt.relax_passes.lower import column_moments as cm
+from tvm_evt.relax_passes.graph.fuse_column_moments import LAYER_NORM, FuseColumnMoments
 
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 R = relax.op

@@ -14,8 +14,8 @@ import tvm
 from tvm import relax
 from tvm.support import nvcc
 
-from tvm_evt.relax_passes import column_sums as cs
-from tvm_evt.relax_passes.fuse_column_sums import FuseColumnSums
+from tvm_evt.relax_passes.lower import column_sums as cs
+from tvm_evt.relax_passes.lower.fuse_column_sums import FuseColumnSums
 
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 R = relax.op

@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.fuse_layer_norm import FuseLayerNorm, find_chains, layer_norm_primfunc
+from tvm_evt.relax_passes.lower.fuse_layer_norm import FuseLayerNorm, find_chains, layer_norm_primfunc
 
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -202,10 +202,10 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
     the CPU with unscheduled kernels: loss and gradients as before."""
     from tvm_evt import models, pipeline, tuning
     from tvm_evt.pipeline import InlineEVTPartitions
-    from tvm_evt.relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
-    from tvm_evt.relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
-    from tvm_evt.relax_passes.recompute_elementwise import RecomputeElementwise
-    from tvm_evt.relax_passes.split_reduction import SplitReduction
+    from tvm_evt.relax_passes.graph.fuse_column_moments import LAYER_NORM, FuseColumnMoments
+    from tvm_evt.relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
+    from tvm_evt.relax_passes.lower.recompute_elementwise import RecomputeElementwise
+    from tvm_evt.relax_passes.lower.split_reduction import SplitReduction
 
     from _torch_ref import no_dropout
 

@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward, find_chains, layer_norm_grad_primfunc
+from tvm_evt.relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward, find_chains, layer_norm_grad_primfunc
 
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")

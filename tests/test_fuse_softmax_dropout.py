@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout, softmax_dropout_primfunc
+from tvm_evt.relax_passes.lower.fuse_softmax_dropout import FuseSoftmaxDropout, softmax_dropout_primfunc
 
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 

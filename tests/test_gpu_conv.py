@@ -24,7 +24,7 @@ CASES = [
     # non-square input and filter, asymmetric padding, 32 channels (a partial 64-channel K step)
     ("nonsquare", (2, 12, 20, 32), (64, 3, 5), (1, 2, 0, 1), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     ("dilated", (2, 16, 16, 64), (64, 3, 3), (2, 2, 2, 2), (1, 1), (2, 2), ("fprop", "dgrad", "wgrad")),
-    # the stride phases of "stride2"'s dgrad (relax_passes/conv_op.split_strided_dgrad): unit-stride
+    # the stride phases of "stride2"'s dgrad (relax_passes/ops/conv_op.py:split_strided_dgrad): unit-stride
     # dgrads of its 2x2, 2x1, 1x2 and 1x1 sub-filters, padded before only
     ("phase_2x2", (2, 8, 8, 64), (128, 2, 2), (1, 1, 0, 0), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),
     ("phase_2x1", (2, 8, 8, 64), (128, 2, 1), (1, 0, 0, 0), (1, 1), (1, 1), ("fprop", "dgrad", "wgrad")),

@@ -1,4 +1,4 @@
-"""Gradient rules of tvm_evt.relax_passes.gradient_rules against torch autograd.
+"""Gradient rules of tvm_evt.relax_passes.training.gradient_rules against torch autograd.
 
 Every case builds a one-op Relax function on random shapes and attributes, takes
 loss = sum(op(inputs) * w) with a random weight w, differentiates it with
@@ -17,7 +17,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax import op as R
 
-import tvm_evt.relax_passes.gradient_rules as gradient_rules
+import tvm_evt.relax_passes.training.gradient_rules as gradient_rules
 from tvm_evt.training import cpu_target
 
 RTOL = 1e-4

@@ -11,17 +11,17 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvm_evt
-import tvm_evt.relax_passes.gradient_rules  # noqa: F401  (registers the gradient rules)
+import tvm_evt.relax_passes.training.gradient_rules  # noqa: F401  (registers the gradient rules)
 from tvm_evt.models import ZOO
 from tvm_evt.pipeline import InlineEVTPartitions, front_passes
-from tvm_evt.relax_passes.decompose_batch_norm import DecomposeBatchNorm
-from tvm_evt.relax_passes.decompose_cross_entropy import DecomposeCrossEntropy
-from tvm_evt.relax_passes.decompose_layer_norm import DecomposeLayerNorm
-from tvm_evt.relax_passes.decompose_matmul_bias import DecomposeMatmulBias
-from tvm_evt.relax_passes.eliminate_loss import EliminateLoss
-from tvm_evt.relax_passes.eliminate_reduction import EliminateReduction
-from tvm_evt.relax_passes.fold_layout import FoldLayoutIntoMatmul
-from tvm_evt.relax_passes.graph_passes import evt_graph_passes
+from tvm_evt.relax_passes.graph.decompose_batch_norm import DecomposeBatchNorm
+from tvm_evt.relax_passes.graph.decompose_cross_entropy import DecomposeCrossEntropy
+from tvm_evt.relax_passes.graph.decompose_layer_norm import DecomposeLayerNorm
+from tvm_evt.relax_passes.graph.decompose_matmul_bias import DecomposeMatmulBias
+from tvm_evt.relax_passes.graph.eliminate_loss import EliminateLoss
+from tvm_evt.relax_passes.graph.eliminate_reduction import EliminateReduction
+from tvm_evt.relax_passes.graph.fold_layout import FoldLayoutIntoMatmul
+from tvm_evt.relax_passes.graph.graph_passes import evt_graph_passes
 
 RTOL = 1e-5
 TIDY = tvm.transform.Sequential(

@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 from tvm.relax.op.grad import take_backward
 
-from tvm_evt.relax_passes.lower_take_backward import LowerTakeBackward
+from tvm_evt.relax_passes.lower.lower_take_backward import LowerTakeBackward
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 

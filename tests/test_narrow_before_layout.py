@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.narrow_before_layout import NarrowBeforeLayout
+from tvm_evt.relax_passes.graph.narrow_before_layout import NarrowBeforeLayout
 
 X = (2, 8, 6, 6)  # NCHW
 

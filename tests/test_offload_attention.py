@@ -9,8 +9,8 @@ from tvm import relax
 from tvm.relax import op as R
 
 from tvm_evt.codegen.frontend.attention_call import attention_of_function
-from tvm_evt.relax_passes import attention_op
-from tvm_evt.relax_passes.offload_attention import CODEGEN, OffloadAttention
+from tvm_evt.relax_passes.ops import attention_op
+from tvm_evt.relax_passes.lower.offload_attention import CODEGEN, OffloadAttention
 
 B, H, S, SK, D = 2, 2, 80, 96, 64
 SITE = 7
@@ -158,7 +158,7 @@ def test_heads_split_from_activations_are_read_sequence_major_without_transposes
 
 
 def test_cancel_transposes_looks_through_tuples_and_keeps_other_orders():
-    from tvm_evt.relax_passes.cancel_transposes import CancelTransposes
+    from tvm_evt.relax_passes.training.cancel_transposes import CancelTransposes
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((2, 3, 4, 5), "float32"))

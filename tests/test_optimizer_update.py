@@ -7,8 +7,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes import optimizer_update, optimizers
-from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+from tvm_evt.relax_passes.training import optimizer_update, optimizers
+from tvm_evt.relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 
 torch = pytest.importorskip("torch")
 
@@ -147,7 +147,7 @@ def test_gpu_form_tracks_torch(name, inplace):
 
 def _train_step():
     """A linear layer's loss, its gradient and an AdamW step (AppendOptimizer)."""
-    from tvm_evt.relax_passes.append_optimizer import AppendOptimizer
+    from tvm_evt.relax_passes.training.append_optimizer import AppendOptimizer
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((4, 8), "float32"))

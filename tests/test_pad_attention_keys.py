@@ -4,8 +4,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.lower_dropout import keep_mask_function
-from tvm_evt.relax_passes.pad_attention_keys import PadAttentionKeys, find_chains
+from tvm_evt.relax_passes.training.lower_dropout import keep_mask_function
+from tvm_evt.relax_passes.training.pad_attention_keys import PadAttentionKeys, find_chains
 
 B, H, D = 2, 3, 16
 

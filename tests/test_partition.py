@@ -19,8 +19,8 @@ import tvm_evt
 from tvm_evt import models
 from tvm_evt.codegen.legality import legality
 from tvm_evt.pipeline import pre_partition_passes
-from tvm_evt.relax_passes import evt_cost
-from tvm_evt.relax_passes.partition_evt import (
+from tvm_evt.relax_passes.partition import evt_cost
+from tvm_evt.relax_passes.partition.partition_evt import (
     CODEGEN, OpGraph, PartitionEVT, assignment_feasible, build_problem, cluster_gain, partition_report,
     solve,
 )
@@ -287,7 +287,7 @@ def test_row_kernels_keep_what_a_layer_norm_gradient_kernel_computes_out_of_epil
     compute in passing (dy * gamma, the row means) as free: the FFN1 dX GEMM of a BERT layer then
     stores its dy once (for dgamma and dbeta, and for the row kernel), not also dy * gamma; the
     CUDA route's layer norm gradient kernel reads dy and gamma instead (its ``dyg`` form)."""
-    from tvm_evt.relax_passes.fuse_layer_norm_backward import find_chains
+    from tvm_evt.relax_passes.lower.fuse_layer_norm_backward import find_chains
     from tvm_evt.tuning import training_graph
 
     entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)

@@ -8,9 +8,9 @@ from tvm.relax import op as R
 from test_conv_op import _conv_step_module
 from test_offload_attention import _training_module
 from tvm_evt.codegen import relax_ext
-from tvm_evt.relax_passes.offload_attention import OffloadAttention
-from tvm_evt.relax_passes.offload_conv import OffloadConv
-from tvm_evt.relax_passes.prebuild_kernels import PrebuildKernels
+from tvm_evt.relax_passes.lower.offload_attention import OffloadAttention
+from tvm_evt.relax_passes.lower.offload_conv import OffloadConv
+from tvm_evt.relax_passes.lower.prebuild_kernels import PrebuildKernels
 
 
 def _evt_partition(name: str, k: int = 64) -> relax.Function:

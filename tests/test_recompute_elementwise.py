@@ -3,7 +3,7 @@
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.recompute_elementwise import RecomputeElementwise, recompute_pays
+from tvm_evt.relax_passes.lower.recompute_elementwise import RecomputeElementwise, recompute_pays
 
 N, C = 512, 256
 SUM = relax.op.sum

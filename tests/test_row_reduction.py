@@ -8,7 +8,7 @@ from tvm.support import nvcc
 
 from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
 
-from tvm_evt.relax_passes.row_reduction import RowReduction
+from tvm_evt.relax_passes.lower.row_reduction import RowReduction
 
 
 def _kernels():

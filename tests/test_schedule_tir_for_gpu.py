@@ -7,7 +7,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU, single_thread, vectorized_bool_blocks
+from tvm_evt.relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU, single_thread, vectorized_bool_blocks
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
@@ -70,7 +70,7 @@ def test_scheduled_module_builds_for_cuda():
 
 
 def _dropout_module(shape=(3, 5, 70)):
-    from tvm_evt.relax_passes.lower_dropout import LowerDropout
+    from tvm_evt.relax_passes.training.lower_dropout import LowerDropout
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(shape, "float16"))
@@ -101,7 +101,7 @@ def test_dropout_masks_take_their_own_gpu_form():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(3, 5, 70), (2, 16, 33, 65)])
 def test_dropout_mask_gpu_form_matches_numpy(shape):
-    from tvm_evt.relax_passes.philox import dropout_keep_gpu_primfunc, dropout_keep_numpy
+    from tvm_evt.relax_passes.training.philox import dropout_keep_gpu_primfunc, dropout_keep_numpy
 
     func = dropout_keep_gpu_primfunc(shape, 0.3).with_attr("global_symbol", "keep")
     lib = tvm.tirx.build(tvm.IRModule({"keep": func}), target=CUDA)

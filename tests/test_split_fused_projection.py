@@ -9,7 +9,7 @@ from tvm import relax
 
 import tvm_evt
 from tvm_evt import models, pipeline
-from tvm_evt.relax_passes.split_fused_projection import SplitFusedProjection
+from tvm_evt.relax_passes.training.split_fused_projection import SplitFusedProjection
 
 from _torch_ref import assert_step_matches_torch, no_dropout
 

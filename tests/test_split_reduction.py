@@ -5,7 +5,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tvm_evt.relax_passes.split_reduction import SplitReduction, chunk
+from tvm_evt.relax_passes.lower.split_reduction import SplitReduction, chunk
 
 
 def _canonical(mod):

@@ -3,8 +3,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvm_evt.relax_passes.fold_layout import FoldLayoutIntoMatmul
-from tvm_evt.relax_passes.swap_transposed_matmul import SwapTransposedMatmul
+from tvm_evt.relax_passes.graph.fold_layout import FoldLayoutIntoMatmul
+from tvm_evt.relax_passes.graph.swap_transposed_matmul import SwapTransposedMatmul
 
 T, IN, OUT = 12, 16, 8
 

@@ -8,7 +8,7 @@ from tvm.support import nvcc
 
 from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
 
-from tvm_evt.relax_passes.tiled_transpose import TiledTranspose
+from tvm_evt.relax_passes.lower.tiled_transpose import TiledTranspose
 
 
 def _kernels():

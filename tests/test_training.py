@@ -235,7 +235,7 @@ def test_dropout_keep_rate_and_same_mask_forward_backward():
     assert rel_err(loss, (c.double() * keep).sum() / (1 - p)) <= 1e-4  # fp32 sum of 1e6 terms
     # the masks follow Philox's (seed, counter) convention; a training step draws a fresh mask:
     # train_step returns the next state (counter + 1) on the device
-    from tvm_evt.relax_passes.philox import dropout_keep_numpy
+    from tvm_evt.relax_passes.training.philox import dropout_keep_numpy
 
     assert torch.equal(keep, torch.from_numpy(dropout_keep_numpy(n, (1234, 0), 0, p)))
     step(c)
@@ -332,7 +332,7 @@ def test_setup_lists_every_package():
 def test_mixed_precision_graphs_type_check_for_every_zoo_model(precision):
     """AMP must leave no mixed-dtype op behind (tuple operands, conv out_dtype, pooling
     gradients): every zoo training graph builds and survives the EVT graph passes."""
-    from tvm_evt.relax_passes.graph_passes import evt_graph_passes
+    from tvm_evt.relax_passes.graph.graph_passes import evt_graph_passes
 
     for name in ZOO_NAMES:
         entry = models.ZOO[name]()
@@ -358,8 +358,8 @@ def test_dropout_mask_is_generated_in_the_tensors_shape():
     import tvm
     from tvm import relax
 
-    from tvm_evt.relax_passes.lower_dropout import LowerDropout
-    from tvm_evt.relax_passes.philox import dropout_keep_numpy
+    from tvm_evt.relax_passes.training.lower_dropout import LowerDropout
+    from tvm_evt.relax_passes.training.philox import dropout_keep_numpy
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((3, 5, 7), "float32"))
@@ -422,7 +422,7 @@ def test_mixed_precision_keeps_batch_statistics_and_the_loss_in_fp32():
     import tvm
     from tvm import relax
 
-    from tvm_evt.relax_passes.decompose_batch_norm import DecomposeBatchNorm
+    from tvm_evt.relax_passes.graph.decompose_batch_norm import DecomposeBatchNorm
 
     entry = models.ZOO["resnet_basic"]()
     imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)

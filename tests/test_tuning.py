@@ -9,7 +9,7 @@ import torch
 
 import tvm
 import tvm_evt
-from tvm_evt import models, tuning
+from tvm_evt import models, tuned, tuning
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def test_tune_then_compile_matches_torch(tmp_path):
     if "skipped" in result.tir:  # MetaSchedule unavailable in this TVM build: said why, and compiled without it
         assert "MetaSchedule" in result.tir["skipped"] or "save_json" in result.tir["skipped"]
     else:
-        assert result.tir["tasks"] == 2 and tuning.has_database(tmp_path)
+        assert result.tir["tasks"] == 2 and tuned.has_database(tmp_path)
         again = tuning.tune(entry, "llvm", tmp_path, trials=8, max_tasks=2, precision="fp32", show_progress=False)
         assert again.tir["already_tuned"] + len(again.tir["failed"]) == 2  # resumed: nothing re-tuned
     inputs = entry.example_inputs()
@@ -42,7 +42,7 @@ def test_tune_then_compile_matches_torch(tmp_path):
 
 
 def test_split_phases_puts_fusion_before_the_build():
-    before, after = tuning.split_phases(tvm.target.Target("llvm"))
+    before, after = tuned.split_phases(tvm.target.Target("llvm"))
     names = [p.info.name for p in before]
     assert names[-5:] == list(tuning._FUSE) and len(after) == 1
 

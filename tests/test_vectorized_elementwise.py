@@ -7,7 +7,7 @@ from tvm.support import nvcc
 
 from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
 
-from tvm_evt.relax_passes.vectorized_elementwise import VectorizedElementwise
+from tvm_evt.relax_passes.lower.vectorized_elementwise import VectorizedElementwise
 
 
 def _kernels():

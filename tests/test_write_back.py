@@ -2,8 +2,8 @@
 import numpy as np
 import tvm
 
-from tvm_evt.relax_passes import write_back
-from tvm_evt.relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+from tvm_evt.relax_passes.training import write_back
+from tvm_evt.relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 
 SPECS = [((), "float32"), ((300,), "float32"), ((2,), "uint32"), ((), "int64")]  # step, stats, seed, count
 

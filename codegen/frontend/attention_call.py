@@ -2,7 +2,7 @@
 ``tvm_evt.attention_backward`` call on its parameters) into an ``AttentionCall``; what the
 flash-attention kernels cannot take raises ``Unsupported`` with the reason.
 
-The ops' argument conventions are those of ``tvm_evt.relax_passes.attention_op``:
+The ops' argument conventions are those of ``tvm_evt.relax_passes.ops.attention_op``:
 ``attention(q, k, v, seed, scale, causal, dropout, site[, bias])`` and
 ``attention_backward(q, k, v, o, lse, dout, seed, scale, causal, dropout, site[, bias])``.
 """

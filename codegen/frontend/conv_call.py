@@ -2,7 +2,7 @@
 ``conv2d_wgrad`` call on its parameters) into a ``ConvCall``; what the implicit-GEMM kernels
 cannot take raises ``Unsupported`` with the reason (``supported`` says it without raising).
 
-The ops' argument conventions are those of ``tvm_evt.relax_passes.conv_op`` (read by op name, so
+The ops' argument conventions are those of ``tvm_evt.relax_passes.ops.conv_op`` (read by op name, so
 this module does not need the ops registered)::
 
     conv2d(x, w, geometry)                 -> y   [N, P, Q, K]

@@ -1,5 +1,5 @@
 """Activation derivatives as one node: the expression trees the training graph's gradient rules
-(``relax_passes/gradient_rules.py``) spell GELU's derivative with become ``GELU_GRAD(x)`` /
+(``relax_passes/training/gradient_rules.py``) spell GELU's derivative with become ``GELU_GRAD(x)`` /
 ``GELU_TANH_GRAD(x)``.
 
 The forward GEMM of an MLP often stores both gelu(x) and gelu'(x) (the partitioner moves the

@@ -29,7 +29,7 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     """``{column_rows: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match
     `match`, scheduled with each ``ColumnReduction`` row-group count (None: its default)."""
     from . import bench_e2e, optim, tuning
-    from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
+    from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 
     entry = bench_e2e.build_entry(model, False)
     target = hopper_target()

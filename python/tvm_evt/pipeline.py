@@ -1,15 +1,29 @@
 """The ``evt`` Relax pipeline: ``tvm.compile(mod, target=..., relax_pipeline="evt")``.
 
-One list of phases, in order (``phases(target)``):
+tvm-evt runs in five phases, each one folder (``PHASES``; the order a training step goes through):
 
-    evt_graph_passes   loss elimination, decomposition, reduction elimination, layout folding,
-                       narrowing casts moved before layout ops
-                       (relax_passes/graph_passes.py; skipped with a warning while it is absent)
-    PartitionEVT       the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
+    import      python/tvm_evt/frontend.py, converters.py: torch.export -> Relax ``main``
+    training    relax_passes/training: forward rewrites before ``Gradient`` (dropout as Philox
+                masks, the custom ops: attention, implicit-GEMM convolution, batch norm), mixed
+                precision and loss scaling, ``Gradient`` with our gradient rules, ``AppendOptimizer``
+                (``tvm_evt.training.build_training_module`` runs this phase; ``relax_passes/ops``
+                holds the custom ops with their legalisation and gradients)
+    graph       relax_passes/graph: the EVT graph passes (loss elimination, decomposition, reduction
+                elimination, layout folding, narrowing casts moved before layout ops)
+    partition   relax_passes/partition: the ILP partitioner (GEMM + epilogue as Codegen="evt"
+                functions), casts absorbed into epilogues, equal partitions merged; on the CPU
+                route the partitions inlined back (the reference path)
+    lower       relax_passes/lower: the CUDA route's offloads, kernel prebuild, row/column kernels
+                and TIR schedules around TVM's own legalisation
+
+What ``phases(target)`` runs after the training phase, in order:
+
+    EVTGraphPasses     (graph) ``evt_graph_passes``
+    PartitionEVT       (partition) the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
     AbsorbPartitionInputCasts  a cast (or a ReLU mask's compare) that only feeds a partition's
                        epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
-    -- CUDA --
+    -- CUDA (lower) --
     OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention;
                        heads split from activations read in place, CancelTransposes), or plain ops the
                        partitioner sees where the kernels cannot take them
@@ -29,6 +43,8 @@ One list of phases, in order (``phases(target)``):
     RecomputeElementwise  casts and centrings read by several kernels recomputed in each of them
                        instead of written once in float32 (batch norm's x32 and x - mean, a layer
                        norm's xhat from x and its statistics)
+    FuseColumnMoments  (the graph phase's pass, again) a layer norm's dgamma and dbeta in one pass
+    FuseColumnSums     column sums recomputing the same values in one pass
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
@@ -36,8 +52,8 @@ One list of phases, in order (``phases(target)``):
                        as ``compile_training(..., cuda_graph=True)`` builds, its RewriteCUDAGraph
                        lifts each function's static regions into CUDA graphs)
     -- any other target (the CPU reference path) --
-    InlineEVTPartitions  the partitions' ops go back into the caller, lowered by TVM, so CI checks
-                         on the CPU that the partitioned training graph computes the same values
+    InlineEVTPartitions  (partition) the partitions' ops go back into the caller, lowered by TVM, so CI
+                         checks on the CPU that the partitioned training graph computes the same values
     default_build      TVM's generic build pipeline (what tvm.compile uses for llvm)
 
 The target comes from ``tvm.target.Target.current()`` (``tvm.compile`` enters it), so dict and tag
@@ -47,28 +63,58 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 
 import tvm
 from tvm import relax
 
-from .relax_passes.partition_evt import CODEGEN, DEFAULT_TIME_LIMIT, PartitionEVT
-from .relax_passes._rewrite import local_composite, substitute
-from .relax_passes.absorb_partition_input_casts import AbsorbPartitionInputCasts
-from .relax_passes.bounded_fuse_ops import BoundedFuseOps
-from .relax_passes.deduplicate_partitions import DeduplicateEVTPartitions
-from .relax_passes.fuse_layer_norm import FuseLayerNorm
-from .relax_passes.fuse_column_moments import LAYER_NORM, FuseColumnMoments
-from .relax_passes.fuse_column_sums import FuseColumnSums
-from .relax_passes.fuse_layer_norm_backward import FuseLayerNormBackward
-from .relax_passes.fuse_softmax_dropout import FuseSoftmaxDropout
-from .relax_passes.lower_take_backward import LowerTakeBackward
-from .relax_passes.split_to_slices import SplitToSlices
-from .relax_passes.schedule_tir_for_gpu import ScheduleTIRForGPU
-from .relax_passes.recompute_elementwise import RecomputeElementwise
-from .relax_passes.split_reduction import SplitReduction
+from .relax_passes.graph.fuse_column_moments import LAYER_NORM, FuseColumnMoments
+from .relax_passes.graph.graph_passes import evt_graph_passes
+from .relax_passes.lower.bounded_fuse_ops import BoundedFuseOps
+from .relax_passes.lower.fuse_column_sums import FuseColumnSums
+from .relax_passes.lower.fuse_layer_norm import FuseLayerNorm
+from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
+from .relax_passes.lower.fuse_softmax_dropout import FuseSoftmaxDropout
+from .relax_passes.lower.lower_take_backward import LowerTakeBackward
+from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
+from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
+from .relax_passes.lower.split_reduction import SplitReduction
+from .relax_passes.lower.split_to_slices import SplitToSlices
+from .relax_passes.partition.absorb_partition_input_casts import AbsorbPartitionInputCasts
+from .relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartitions
+from .relax_passes.partition.inline_partitions import InlineEVTPartitions
+from .relax_passes.partition.partition_evt import DEFAULT_TIME_LIMIT, PartitionEVT
 
 PIPELINE_NAME = "evt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One stage of the pipeline: the package under ``tvm_evt`` that holds it and the passes of
+    ours (``tvm.transform`` pass names) that run in it, in order."""
+
+    name: str
+    package: str
+    passes: tuple[str, ...]
+
+
+PHASES = (
+    Phase("import", "frontend", ()),
+    Phase("training", "relax_passes.training",
+          ("LowerDropout", "ExpandSmallPower", "SplitFusedProjection", "ConvertConvLayout", "CancelTransposes",
+           "Conv2dToMatmul", "FuseAttention", "PadAttentionKeys", "AutoMixedPrecision", "ScaleLoss",
+           "FuseBatchNorm", "AppendOptimizer")),
+    Phase("graph", "relax_passes.graph",
+          ("EliminateLoss", "DecomposeCrossEntropy", "DecomposeLayerNorm", "DecomposeBatchNorm",
+           "DecomposeMatmulBias", "EliminateReduction", "EliminateSoftmaxBackwardReduction",
+           "AccumulateInFloat32", "FuseColumnMoments", "SaveSoftmaxLowPrecision", "EliminateMaskedFillGradient",
+           "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout")),
+    Phase("partition", "relax_passes.partition",
+          ("PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "InlineEVTPartitions")),
+    Phase("lower", "relax_passes.lower",
+          ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
+           "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "RecomputeElementwise",
+           "FuseColumnSums", "SplitReduction", "BoundedFuseOps", "ScheduleTIRForGPU")),
+)
 
 # Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
 # ``TVM_EVT_DISABLE=layer_norm,vectorize`` and ``TVM_EVT_ENABLE=pad_keys`` (comma-separated
@@ -90,7 +136,7 @@ OPTIONAL = {
     "vectorize": Rewrite("VectorizedElementwise: 16-byte vector loads/stores for contiguous injective kernels"),
     "input_casts": Rewrite("AbsorbPartitionInputCasts: casts that only feed an epilogue done inside it"),
     "softmax_bf16": Rewrite("SaveSoftmaxLowPrecision: the softmax gradient reads P as rounded to bf16"),
-    "pad_keys": Rewrite("PadAttentionKeys: attention key lengths (ViT's 197) padded to a multiple of 16, so its "
+    "pad_keys": Rewrite("PadAttentionKeys: attention key lengths that are not a multiple of 16 (197) padded to one, so its "
                         "GEMMs run on CUTLASS (H100: ViT-B/16 9.77 -> 8.08 ms per step)"),
     "nhwc": Rewrite("ConvertConvLayout (NHWC/OHWI) before Conv2dToMatmul: channel-contiguous im2col, no transposes "
                     "between convolutions (H100: ResNet-50 conv3_x 43.15 -> 24.71 ms per step)"),
@@ -99,7 +145,7 @@ OPTIONAL = {
                                "run by flash-attention kernels on CUDA (H100 bf16: BERT-Large 5.77 -> 4.79, "
                                "GPT-2 medium 8.00 -> 4.98, ViT-B/16 7.12 -> 5.89 ms per step)"),
     "split_projection": Rewrite("SplitFusedProjection: a linear layer whose output is split along its features "
-                                "(GPT-2's fused QKV) as one linear layer per piece, so no split copies its output "
+                                "(a fused QKV projection) as one linear layer per piece, so no split copies its output "
                                 "and no concatenation rebuilds its gradient (H100 bf16: GPT-2 medium 3.93 -> 3.87 ms "
                                 "per step)"),
     "implicit_conv": Rewrite("Conv2dToMatmul(implicit=True): an NHWC convolution with overlapping windows (3x3) "
@@ -167,16 +213,7 @@ def enabled(name: str) -> bool:
 
 
 def graph_passes() -> list:
-    """``evt_graph_passes()`` when relax_passes/graph_passes.py exists, else [] (with a warning)."""
-    try:
-        from .relax_passes.graph_passes import evt_graph_passes
-    except ImportError:
-        warnings.warn(
-            "tvm_evt.relax_passes.graph_passes is not available: partitioning the graph as "
-            "imported (no loss elimination, decomposition, reduction elimination, layout folding)",
-            stacklevel=2,
-        )
-        return []
+    """The EVT graph passes (``relax_passes/graph``) as one pass."""
     return [evt_graph_passes(save_softmax_low_precision=enabled("softmax_bf16"))]
 
 
@@ -206,9 +243,9 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
         from tvm.relax.backend.cuda import pipeline as cuda
 
         from .codegen import relax_ext
-        from .relax_passes.offload_attention import OffloadAttention
-        from .relax_passes.offload_conv import OffloadConv
-        from .relax_passes.prebuild_kernels import PrebuildKernels
+        from .relax_passes.lower.offload_attention import OffloadAttention
+        from .relax_passes.lower.offload_conv import OffloadConv
+        from .relax_passes.lower.prebuild_kernels import PrebuildKernels
 
         relax_ext.register()
         return (
@@ -232,7 +269,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 RecomputeElementwise(statistics=enabled("recompute_statistics")),
                 # a layer norm's dgamma and dbeta: one pass over its output gradient and input
                 FuseColumnMoments(LAYER_NORM, stored=True),
-                # column sums recomputing the same values (BERT-Large's loss, dgamma, dbeta): one pass
+                # column sums recomputing the same values from the same tensors (a loss, dgamma, dbeta): one pass
                 *([FuseColumnSums()] if enabled("column_sums") else []),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
                 relax.transform.LegalizeOps(),
@@ -292,59 +329,3 @@ def tvm_default_cuda_pipeline():
 
 if PIPELINE_NAME not in relax.pipeline.PIPELINE_MAP:  # registering twice raises (module reload)
     relax.register_pipeline(PIPELINE_NAME)(evt_pipeline)
-
-
-# ------------------------------------------------------------------------------ CPU reference
-def _composite(func: relax.Function) -> relax.Function:
-    """The Composite function an evt partition wraps."""
-    found = local_composite(func)
-    return found[0].value if found else func
-
-
-@tvm.transform.module_pass(opt_level=0, name="InlineEVTPartitions")
-class InlineEVTPartitions:
-    """Replace each call of a ``Codegen="evt"`` function by the ops of its composite function and
-    drop the partition functions: TVM then lowers those ops like any others."""
-
-    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        parts = {gv: f for gv, f in mod.functions_items()
-                 if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
-        if not parts:
-            return mod
-        bb = relax.BlockBuilder(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and gv not in parts:
-                bb.update_func(gv, self._inline(bb, func, parts))
-        out = bb.get()
-        for gv in parts:
-            out = _remove(out, gv)
-        return relax.transform.Normalize()(out)
-
-    @staticmethod
-    def _inline(bb, func, parts) -> relax.Function:
-        if not isinstance(func.body, relax.SeqExpr):
-            return func
-        blocks = []
-        for block in func.body.blocks:
-            bindings = []
-            for b in block.bindings:
-                value = getattr(b, "value", None)
-                if not (isinstance(value, relax.Call) and value.op in parts):
-                    bindings.append(b)
-                    continue
-                inner = _composite(parts[value.op])
-                vmap = dict(zip(inner.params, value.args))
-                for ib in inner.body.blocks[0].bindings:
-                    new_var = relax.DataflowVar(ib.var.name, ib.var.ty)
-                    bindings.append(relax.VarBinding(new_var, bb.normalize(substitute(ib.value, vmap))))
-                    vmap[ib.var] = new_var
-                bindings.append(relax.VarBinding(b.var, bb.normalize(substitute(inner.body.body, vmap))))
-            cls = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
-            blocks.append(cls(bindings))
-        body = relax.SeqExpr(blocks, func.body.body)
-        return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
-
-
-def _remove(mod: tvm.IRModule, gv) -> tvm.IRModule:
-    funcs = {g: f for g, f in mod.functions_items() if not g.same_as(gv)}
-    return tvm.IRModule(funcs, attrs=mod.attrs)

@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 
 from .pipeline import front_passes
-from .relax_passes.partition_evt import CODEGEN, partition_report
+from .relax_passes.partition.partition_evt import CODEGEN, partition_report
 
 
 def partitioned(mod: tvm.IRModule, function: str = "train_step", target: tvm.target.Target | None = None) -> tvm.IRModule:
@@ -60,7 +60,7 @@ def attention_calls(func: relax.Function) -> list[dict]:
 def conv_calls(func: relax.Function) -> list[dict]:
     """The ``tvm_evt.conv2d*`` calls of `func`, and whether the implicit-GEMM kernels take each."""
     from .codegen.frontend.conv_call import OPS
-    from .relax_passes.offload_conv import kernel_spec, stride_phases
+    from .relax_passes.lower.offload_conv import kernel_spec, stride_phases
 
     calls = []
     relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)

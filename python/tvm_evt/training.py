@@ -31,19 +31,19 @@ from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import NCHW_TO_NHWC, ImportedModel, from_torch
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
-from .relax_passes import gradient_rules  # noqa: F401  (registers the gradient rules)
-from .relax_passes.append_optimizer import AppendOptimizer, StepLayout
-from .relax_passes.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
-from .relax_passes.cancel_transposes import CancelTransposes
-from .relax_passes.conv2d_to_matmul import Conv2dToMatmul
-from .relax_passes.convert_conv_layout import ConvertConvLayout
-from .relax_passes.expand_small_power import ExpandSmallPower
-from .relax_passes.fuse_attention import FuseAttention
-from .relax_passes.fuse_batch_norm import FuseBatchNorm
-from .relax_passes.lower_dropout import SEED_PARAM, LowerDropout
-from .relax_passes.pad_attention_keys import PadAttentionKeys
-from .relax_passes.split_fused_projection import SplitFusedProjection
-from .relax_passes.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
+from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
+from .relax_passes.training.append_optimizer import AppendOptimizer, StepLayout
+from .relax_passes.training.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
+from .relax_passes.training.cancel_transposes import CancelTransposes
+from .relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
+from .relax_passes.training.convert_conv_layout import ConvertConvLayout
+from .relax_passes.training.expand_small_power import ExpandSmallPower
+from .relax_passes.training.fuse_attention import FuseAttention
+from .relax_passes.training.fuse_batch_norm import FuseBatchNorm
+from .relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
+from .relax_passes.training.pad_attention_keys import PadAttentionKeys
+from .relax_passes.training.split_fused_projection import SplitFusedProjection
+from .relax_passes.training.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
 
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 # the precisions whose attention the flash-attention kernels compute (FuseAttention runs for these)
@@ -161,7 +161,7 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     passes = [
         LowerDropout(),
         ExpandSmallPower(),
-        # GPT-2's fused QKV projection as three (pipeline.OPTIONAL)
+        # a linear layer whose output is split along its features as one per piece (pipeline.OPTIONAL)
         *([SplitFusedProjection()] if enabled("split_projection") else []),
         # convolutions (and the batch norms and ReLUs between them) in NHWC: opt-in, pipeline.OPTIONAL
         *([ConvertConvLayout()] if enabled("nhwc") else []),
@@ -178,7 +178,7 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
         # round trips between the softmax and LowerDropout's mask)
         *([FuseAttention(head_dims=FLASH_HEAD_DIMS)] if enabled("flash_attention") and precision in FLASH_PRECISIONS
           else []),
-        # key lengths like ViT's 197 to a multiple of 16: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
+        # key lengths that are not a multiple of 16 (197) to one: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
         *([PadAttentionKeys()] if enabled("pad_keys") else []),
     ]
     low = PRECISIONS[precision]
@@ -419,7 +419,7 @@ def compile_training(
         if tuning_dir is None:
             executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
         else:
-            from .tuning import compile_tuned
+            from .tuned import compile_tuned
 
             executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
     return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)

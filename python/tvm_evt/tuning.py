@@ -13,15 +13,12 @@ does, partitions it with the ``evt`` pipeline's front passes, then
 Both steps are resumable: a partition whose signature has a choice, or a task that already got its
 trials (``<work_dir>/progress.json``), is skipped; ``time_budget`` stops starting new work.
 
-``compile_tuned(mod, target, work_dir)`` (what ``compile_training(..., tuning_dir=...)`` calls)
-compiles with the same pipeline plus ``MetaScheduleApplyDatabase`` right after ``FuseTIR``, so tuned
-kernels replace DLight's default schedules, and with the CUTLASS choices in effect
-(``TVM_EVT_SELECT=1``; the work dir's choices are merged into the selection cache that
-``relax.ext.evt`` reads).
+A work dir is compiled with by ``tuned.compile_tuned`` (what ``compile_training(...,
+tuning_dir=...)`` calls).  This module is a driver: it uses the library (``training``, ``tuned``,
+``bench_e2e``'s models), and no library module imports it.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -38,13 +35,10 @@ import tvm_ffi
 from tvm import relax
 
 from .pipeline import front_passes, phases
+from .tuned import CUTLASS_FILE, _names, split_phases
 
 PROGRESS_FILE = "progress.json"
 BENCH_PREFIX = "bench:"  # load_model("bench:resnet50"): a scripts/bench.py model
-CUTLASS_FILE = "cutlass_select.json"
-MS_FILES = ("database_workload.json", "database_tuning_record.json")
-# what the CPU route must do before ApplyDatabase (the CUDA route has these in its legalize passes)
-_FUSE = ("LegalizeOps", "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR")
 
 
 def _log(msg: str) -> None:
@@ -95,10 +89,6 @@ def training_graph(entry, precision: str = "bf16", optimizer=None, target: tvm.t
 
 
 # ----------------------------------------------------------------------------- pipeline split
-def _names(passes) -> list[str]:
-    return [p.info.name for p in passes]
-
-
 def without_builds(passes: list, opaque: "OpaqueEVTCalls | None" = None) -> list:
     """``passes`` without nvcc: ``RunCodegen`` replaced by ``opaque`` (a fresh ``OpaqueEVTCalls``
     by default) and ``PrebuildKernels`` dropped."""
@@ -118,78 +108,10 @@ def until_scheduling(target: tvm.target.Target, opaque: "OpaqueEVTCalls | None" 
     return passes[:at], passes[at]
 
 
-def split_phases(target: tvm.target.Target) -> tuple[list, list]:
-    """The ``evt`` pipeline's phases cut right after ``FuseTIR``: (up to fused TIR, the rest).
-
-    The CUDA route fuses inside its legalize passes; the generic route legalizes inside
-    ``default_build_pipeline``, so the cut adds LegalizeOps ... FuseTIR before that last phase."""
-    passes = phases(target)
-    names = _names(passes)
-    if "FuseTIR" in names:
-        cut = names.index("FuseTIR") + 1
-        return passes[:cut], passes[cut:]
-    fuse = [getattr(relax.transform, name)() for name in _FUSE]
-    return passes[:-1] + fuse, passes[-1:]
-
-
-def has_database(work_dir) -> bool:
-    return all((Path(work_dir) / f).is_file() for f in MS_FILES)
-
-
-def tuned_pipeline(work_dir) -> tvm.transform.Pass:
-    """The ``evt`` pipeline with ``MetaScheduleApplyDatabase(work_dir)`` after ``FuseTIR``."""
-    work_dir = str(work_dir)
-
-    @tvm.transform.module_pass(opt_level=0, name="EVTTunedPipeline")
-    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        target = tvm.target.Target.current()
-        if target is None:
-            raise ValueError("the tuned evt pipeline needs a target: tvm.compile(mod, target=...)")
-        with target:
-            before, after = split_phases(target)
-            apply = [relax.transform.MetaScheduleApplyDatabase(work_dir)] if has_database(work_dir) else []
-            return tvm.transform.Sequential(before + apply + after)(mod)
-
-    return _pipeline
-
-
-@contextlib.contextmanager
-def cutlass_choices(work_dir):
-    """Make ``relax.ext.evt`` use the CUTLASS choices of ``work_dir`` (merged into the selection
-    cache it reads; ``TVM_EVT_SELECT=1`` while the block runs)."""
-    from .codegen import select
-    from .codegen.backend import KernelConfig
-
-    path = Path(work_dir) / CUTLASS_FILE
-    if path.is_file():
-        mine, shared = select.SelectionCache(path), select.SelectionCache()
-        current = shared.load()
-        for key, entry in mine.load().items():
-            if current.get(key, {}).get("config") == entry.get("config"):
-                continue
-            sig, gpu, _version = key.split("|")
-            shared.put(sig, gpu, KernelConfig.from_json(entry["config"]), note=entry.get("note", ""))
-    old = os.environ.get("TVM_EVT_SELECT")
-    os.environ["TVM_EVT_SELECT"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TVM_EVT_SELECT", None)
-        else:
-            os.environ["TVM_EVT_SELECT"] = old
-
-
-def compile_tuned(mod: tvm.IRModule, target: tvm.target.Target, work_dir):
-    """``tvm.compile`` with the tuning results of ``work_dir`` (MetaSchedule database + CUTLASS choices)."""
-    with cutlass_choices(work_dir):
-        return tvm.compile(mod, target=target, relax_pipeline=tuned_pipeline(work_dir))
-
-
 # ------------------------------------------------------------------------------- partitions
 def evt_functions(mod: tvm.IRModule, codegen: str | None = None) -> dict:
     """{GlobalVar: function} of the ``Codegen="evt"`` partitions (or of `codegen`'s functions)."""
-    from .relax_passes.partition_evt import CODEGEN
+    from .relax_passes.partition.partition_evt import CODEGEN
 
     codegen = codegen or CODEGEN
     return {gv: f for gv, f in mod.functions_items()
@@ -199,8 +121,8 @@ def evt_functions(mod: tvm.IRModule, codegen: str | None = None) -> dict:
 def _external_functions(mod: tvm.IRModule) -> dict:
     """{GlobalVar: kind} of the functions ``RunCodegen`` builds: evt partitions ("cutlass"),
     flash-attention calls ("flash") and implicit-GEMM convolutions ("conv")."""
-    from .relax_passes.offload_attention import CODEGEN as ATTENTION
-    from .relax_passes.offload_conv import CODEGEN as CONV
+    from .relax_passes.lower.offload_attention import CODEGEN as ATTENTION
+    from .relax_passes.lower.offload_conv import CODEGEN as CONV
 
     kinds = {gv: "cutlass" for gv in evt_functions(mod)}
     return {**kinds, **{gv: "flash" for gv in evt_functions(mod, ATTENTION)},
@@ -262,7 +184,7 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
         mod = tvm.transform.Sequential([*before, schedule])(mod)
         mod = relax.transform.RewriteDataflowReshape()(mod)  # pure reshapes become views
 
-    from .relax_passes.evt_cost import tensor_bytes
+    from .relax_passes.partition.evt_cost import tensor_bytes
 
     call_tir, call_packed = tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_dps_packed")
     rows: dict = {}
@@ -575,7 +497,7 @@ def extract_tasks(fused: tvm.IRModule, target: tvm.target.Target) -> list:
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 
-    from .relax_passes.schedule_tir_for_gpu import has_own_gpu_form
+    from .relax_passes.lower.schedule_tir_for_gpu import has_own_gpu_form
 
     def func(task):  # the task's PrimFunc (its module's one function)
         return task.dispatched[0].functions_items()[0][1]

@@ -1,0 +1,305 @@
+"""FuseLayerNormBackward: the input gradient of a layer norm as one CUDA kernel.
+
+`gradient_rules.layer_norm_grad` writes the input gradient of ``y = xhat * gamma + beta`` over the
+last axis as row means and elementwise ops::
+
+    g  = dy * gamma                     # or g given (the partitioner put it in a GEMM epilogue)
+    h  = g * xhat                       # or h given
+    dx = rstd * ((g - mean(g)) - xhat * mean(h))
+    [dxl = astype(dx, low)]             # optional casts of the result
+
+DLight ran it as four or five kernels over the [rows, n] float32 block (BERT-Large: ~0.35 ms per
+layer norm on H100).  On the CUDA route this pass makes it one ``call_tir``, scheduled one thread
+block per row with both means as cross-thread reductions, writing ``dx`` (when something other
+than the casts reads it) and its cast.  ``g`` and ``h`` are computed inside when nothing else
+reads them, and so are the elementwise producers of its inputs where nothing else reads them or
+recomputing pays (``_prologue.py``): ``xhat`` from the bf16 ``x`` and the statistics FuseLayerNorm
+writes, a loss gradient ``dy`` from them and the target.  With ``epilogue=True`` (the pipeline's
+``ln_epilogue``, on by default) the elementwise ops that alone read ``dx`` -- GPT-2's residual add, cast,
+dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``; and
+where ``dx``'s one cast has other readers after such a chain (BERT-Large: dropout's backward of the
+bf16 ``dx`` a GEMM epilogue also reads), the kernel writes the cast and the chain's result.
+Each element is computed with the graph's operations in the graph's order (the sums may associate
+differently).  All values float32, in one dataflow block; only ``dx`` is read
+outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, te, tirx
+
+from .._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, op_name, static_shape
+from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders,
+                        prologue_compute, prologue_tag, unique_leaves)
+from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
+from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
+
+MEAN = tvm.ir.Op.get("relax.mean")
+SUBTRACT = tvm.ir.Op.get("relax.subtract")
+MULTIPLY = tvm.ir.Op.get("relax.multiply")
+ASTYPE = tvm.ir.Op.get("relax.astype")
+
+
+@dataclass(frozen=True)
+class LayerNormGradChain:
+    """One match: the kernel's inputs as prologues (what it reads and recomputes), whether ``dx``
+    itself is written, the absorbed casts."""
+
+    g: Prologue | None  # given g, else None (computed from dy * gamma)
+    dy: Prologue | None
+    gamma: relax.Expr | None
+    h: Prologue | None  # given h, else None (computed as g * xhat)
+    xhat: Prologue
+    rstd: relax.Expr
+    write_dx: bool
+    low: str | None
+    casts: tuple  # cast vars, all reading dx
+    absorbed: frozenset
+    tail: Prologue | None = None  # elementwise ops applied in the kernel to `tail_from`, the last one written
+    dx: relax.Var | None = None
+    tail_from: relax.Var | None = None  # dx, or its one cast (which the kernel then writes too)
+
+
+def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool, write_dx: bool,
+                             low: str | None, scheduled: bool = True) -> tirx.PrimFunc:
+    """Parameters ``(g | dy, gamma), [h], xhat, rstd``, then ``dx`` (if `write_dx`) and
+    ``astype(dx, low)`` (if `low`)."""
+    *lead, n = shape
+    names = (["dy", "gamma"] if gamma_shape else ["g"]) + (["h"] if given_h else []) + ["xhat", "rstd"]
+    shapes = {"gamma": gamma_shape, "rstd": (*lead, 1)}
+    ts = {name: te.placeholder(shapes.get(name, shape), "float32", name=name) for name in names}
+    read = lambda name: (lambda idx: at(ts[name], idx))  # noqa: E731
+    return _grad_primfunc(shape, list(ts.values()), None if gamma_shape else read("g"),
+                          read("dy") if gamma_shape else None, ts.get("gamma"), read("h") if given_h else None,
+                          read("xhat"), ts["rstd"], write_dx, low, scheduled)
+
+
+def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write_dx: bool, low: str | None,
+                   scheduled: bool, tail_of=None) -> tirx.PrimFunc:
+    """The kernel over the placeholders `params`; each input is a function of the index (``*_of``),
+    ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``; ``tail_of(idx, dx)``,
+    if given, a last output computed from ``dx``."""
+    *lead, n = shape
+    inv_n = tirx.const(1.0 / n, "float32")
+    g = g_of if g_of is not None else (lambda idx: dy_of(idx) * at(gamma, idx))
+    h = h_of if h_of is not None else (lambda idx: g(idx) * xhat_of(idx))
+    k1, k2 = te.reduce_axis((0, n), name="k1"), te.reduce_axis((0, n), name="k2")
+    sum_g = te.compute(lead, lambda *r: te.sum(g((*r, k1)), axis=k1), name="sum_g")
+    sum_h = te.compute(lead, lambda *r: te.sum(h((*r, k2)), axis=k2), name="sum_h")
+
+    def values(*idx):
+        r = idx[:-1]
+        a = g(idx) - sum_g[r] * inv_n
+        c = xhat_of(idx) * (sum_h[r] * inv_n)
+        dx = rstd[(*r, 0)] * (a - c)
+        return tuple(([dx] if write_dx else []) + ([dx.astype(low)] if low else [])
+                     + ([tail_of(idx, dx)] if tail_of else []))
+
+    n_out = int(write_dx) + int(bool(low)) + int(tail_of is not None)
+    outs = _as_list(te.compute(shape, values, name="dx"))
+    func = te.create_prim_func([*params, *outs])
+    if not scheduled:
+        return func
+    sch = tvm.s_tir.Schedule(func)  # both sums read straight from global memory (no staging)
+    schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"], n, stage=False)
+    return mark_scheduled(sch)
+
+
+def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
+    """``{dx var (or its tail's last var): LayerNormGradChain}`` for each match of the module
+    docstring's pattern.
+
+    With `epilogue`, a chain whose dx (or its cast) is also read by another chain's tail (ViT-B/16:
+    the bf16 dx of one layer norm feeds the dropout backward and the next layer norm's residual
+    add) gets a second look: that reader is then a kernel of its own reading the value, like a
+    GEMM, and the tail takes the other reader.  A second-look tail that would share an op with
+    another chain's tail is not taken."""
+    found = _find_chains(func, epilogue)
+    tails = {c.dx: c.tail.vars for c in found.values() if c.tail is not None}
+    if not epilogue or not tails or all(c.tail is not None for c in found.values()):
+        return found
+    others = {c.dx: frozenset().union(*[v for d, v in tails.items() if not d.same_as(c.dx)])
+              for c in found.values()}
+    again = {c.dx: c for c in _find_chains(func, epilogue, others).values()}
+    out = {}
+    for key, c in found.items():
+        c2 = again.get(c.dx)
+        if c.tail is None and c2 is not None and c2.tail is not None and not (c2.tail.vars & others[c.dx]):
+            out[c2.tail.root] = c2
+        else:
+            out[key] = c
+    return out
+
+
+def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None = None) -> dict:
+    """``find_chains``' matches; `other_tails` (dx -> the vars other chains' tails take) are
+    readers the tail search passes over, as it does kernels."""
+    other_tails = other_tails or {}
+    bindings, blocks = flat_bindings(func)
+    bound = {b.var: b.value for b in bindings}
+    index = {b.var: i for i, b in enumerate(bindings)}
+    uses = binding_uses(func)
+
+    def call(var, op):
+        value = bound.get(var)
+        return value if isinstance(value, relax.Call) and value.op == op else None
+
+    def only_read_by(var, readers) -> bool:
+        got = uses.get(var, [])
+        return bool(got) and all(i < len(bindings) and bindings[i].var in readers for i in got)
+
+    def f32(expr, shape):
+        return static_shape(expr) == shape and str(expr.ty.dtype) == "float32"
+
+    def readers(var):
+        return [bindings[i].var if i < len(bindings) else None for i in uses.get(var, [])]
+
+    found = {}
+    for b in bindings:
+        dx = b.var
+        mul = call(dx, MULTIPLY)
+        shape = static_shape(dx) if mul is not None else None
+        if shape is None or str(dx.ty.dtype) != "float32" or shape[-1] * 4 > MAX_ROW_BYTES:
+            continue
+        stat_shape = (*shape[:-1], 1)
+        rstd, d = mul.args if f32(mul.args[0], stat_shape) else mul.args[::-1]
+        sub = call(d, SUBTRACT)
+        if not (f32(rstd, stat_shape) and sub is not None and only_read_by(d, {dx})):
+            continue
+        a, c = sub.args
+        sub_a, mul_c = call(a, SUBTRACT), call(c, MULTIPLY)
+        if sub_a is None or mul_c is None or not (only_read_by(a, {d}) and only_read_by(c, {d})):
+            continue
+        g, m1 = sub_a.args
+        mean1 = call(m1, MEAN)
+        if mean1 is None or not mean1.args[0].same_as(g) or not _is_last_axis_mean(mean1, len(shape)) \
+                or not only_read_by(m1, {a}) or not f32(g, shape):
+            continue
+        xhat, m2 = mul_c.args if call(mul_c.args[1], MEAN) is not None else mul_c.args[::-1]
+        mean2 = call(m2, MEAN)
+        if mean2 is None or not _is_last_axis_mean(mean2, len(shape)) or not only_read_by(m2, {c}) \
+                or not f32(xhat, shape):
+            continue
+        h = mean2.args[0]
+        chain = {dx, d, a, c, m1, m2}
+        mul_h = call(h, MULTIPLY)
+        if mul_h is not None and only_read_by(h, {m2}) and (
+                (mul_h.args[0].same_as(g) and mul_h.args[1].same_as(xhat))
+                or (mul_h.args[1].same_as(g) and mul_h.args[0].same_as(xhat))):
+            chain.add(h)
+            h = None
+        elif not f32(h, shape):
+            continue
+        dy = gamma = None
+        mul_g = call(g, MULTIPLY)
+        if mul_g is not None and only_read_by(g, chain):
+            vec = [i for i, arg in enumerate(mul_g.args) if _is_row_vector(arg, shape[-1])]
+            other = mul_g.args[1 - vec[0]] if len(vec) == 1 else None
+            if other is not None and f32(other, shape):
+                dy, gamma = other, mul_g.args[vec[0]]
+                chain.add(g)
+                g = None
+        casts, low = [], None
+        for i in uses.get(dx, []):
+            cast = bindings[i] if i < len(bindings) else None
+            value = cast and cast.value
+            if isinstance(value, relax.Call) and value.op == ASTYPE and str(value.attrs.dtype) in LOW \
+                    and low in (None, str(value.attrs.dtype)):
+                low = str(value.attrs.dtype)
+                casts.append(cast.var)
+        write_dx = not only_read_by(dx, set(casts))
+        members = chain | set(casts)
+        if len({blocks.get(v) for v in members}) != 1 or blocks.get(dx) is None \
+                or not all(isinstance(v, relax.DataflowVar) for v in members):
+            continue
+        key, tail, tail_from = dx, None, None
+        if epilogue:  # elementwise consumers in the kernel; the call sits at the last of them
+            same_block = lambda v: blocks.get(v) == blocks.get(dx)  # noqa: E731
+            # the chain starts at dx, beside its casts; else at its one cast, beside the cast's
+            # readers that are not elementwise (BERT-Large: dropout's backward of the bf16 dx, which
+            # a GEMM epilogue also reads)
+            taken = other_tails.get(dx, frozenset())
+            starts = [(dx, set(casts) | taken)]
+            if len(casts) == 1:
+                starts.append((casts[0], {r for r in readers(casts[0])
+                                          if r is None or op_name(bound.get(r)) not in ELEMENTWISE or r in taken}))
+            for start, skip in starts:
+                tail = epilogue_chain(start, bound, readers, skip, shape, same_block)
+                if tail is None:
+                    continue
+                # every other reader of dx and its cast must come after the call; dx is written
+                # only if something besides its casts and the chain reads it
+                inside = set(casts) | tail.vars
+                outside = lambda v: [i for i in uses.get(v, [])  # noqa: E731
+                                     if i >= len(bindings) or bindings[i].var not in inside]
+                if all(i > index[tail.root] for v in (dx, *casts) for i in outside(v)):
+                    key, tail_from = tail.root, start
+                    write_dx = bool(outside(dx))
+                    members = members | tail.vars
+                    break
+                tail = None
+
+        def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
+            if expr is None:
+                return None
+            p = inline_prologue(expr, bound, readers, members, shape)
+            return p if all(blocks.get(v) == blocks.get(dx) for v in p.vars) else Prologue(expr, (), (expr,))
+
+        found[key] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
+                                        write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx, tail_from)
+    return found
+
+
+def _fuse(scheduled: bool):
+    def fuse(mutator, binding: relax.VarBinding, chain: LayerNormGradChain):
+        shape = static_shape(chain.dx)
+        roles = {"g": chain.g, "dy": chain.dy, "h": chain.h, "xhat": chain.xhat}
+        prologues = [p for p in roles.values() if p is not None]
+        extra = (chain.gamma,) if chain.gamma is not None else ()
+        tail = [chain.tail] if chain.tail is not None else []
+        leaves = unique_leaves(*prologues, *tail, extra=(*extra, chain.rstd))
+        name = ("layer_norm_grad_" + "x".join(map(str, shape)) + ("_dyg" if chain.gamma is not None else "_g")
+                + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
+                + (f"_{chain.low}" if chain.low else "") + ("_tail" if tail else "")
+                + prologue_tag(prologues + tail, leaves))
+
+        def make():
+            tensors = placeholders(leaves)
+            of = {role: p and prologue_compute(p, leaves, tensors) for role, p in roles.items()}
+            read = lambda e: tensors[leaf_index(leaves)(e)]  # noqa: E731
+            tail_of = None
+            if chain.tail is not None:
+                compute = prologue_compute(chain.tail, leaves, tensors)
+                start = (lambda dx: dx) if chain.tail_from.same_as(chain.dx) else (lambda dx: dx.astype(chain.low))
+                tail_of = lambda idx, dx: compute(idx, {chain.tail_from: start(dx)})  # noqa: E731
+            return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
+                                  of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled,
+                                  tail_of)
+
+        gvar = add_function_once(mutator.builder_, name, make)
+        types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
+            + ([relax.TensorType(shape, chain.low)] if chain.low else []) \
+            + ([chain.tail.root.ty] if tail else [])
+        outs = emit_call_tir(mutator.builder_, gvar, [mutator.visit_expr(x) for x in leaves], types)
+        remaps = [(chain.dx, outs[0])] if chain.write_dx else []
+        remaps += [(cast, outs[int(chain.write_dx)]) for cast in chain.casts]
+        return remaps + ([(chain.tail.root, outs[-1])] if tail else [])
+
+    return fuse
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseLayerNormBackward")
+class FuseLayerNormBackward:
+    """Fuse each layer norm input gradient (two row means and the elementwise combine, with the
+    ``g``/``h`` products and the result casts where only it reads them) into one scheduled CUDA
+    kernel (see the module docstring).  ``scheduled=False`` leaves the kernels unscheduled."""
+
+    def __init__(self, scheduled: bool = True, epilogue: bool = False):
+        self.scheduled = scheduled
+        self.epilogue = epilogue
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return fuse_chains(mod, lambda func: find_chains(func, self.epilogue), _fuse(self.scheduled))

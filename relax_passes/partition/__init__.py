@@ -1,0 +1,4 @@
+"""The partitioner: ``PartitionEVT`` chooses GEMM + epilogue groups by integer linear programming
+(python-mip) under the cost model of ``evt_cost``, asking ``codegen.legality`` what an epilogue can
+express; then ``AbsorbPartitionInputCasts``, ``DeduplicateEVTPartitions``, and on the CPU route
+``InlineEVTPartitions``."""
