@@ -14,7 +14,8 @@ Each kernel's configuration is one whose main loop gets 2+ shared-memory stages
 conservative configuration that fits (``backend.smem.conservative_config``); if that fails too, the
 error names the partition, the configuration and nvcc's first error line.
 
-Registration is explicit (``register()``), not an import side effect.
+``register()`` adds the three global functions; ``import tvm_evt`` calls it (and so does the
+``evt`` pipeline), so ``RunCodegen`` finds them from the package's import on.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .backend import KernelConfig, default_config, emit, smem
 from .backend.conv import emit_conv
 from .backend.flash_attention import emit_attention
 from .build import BuildError, build_each, kernel_entries, link_module
-from .errors import Unsupported
+from .errors import CodegenError, Unsupported
 from .frontend import from_function
 from .frontend.attention_call import attention_of_function
 from .frontend.conv_call import conv_of_function
@@ -156,7 +157,7 @@ def evt_codegen(funcs, options, constant_names):
     try:
         kernels = generate_kernels(funcs, options)
     except Unsupported as err:
-        raise tvm.error.TVMError(
+        raise CodegenError(
             f"relax.ext.evt: a partition cannot be offloaded: {err.reason} "
             "(partition with tvm_evt.codegen.legality.pattern_check to leave it to TVM)"
         ) from err
@@ -164,7 +165,7 @@ def evt_codegen(funcs, options, constant_names):
     try:
         objects = build_kernels(kernels, jobs=int(jobs) if jobs is not None else None)
     except BuildError as err:
-        raise tvm.error.TVMError(str(err)) from err
+        raise CodegenError(str(err)) from err
     _record_entries(objects)
     obj = link_module([objects[s] for s in kernels], list(kernels))
     return [tvm.runtime.load_static_library(str(obj), list(kernels))]
@@ -232,9 +233,9 @@ def _call_codegen(codegen: str, read, build):
         try:
             return [build([read(func) for func in funcs])]
         except Unsupported as err:
-            raise tvm.error.TVMError(f"relax.ext.{codegen}: {err.reason}") from err
+            raise CodegenError(f"relax.ext.{codegen}: {err.reason}") from err
         except BuildError as err:
-            raise tvm.error.TVMError(str(err)) from err
+            raise CodegenError(str(err)) from err
 
     run.__name__ = f"{codegen}_codegen"
     return run

@@ -2,6 +2,7 @@
 computes what torch computes; dropout becomes ``relax.nn.dropout``; BatchNorm updates its running
 statistics as torch does."""
 
+import math
 import copy
 
 import numpy as np
@@ -92,7 +93,7 @@ def _count_calls(mod: tvm.IRModule, op_name: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-# bert_tiny is bert_mlm's default configuration (checked below): compiling it twice buys nothing
+# bert_tiny is bert_mlm's graph at a larger batch (checked below): compiling it twice buys nothing
 @pytest.mark.parametrize("name", sorted(set(ZOO) - {"bert_tiny"}))
 def test_zoo_model_matches_torch(name):
     torch.manual_seed(0)
@@ -113,10 +114,20 @@ def test_zoo_entry_contract(name):
     assert entry.description
 
 
-def test_bert_tiny_is_the_default_mlm():
+def test_bert_tiny_is_the_default_mlm_at_a_larger_batch():
     model = ZOO["bert_tiny"]().model
     assert len(model.layers) == 2 and model.vocab == 1000
-    assert ZOO["bert_mlm"]().description == ZOO["bert_tiny"]().description
+    assert ZOO["bert_mlm"](batch=8, seq=32).description == ZOO["bert_tiny"]().description
+
+
+def test_bert_starts_near_the_uniform_loss():
+    """BERT's N(0, 0.02) initialisation: the MLM loss of the untrained model is near ln(vocab)."""
+    torch.manual_seed(0)
+    entry = ZOO["bert_tiny"]()
+    std = entry.model.embeddings.word.weight.std().item()
+    assert 0.018 < std < 0.022
+    losses = [float(entry.training_module().eval()(*entry.example_inputs())) for _ in range(3)]
+    assert all(abs(loss - math.log(1000)) < 0.3 for loss in losses), losses
 
 
 def test_presets_build_real_sizes():

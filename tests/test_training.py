@@ -498,3 +498,37 @@ def test_train_command_takes_an_inplace_step(capsys):
     assert cli.main(["train", "--model", "mlp", "--steps", "2", "--target", "llvm", "--inplace"]) == 0
     out = capsys.readouterr().out
     assert "step    2  loss" in out and "time per step" in out
+
+
+def test_train_command_prints_eager_loss_beside_its_own(capfd, monkeypatch):
+    """The quick start's first steps print PyTorch eager's loss on the same weights and batch
+    (without dropout the two agree), and none of TVM's known-harmless warnings."""
+    import functools
+
+    from tvm_evt import cli
+
+    monkeypatch.setitem(models.ZOO, "mlp", functools.partial(models.mlp, dropout=0.0))
+    assert cli.main(["train", "--model", "mlp", "--steps", "3", "--target", "llvm", "--compare", "2"]) == 0
+    out, err = capfd.readouterr()
+    steps = [line.split() for line in out.splitlines() if line.startswith("step")]
+    assert len(steps) == 3 and "eager" not in steps[2]
+    for words in steps[:2]:
+        ours, eager = float(words[words.index("loss") + 1]), float(words[words.index("eager") + 1])
+        assert abs(ours - eager) <= 1e-3 * max(1.0, abs(eager)), words
+    assert "Fast mode segfaults" not in err and "pragma_scope" not in err
+
+
+def test_quiet_known_warnings_passes_other_lines_through(capfd, monkeypatch):
+    import os
+
+    from tvm_evt.logs import KNOWN_HARMLESS, quiet_known_warnings
+
+    monkeypatch.delenv("TVM_EVT_VERBOSE", raising=False)
+    with quiet_known_warnings():
+        os.write(2, f"[00:00:00] x.h:1: Warning: {KNOWN_HARMLESS[0].text}. Make sure\n".encode())
+        os.write(2, b"[00:00:00] y.cc:2: Warning: something that matters\n")
+    assert capfd.readouterr().err == "[00:00:00] y.cc:2: Warning: something that matters\n"
+    monkeypatch.setenv("TVM_EVT_VERBOSE", "1")
+    with quiet_known_warnings():
+        os.write(2, f"{KNOWN_HARMLESS[1].text}\n".encode())
+    assert KNOWN_HARMLESS[1].text in capfd.readouterr().err

@@ -28,9 +28,24 @@ def _fail(msg: str):
     raise SystemExit(f"tvm-evt: {msg}")
 
 
-def train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _eager_twin(entry):
+    """(a copy of the model, a function of a batch -> PyTorch eager's loss of the copy on it)."""
+    import copy
+    import dataclasses
 
+    import torch
+
+    twin = copy.deepcopy(entry.model)
+    module = dataclasses.replace(entry, model=twin).training_module()
+
+    def loss(batch) -> float:
+        with torch.no_grad():
+            return float(module(*batch))
+
+    return twin, loss
+
+
+def train(args: argparse.Namespace) -> int:
     import tvm_evt
     from tvm_evt import models
 
@@ -38,6 +53,7 @@ def train(args: argparse.Namespace) -> int:
         _fail(f"unknown model {args.model!r}; choose from {', '.join(sorted(models.ZOO))}")
     entry = models.ZOO[args.model]()
     example = entry.example_inputs()
+    twin, eager_loss = _eager_twin(entry)
     optimizer = (tvm_evt.optim.AdamW(lr=args.lr) if args.optimizer == "adamw"
                  else tvm_evt.optim.SGD(lr=args.lr, momentum=0.9))
     print(f"model: {entry.description}")
@@ -49,16 +65,20 @@ def train(args: argparse.Namespace) -> int:
     )
     print(f"target: {step.target.kind.name}  precision: {args.precision}  "
           f"compiled in {time.perf_counter() - t0:.1f} s")
+    if args.compare:
+        print(f"the first {args.compare} steps also print PyTorch eager's loss of the same weights on the same "
+              "batch (each draws its own dropout masks)")
     times = []
-    bar = tqdm(range(args.steps), desc="train", unit="step", file=sys.stdout)
-    for i in bar:
-        batch = entry.example_inputs()  # fresh synthetic tokens every step
+    for i in range(args.steps):
+        batch = entry.example_inputs()  # a fresh synthetic batch every step
+        eager = ""
+        if i < args.compare:  # before the step: it updates the weights the loss was computed with
+            twin.load_state_dict({k: v.detach().cpu() for k, v in step.parameters().items()}, strict=False)
+            eager = f"  eager {eager_loss(batch):.4f}"
         start = time.perf_counter()
         loss = float(step(*batch))
         times.append(time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        tqdm.write(f"step {i + 1:4d}  loss {loss:.4f}", file=sys.stdout)
-    bar.close()
+        print(f"step {i + 1:4d}  loss {loss:.4f}{eager}", flush=True)
     steady = times[1:] or times
     print(f"time per step: {statistics.median(steady) * 1e3:.2f} ms "
           f"(median of {len(steady)} steps after the first)")
@@ -75,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--compare", type=int, default=3,
+                   help="steps that also print PyTorch eager's loss on the same weights and batch (default 3)")
     p.add_argument("--inplace", action="store_true",
                    help="the update writes over the step's parameters and optimizer state (not with fp16)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,

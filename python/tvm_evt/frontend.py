@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -293,11 +294,15 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
     if loss_fn is not None:
         traced, prefix = _WithLoss(model, loss_fn), "model."
     traced.train()
-    try:
-        ep = torch.export.export(traced, example_inputs)
-    except Exception as err:
-        raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
-    imported = import_exported_program(ep, strip_prefix=prefix)
+    with warnings.catch_warnings():
+        # torch's own pytree code trips its deprecation of LeafSpec while it exports (torch >= 2.10)
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        try:
+            ep = torch.export.export(traced, example_inputs)
+        except Exception as err:
+            raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
+        imported = import_exported_program(ep, strip_prefix=prefix)
     flags = [is_channels_last(t) for t in example_inputs]
     return _take_channels_last(imported, flags) if any(flags) else imported
 

@@ -30,6 +30,7 @@ from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
 from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import NCHW_TO_NHWC, ImportedModel, from_torch
+from .logs import quiet_known_warnings
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
 from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.training.append_optimizer import AppendOptimizer, StepLayout
@@ -415,7 +416,7 @@ def compile_training(
     graphs = captures_graphs(tgt, precision, cuda_graph)
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
-    with graph_capture() if graphs else contextlib.nullcontext():
+    with graph_capture() if graphs else contextlib.nullcontext(), quiet_known_warnings():
         if tuning_dir is None:
             executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
         else:
