@@ -41,8 +41,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # the tests draw the report PNGs and run the tuning flow
-        "test": ["pytest>=7", "pytest-xdist", "matplotlib", "cloudpickle", "psutil"],
+        # the tests draw the report PNGs, run the tuning flow and train modules transformers builds
+        "test": ["pytest>=7", "pytest-xdist", "matplotlib", "cloudpickle", "psutil", "transformers"],
         "bench": ["matplotlib"],
         "tune": ["cloudpickle", "psutil"],  # MetaSchedule's process pools
     },

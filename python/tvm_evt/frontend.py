@@ -133,6 +133,24 @@ def _make_importer(convert_map: dict, origin_log: list, strip_prefix: str):
     return importer
 
 
+# ops the importer converts itself instead of taking torch's decomposition: torch's SDPA
+# decomposition gives views wrong strides (pytorch issue 136543: "Cannot view a tensor with shape
+# [4, 64, 128] and strides (128, 512, 1)" on transformers' GPT2Attention), and attention is better
+# met whole than written out and matched back
+KEPT_WHOLE = ("scaled_dot_product_attention.default",)
+
+
+def decomposition_table() -> dict:
+    """torch.export's default decompositions, less those of ``KEPT_WHOLE``."""
+    import torch
+
+    table = torch.export.default_decompositions()
+    for name in KEPT_WHOLE:
+        packet, _, overload = name.partition(".")
+        table.pop(getattr(getattr(torch.ops.aten, packet), overload), None)
+    return table
+
+
 def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: str = ""):
     """Translate an ExportedProgram into an `ImportedModel` (see module docstring)."""
     from torch.export.graph_signature import InputKind, OutputKind
@@ -140,7 +158,7 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     from .converters import CONVERT_MAP
 
     convert_map = dict(CONVERT_MAP, **(convert_map or {}))
-    ep = ep.run_decompositions()
+    ep = ep.run_decompositions(decomposition_table())
     nodes = list(ep.graph.nodes)
 
     origin_log: list = []
