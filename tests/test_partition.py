@@ -223,7 +223,7 @@ def test_partitions_compute_what_the_codegen_reads(name):
     import numpy as np
 
     from tvm_evt.codegen import from_function, lower, reference
-    from tvm_evt.pipeline import _composite
+    from tvm_evt.relax_passes.partition.inline_partitions import _composite
     from tvm_evt.tuning import training_graph
 
     entry = models.ZOO[name]()
