@@ -406,6 +406,55 @@ def _make_adaptive_max_pool(spatial: int) -> Converter:
 
 
 # --------------------------------------------------------------------------------------------
+# Concatenation
+# --------------------------------------------------------------------------------------------
+
+
+def _convert_cat(node: fx.Node, importer) -> relax.Expr:
+    """``cat(tensors, dim)`` with torch's legacy rule: 1-D tensors of shape (0,) are skipped
+    (a key/value cache starts as ``torch.tensor([])``, then each layer concatenates its keys)."""
+    tensors = [importer.env[t] for t in node.args[0]]
+    dim = int(_arg(node, 1, "dim", 0))
+    kept = [t for t in tensors if _shape(t) != [0]] or tensors[:1]
+    if len(kept) == 1:
+        return kept[0]
+    rank = len(_shape(kept[0]))
+    return importer.block_builder.emit(relax.op.concat(kept, axis=dim % rank))
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding lookups
+# --------------------------------------------------------------------------------------------
+
+
+def _convert_embedding(node: fx.Node, importer) -> relax.Expr:
+    """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)`` as a ``take`` whose
+    gradient skips the positions that look up ``padding_idx`` (torch leaves that row's gradient 0)::
+
+        out = where(indices == padding_idx, no_grad(take(w, i)), take(w, i))
+
+    the same values forward; backward, the padding positions send the weight nothing.
+    ``scale_grad_by_freq`` (a gradient scaled by each index's count in the batch) is refused.
+    """
+    weight, indices = (importer.env[a] for a in node.args[:2])
+    padding_idx = int(_arg(node, 2, "padding_idx", -1))
+    if _arg(node, 3, "scale_grad_by_freq", False):
+        raise NotImplementedError("embedding: scale_grad_by_freq=True (a gradient scaled by index counts) "
+                                  "is not supported")
+    bb = importer.block_builder
+    if "int" not in _dtype(indices):
+        indices = bb.emit(relax.op.astype(indices, "int64"))
+    looked_up = bb.emit(relax.op.take(weight, indices, axis=0))
+    if padding_idx < 0:
+        return looked_up
+    if padding_idx >= _shape(weight)[0]:
+        raise NotImplementedError(f"embedding: padding_idx {padding_idx} outside the {_shape(weight)[0]} rows")
+    pad = bb.emit(relax.op.expand_dims(relax.op.equal(indices, relax.const(padding_idx, _dtype(indices))), -1))
+    frozen = bb.emit(relax.op.grad.no_grad(looked_up))
+    return bb.emit(relax.op.where(pad, frozen, looked_up))
+
+
+# --------------------------------------------------------------------------------------------
 # Scaled dot-product attention
 # --------------------------------------------------------------------------------------------
 
@@ -471,6 +520,10 @@ CONVERT_MAP: dict[str, Converter] = {
     # XML-CNN's dynamic max pooling
     "adaptive_max_pool1d.default": _make_adaptive_max_pool(spatial=1),
     "adaptive_max_pool2d.default": _make_adaptive_max_pool(spatial=2),
+    # concatenation that skips legacy empty (0,) tensors
+    "cat.default": _convert_cat,
+    # embedding lookups: padding_idx's row gets no gradient
+    "embedding.default": _convert_embedding,
     # attention with dropout or a custom scale
     "scaled_dot_product_attention.default": _convert_sdpa,
 }

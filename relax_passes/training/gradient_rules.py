@@ -801,6 +801,7 @@ NO_GRAD_OPS: tuple[str, ...] = (
     "relax.round",
     "relax.trunc",
     "relax.one_hot",
+    "relax.grad.no_grad",  # a value read as a constant (an embedding's padding positions)
 )
 """Ops whose outputs are integer/boolean or piecewise constant: no gradient flows to inputs."""
 
