@@ -150,3 +150,82 @@ def test_embedding_padding_idx_and_scale_grad_by_freq():
     freq = torch.nn.Sequential(torch.nn.Embedding(50, 16, scale_grad_by_freq=True), torch.nn.Linear(16, 8))
     with pytest.raises(tvm_evt.UnsupportedOpError, match="scale_grad_by_freq"):
         tvm_evt.compile_training(freq, (ids, target), loss_fn=F.mse_loss, target="llvm")
+
+
+class _SDPAForms(torch.nn.Module):
+    """One projection read by SDPA in each form the libraries call it with."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, pad):
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        keep = (pad > 0)[:, None, None, :]  # a padding mask over the keys, broadcast over heads and queries
+        additive = torch.where(keep, 0.0, float("-inf"))
+        outs = [
+            F.scaled_dot_product_attention(q, k, v),
+            F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=0.3),
+            F.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True),
+        ]
+        return sum(outs).transpose(1, 2).reshape(b, s, d)
+
+
+def test_sdpa_forms_match_torch():
+    """SDPA with a causal flag, boolean and additive masks broadcast over heads and queries, a
+    custom scale, and grouped-query heads (enable_gqa): loss and gradients equal torch's."""
+    torch.manual_seed(0)
+    model = _SDPAForms()
+    x, pad = torch.randn(2, 12, 32), torch.ones(2, 12)
+    pad[1, -5:] = 0
+    target = torch.randn(2, 12, 32)
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, pad, target):
+            return F.mse_loss(self.model(x, pad), target)
+
+    step = tvm_evt.compile_training(Loss(), (x, pad, target), target="llvm")
+    loss, grads = step.loss_and_grads(x, pad, target)
+    ref = F.mse_loss(model(x, pad), target)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, ref.item())
+    largest = max(p.grad.norm() for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert float((grads[f"model.{name}"] - p.grad).norm() / largest) <= GRAD_TOL, name
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_sdpa_layers_reach_the_attention_op(family):
+    """In a bf16 step, SDPA as BertLayer and GPT2Block call it (GPT-2: causal) becomes one
+    tvm_evt.attention call with its gradient, which the CUDA route hands to the flash kernels."""
+    import transformers as T
+    from tvm import relax
+
+    from tvm_evt.relax_passes.ops import attention_op
+
+    if family == "bert":
+        from transformers.models.bert.modeling_bert import BertLayer as Layer
+
+        config = T.BertConfig(hidden_size=128, num_attention_heads=2, intermediate_size=256)
+    else:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block as Layer
+
+        config = T.GPT2Config(n_embd=128, n_head=2)
+    config._attn_implementation = "sdpa"
+    layer = Layer(config)
+    x, target = torch.randn(2, 32, 128), torch.randn(2, 32, 128)
+    imported = tvm_evt.from_torch(_FirstOutput(layer), (x, target), F.mse_loss)
+    graph = tvm_evt.build_training_module(imported, None, "bf16")
+    ops = []
+    relax.analysis.post_order_visit(
+        graph.mod["train_step"].body,
+        lambda e: ops.append(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None)
+    assert ops.count(attention_op.FORWARD) == 1 and ops.count(attention_op.BACKWARD) == 1
+    assert "relax.nn.softmax" not in ops

@@ -433,7 +433,8 @@ def _convert_embedding(node: fx.Node, importer) -> relax.Expr:
 
         out = where(indices == padding_idx, no_grad(take(w, i)), take(w, i))
 
-    the same values forward; backward, the padding positions send the weight nothing.
+    the same values forward; backward, the padding positions send the weight nothing.  The lookup
+    itself is the importer's (int32 indices, flattened, one ``take``).
     ``scale_grad_by_freq`` (a gradient scaled by each index's count in the batch) is refused.
     """
     weight, indices = (importer.env[a] for a in node.args[:2])
@@ -442,9 +443,7 @@ def _convert_embedding(node: fx.Node, importer) -> relax.Expr:
         raise NotImplementedError("embedding: scale_grad_by_freq=True (a gradient scaled by index counts) "
                                   "is not supported")
     bb = importer.block_builder
-    if "int" not in _dtype(indices):
-        indices = bb.emit(relax.op.astype(indices, "int64"))
-    looked_up = bb.emit(relax.op.take(weight, indices, axis=0))
+    looked_up = importer._embedding_impl(indices, weight)  # pylint: disable=protected-access
     if padding_idx < 0:
         return looked_up
     if padding_idx >= _shape(weight)[0]:
@@ -459,25 +458,39 @@ def _convert_embedding(node: fx.Node, importer) -> relax.Expr:
 # --------------------------------------------------------------------------------------------
 
 
-def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
-    """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa)``.
+def _repeat_heads(bb, x: relax.Expr, heads: int) -> relax.Expr:
+    """[B, Hk, S, D] -> [B, heads, S, D], each key/value head read by heads / Hk query heads in turn
+    (grouped-query attention, as ``enable_gqa`` and transformers' ``repeat_kv`` define it)."""
+    b, hk, s, d = _shape(x)
+    if heads % hk:
+        raise NotImplementedError(f"scaled_dot_product_attention: {heads} query heads over {hk} key/value heads")
+    if heads == hk:
+        return x
+    wide = bb.emit(relax.op.broadcast_to(relax.op.expand_dims(x, 2), [b, hk, heads // hk, s, d]))
+    return bb.emit(relax.op.reshape(wide, [b, heads, s, d]))
 
-    Without dropout and custom scale this is the importer's ``relax.nn.attention``; otherwise it
-    is written out with explicit matmul, softmax and dropout.
+
+def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
+    """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``
+    in the one form ``FuseAttention`` takes to the flash-attention kernels::
+
+        S = (q @ kᵀ) * scale;  S = where(triu(1), -inf, S) if is_causal;  S = S + mask (float) or
+        where(mask, S, -inf) (bool);  P = dropout(softmax(S));  O = P @ v
+
+    with k and v repeated over the query heads for ``enable_gqa``.  What the kernels cannot take
+    (a learned or per-batch mask, say) stays in this form and runs unfused.
     """
     attn_mask = _arg(node, 3, "attn_mask")
     dropout_p = float(_arg(node, 4, "dropout_p", 0.0))
     is_causal = bool(_arg(node, 5, "is_causal", False))
     scale = _arg(node, 6, "scale")
-    if _arg(node, 7, "enable_gqa", False):
-        raise NotImplementedError("scaled_dot_product_attention: enable_gqa is not supported")
     mask = importer.env[attn_mask] if attn_mask is not None else None
-    float_mask = mask is None or _dtype(mask).startswith(("float", "bfloat"))
-    if dropout_p == 0.0 and scale is None and float_mask:
-        return importer._scaled_dot_product_attention(node)  # pylint: disable=protected-access
 
     bb = importer.block_builder
     q, k, v = (importer.env[a] for a in node.args[:3])
+    if _arg(node, 7, "enable_gqa", False):
+        heads = _shape(q)[-3]
+        k, v = _repeat_heads(bb, k, heads), _repeat_heads(bb, v, heads)
     q_shape, k_shape = _shape(q), _shape(k)
     scale = 1.0 / math.sqrt(q_shape[-1]) if scale is None else float(scale)
     axes = list(range(len(k_shape)))
@@ -485,14 +498,14 @@ def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
     scores = bb.emit(relax.op.matmul(q, relax.op.permute_dims(k, axes)))
     scores = bb.emit(relax.op.multiply(scores, _const(scale, q)))
     seq_q, seq_k = q_shape[-2], k_shape[-2]
-    if is_causal:
-        causal = np.where(np.tril(np.ones((seq_q, seq_k), dtype=bool)), 0.0, -np.inf)
-        scores = bb.emit(relax.op.add(scores, relax.const(causal.astype(_dtype(q)))))
+    if is_causal:  # torch's is_causal: query i sees keys j <= i (top-left aligned)
+        upper = relax.const(np.triu(np.ones((seq_q, seq_k), dtype=bool), 1))
+        scores = bb.emit(relax.op.where(upper, _const(-np.inf, q), scores))
     if mask is not None:
-        if float_mask:
-            scores = bb.emit(relax.op.add(scores, mask))
-        else:
+        if _dtype(mask) == "bool":
             scores = bb.emit(relax.op.where(mask, scores, _const(-np.inf, q)))
+        else:
+            scores = bb.emit(relax.op.add(scores, mask))
     probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
     probs = _dropout_tensor(importer, probs, dropout_p, True)
     return bb.emit(relax.op.matmul(probs, v))
@@ -524,7 +537,7 @@ CONVERT_MAP: dict[str, Converter] = {
     "cat.default": _convert_cat,
     # embedding lookups: padding_idx's row gets no gradient
     "embedding.default": _convert_embedding,
-    # attention with dropout or a custom scale
+    # attention, in the form FuseAttention takes to the flash-attention kernels
     "scaled_dot_product_attention.default": _convert_sdpa,
 }
 """Converters to pass as ``custom_convert_map``; keys are ATen ``overloadpacket.overload`` names."""
