@@ -40,6 +40,7 @@ CAPABILITIES = Capabilities(
         "exactly one relax.matmul; its operands are parameters seen through permute_dims/reshape",
         "static shapes; contiguous extents of operands and M x N tensors are multiples of 16 bytes",
         "tf32 (float32) GEMMs need K-major A and B",
+        "operand strides are nonzero over M, N and K (no broadcast operand, no extent-1 K)",
         "reductions are terminal (their result leaves the partition) and never over the batch",
         "intermediates may leave the partition (aux stores); at least one output is M x N",
         "every output depends on the matmul",

@@ -100,3 +100,17 @@ def test_the_codegen_names_what_it_cannot_build():
     assert _codegen_functions(mod)
     with tvm.target.Target(SM90), pytest.raises(CodegenError, match=r"relax\.ext\.evt: .*cannot be offloaded"):
         relax.transform.RunCodegen()(mod)
+
+
+def test_operands_with_a_zero_stride_stay_with_tvm():
+    """K = 1 (an outer product, as rotary embeddings compute their angles) makes the operands'
+    K strides 0: CUTLASS's operand strides cannot hold a static 0 (nvcc failed on
+    Stride<_1, _0, int64_t>), so legality refuses it before any source is emitted."""
+    from tvm_evt.codegen.legality import legality
+
+    table = [(name, pattern, annotations) for name, pattern, annotations, _check in patterns.pattern_table()]
+    (func,) = _codegen_functions(relax.transform.FuseOpsByPattern(table, annotate_codegen=True)(
+        _linear_gelu(k=1, dtype="bfloat16"))).values()
+    verdict = legality(func)
+    assert not verdict.ok and "zero stride" in verdict.reason
+    assert not _codegen_functions(tvm_evt.partition_for_evt(_linear_gelu(k=1, dtype="bfloat16")))

@@ -266,6 +266,9 @@ class _Builder:
         for name, st in (("A", a_stride), ("B", b_stride)):
             if 1 not in st[:2]:
                 raise Unsupported(f"matmul operand {name} has no unit stride (strides {st})")
+            if 0 in st[:2]:  # CUTLASS's SM90 operand strides are (int64, _1) or (_1, int64): no _0
+                raise Unsupported(f"matmul operand {name} has a zero stride (strides {st}: a broadcast operand or "
+                                  f"an extent-1 dimension, M={m} N={n} K={k}), which a TMA operand cannot take")
         dta, dtb = _dtype(call.args[0]), _dtype(call.args[1])
         if (dta, dtb) not in GEMM_DTYPES:
             raise Unsupported(f"matmul of {dta} x {dtb}; supported: {sorted(GEMM_DTYPES)}")
