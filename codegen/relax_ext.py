@@ -129,6 +129,27 @@ def kernel_sources(mod: "tvm.IRModule") -> dict[str, str]:
     return sources
 
 
+def unbuildable(mod: "tvm.IRModule", built: dict) -> dict[str, BuildError]:
+    """{function name: error} of the ``Codegen="evt"`` functions of ``mod`` whose kernel failed in
+    ``built`` (``prebuild``'s result) and fails again with the conservative configuration: what
+    ``relax.ext.evt`` would raise for.  The kernels that build are in the object cache after it."""
+    failed = {}
+    for gv, func in mod.functions_items():
+        if not (isinstance(func, relax.Function) and func.attrs and func.attrs.get("Codegen") == CODEGEN_NAME):
+            continue
+        try:
+            kernels = generate_kernels([func])
+        except Unsupported:
+            continue  # relax.ext.evt reports it
+        if not any(isinstance(built.get(symbol), BuildError) for symbol in kernels):
+            continue
+        try:
+            build_kernels(kernels, jobs=1)
+        except BuildError as err:
+            failed[gv.name_hint] = err
+    return failed
+
+
 def prebuild(mod: "tvm.IRModule", jobs: int | None = None) -> dict:
     """Build every kernel of ``mod`` (``kernel_sources``) in one parallel batch into the object
     cache.  ``RunCodegen`` calls ``relax.ext.evt``, ``evt_attention`` and ``evt_conv`` one after

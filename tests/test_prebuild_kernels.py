@@ -78,3 +78,40 @@ def test_a_function_its_codegen_cannot_take_is_left_to_it(monkeypatch):
     monkeypatch.setattr(relax_ext, "build_each", lambda sources, jobs=None: batches.append(dict(sources)) or {})
     PrebuildKernels()(mod)
     assert [sorted(b) for b in batches] == [["evt_relu"]]
+
+
+def test_a_partition_whose_kernel_does_not_build_runs_as_tvm_kernels(monkeypatch):
+    """nvcc rejects the partition's kernel under both configurations: one warning names the
+    partition and nvcc's first error line, its ops go back into the caller, and the step computes
+    relu(a @ b) all the same."""
+    import numpy as np
+    import pytest
+
+    from tvm_evt.codegen.build import BuildError
+    from tvm_evt.relax_passes.lower.prebuild_kernels import KernelBuildWarning
+
+    a = relax.Var("a", relax.TensorType((256, 64), "float16"))
+    b = relax.Var("b", relax.TensorType((64, 128), "float16"))
+    bb = relax.BlockBuilder()
+    gv = bb.add_func(_evt_partition("evt_relu"), "evt_relu")
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Call(gv, [a, b]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+
+    def reject(sources, jobs=None):
+        return {s: BuildError("nvcc failed", name=s, stderr="kernel.cu(12): error: no suitable conversion\n")
+                for s in sources}
+
+    monkeypatch.setattr(relax_ext, "build_each", reject)
+    with pytest.warns(KernelBuildWarning, match=r"evt_relu did not build \(kernel.cu\(12\): error: no suitable"):
+        out = PrebuildKernels()(mod)
+    assert not _codegen_functions(out)
+    ex = tvm.compile(out, target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    x = np.random.rand(256, 64).astype("float16")
+    y = np.random.rand(64, 128).astype("float16")
+    got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y)).numpy()
+    ref = np.maximum(x.astype("float32") @ y.astype("float32"), 0)
+    np.testing.assert_allclose(got.astype("float32"), ref, rtol=2e-2, atol=2e-2)

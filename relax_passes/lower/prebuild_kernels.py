@@ -9,14 +9,24 @@ object cache (``tvm_evt.codegen.relax_ext.prebuild``), where each codegen then f
 convolution calls) on a 2-core machine with nvcc 13.0, from an empty cache: 194 s codegen by
 codegen (80 + 7 + 107), 163 s in one batch, after which the three codegens took 1.9 s (all cached).
 
-The module is returned unchanged.  A kernel that fails to build here is left to its codegen,
-which retries it with a conservative configuration or reports it.
+An evt partition whose kernel nvcc rejects, and rejects again with the conservative configuration,
+goes back to TVM: its ops are inlined into the caller (``InlineEVTPartitions``) with one warning
+naming the partition and nvcc's first error line, so the step still builds and computes the same
+values.  Otherwise the module is returned unchanged; an attention or convolution kernel that fails
+is left to its codegen, which reports it.
 """
 from __future__ import annotations
+
+import warnings
 
 import tvm
 
 from ...codegen import relax_ext
+from ..partition.inline_partitions import InlineEVTPartitions
+
+
+class KernelBuildWarning(UserWarning):
+    """A partition's kernel did not build; its ops run as TVM kernels instead."""
 
 
 @tvm.transform.module_pass(opt_level=0, name="PrebuildKernels")
@@ -25,5 +35,8 @@ class PrebuildKernels:
         self.jobs = jobs
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        relax_ext.prebuild(mod, jobs=self.jobs)
-        return mod
+        failed = relax_ext.unbuildable(mod, relax_ext.prebuild(mod, jobs=self.jobs))
+        for name, err in sorted(failed.items()):
+            warnings.warn(f"relax.ext.evt: the kernel of partition {name} did not build ({err.first_error}); "
+                          "its ops run as TVM kernels", KernelBuildWarning, stacklevel=2)
+        return InlineEVTPartitions(only=set(failed))(mod) if failed else mod

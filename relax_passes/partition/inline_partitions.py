@@ -19,11 +19,16 @@ def _composite(func: relax.Function) -> relax.Function:
 @tvm.transform.module_pass(opt_level=0, name="InlineEVTPartitions")
 class InlineEVTPartitions:
     """Replace each call of a ``Codegen="evt"`` function by the ops of its composite function and
-    drop the partition functions: TVM then lowers those ops like any others."""
+    drop the partition functions: TVM then lowers those ops like any others.  `only`: the names
+    of the partitions to inline (default: all)."""
+
+    def __init__(self, only: set[str] | None = None):
+        self.only = only
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         parts = {gv: f for gv, f in mod.functions_items()
-                 if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN}
+                 if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == CODEGEN
+                 and (self.only is None or gv.name_hint in self.only)}
         if not parts:
             return mod
         bb = relax.BlockBuilder(mod)
