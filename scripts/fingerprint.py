@@ -47,8 +47,9 @@ def main(argv=None) -> int:
     if args.compare:
         with open(args.compare) as f:
             before = json.load(f)
-        diff = fp.differences({k: v for k, v in before.items() if k in found}, found)
-        print("\n".join(diff) if diff else f"same partitions and sources on all {len(found)} models")
+        common = sorted(set(before) & set(found))
+        diff = fp.differences({k: before[k] for k in common}, {k: found[k] for k in common})
+        print("\n".join(diff) if diff else f"same partitions and sources on all {len(common)} models both have")
         return 1 if diff else 0
     return 0
 

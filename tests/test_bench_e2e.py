@@ -44,7 +44,7 @@ def test_parse_args_defaults_and_subsets():
 def test_models_are_presets():
     for preset, full, small, _label in bench_e2e.MODELS.values():
         assert preset in models.PRESETS
-        assert set(small) <= set(full) | {"size", "seq", "batch"}
+        assert set(small) <= set(full) | {"size", "seq", "batch", "layers"}
 
 
 def test_applicable(tmp_path):

@@ -229,3 +229,21 @@ def test_sdpa_layers_reach_the_attention_op(family):
         lambda e: ops.append(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None)
     assert ops.count(attention_op.FORWARD) == 1 and ops.count(attention_op.BACKWARD) == 1
     assert "relax.nn.softmax" not in ops
+
+
+@pytest.mark.parametrize("preset", ["hf_bert_large_mlm", "hf_gpt2_medium_lm", "hf_llama_4x4096"])
+def test_bench_suite_builds_the_library_models(preset):
+    """The bench's third-party presets build the library's own modules (here at two tiny layers)
+    whose untrained loss is near ln(vocab)."""
+    import math
+
+    from tvm_evt import models
+
+    small = {"layers": 1, "hidden": 64, "heads": 4, "vocab": 500, "batch": 2, "seq": 16}
+    if preset == "hf_llama_4x4096":
+        small.update(kv_heads=2, ffn=128)
+    entry = models.PRESETS[preset](**small)
+    assert type(entry.model.model).__module__.startswith("transformers.")
+    with torch.no_grad():
+        loss = float(entry.training_module().eval()(*entry.example_inputs()))
+    assert abs(loss - math.log(500)) < 1.0

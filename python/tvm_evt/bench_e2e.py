@@ -48,7 +48,17 @@ MODELS = {
     "vit_b16": ("vit_b16_block", {"batch": 128}, {"batch": 16}, "ViT-B/16 block"),
     "resnet50": ("resnet50_conv3", {"batch": 128}, {"batch": 16, "size": 28}, "ResNet-50 conv3_x stage"),
     "xml_cnn": ("xml_cnn_eurlex", {}, {"batch": 8, "seq": 128}, "XML-CNN (EUR-Lex)"),
+    # the third-party suite: whole models as transformers and timm build them, with the library's
+    # default attention (SDPA) for every system; batches to be confirmed against an 80 GB H100
+    "hf_bert_large": ("hf_bert_large_mlm", {"batch": 32, "seq": 512}, {"batch": 4, "seq": 128, "layers": 2},
+                      "BertForMaskedLM (BERT-Large, transformers)"),
+    "hf_gpt2_medium": ("hf_gpt2_medium_lm", {"batch": 16, "seq": 1024}, {"batch": 2, "seq": 256, "layers": 2},
+                       "GPT2LMHeadModel (gpt2-medium, transformers)"),
+    "hf_llama": ("hf_llama_4x4096", {"batch": 4, "seq": 2048}, {"batch": 1, "seq": 512, "layers": 1},
+                 "LlamaForCausalLM (4 layers of 4096, 32/8 heads, transformers)"),
+    "timm_vit_b16": ("timm_vit_b16", {"batch": 128}, {"batch": 16}, "vit_base_patch16_224 (timm)"),
 }
+THIRD_PARTY = ("hf_bert_large", "hf_gpt2_medium", "hf_llama", "timm_vit_b16")
 ATTENTION_MODELS = ("bert_large", "gpt2_medium", "vit_b16")
 SYSTEMS = {
     "eager": "PyTorch eager (math attention)",

@@ -741,6 +741,85 @@ ZOO: dict[str, Callable[..., ZooEntry]] = {
 }
 """Small default configurations: each value builds a :class:`ZooEntry` that runs in seconds."""
 
+# --------------------------------------------------------------------------------------------
+# Models as the libraries build them (random weights, no downloads): the bench's third-party suite
+# --------------------------------------------------------------------------------------------
+
+
+class LibraryLoss(nn.Module):
+    """A transformers model fed ``(input_ids, labels)``, whose own loss is the training loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _causal_lm_inputs(batch: int, seq: int, vocab: int) -> Callable[[], tuple[torch.Tensor, ...]]:
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (batch, seq))
+        return ids, ids.clone()  # the model shifts the labels itself
+
+    return make
+
+
+def hf_bert_mlm(batch: int = 2, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+                vocab: int = 1000, dropout: float = 0.1, attention: str = "sdpa") -> ZooEntry:
+    """transformers' ``BertForMaskedLM`` (BERT-Large: 24 layers, hidden 1024, 16 heads, vocab 30522)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=4 * hidden, max_position_embeddings=max(512, seq),
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config._attn_implementation = attention
+    return ZooEntry(LibraryLoss(BertForMaskedLM(config)), _mlm_inputs(batch, seq, vocab, 0.15), None,
+                    f"transformers BertForMaskedLM, {layers} layers, hidden {hidden}, heads {heads}, vocab {vocab}, "
+                    f"seq {seq}, batch {batch}, {attention} attention; inputs (input_ids, labels)")
+
+
+def hf_gpt2_lm(batch: int = 2, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+               vocab: int = 1000, dropout: float = 0.1, attention: str = "sdpa") -> ZooEntry:
+    """transformers' ``GPT2LMHeadModel`` (gpt2-medium: 24 layers, hidden 1024, 16 heads, vocab 50257)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max(1024, seq),
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    config._attn_implementation = attention
+    return ZooEntry(LibraryLoss(GPT2LMHeadModel(config)), _causal_lm_inputs(batch, seq, vocab), None,
+                    f"transformers GPT2LMHeadModel, {layers} layers, hidden {hidden}, heads {heads}, vocab {vocab}, "
+                    f"seq {seq}, batch {batch}, {attention} attention; inputs (input_ids, labels)")
+
+
+def hf_llama_lm(batch: int = 2, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+                kv_heads: int = 2, ffn: int = 128, vocab: int = 1000, attention: str = "sdpa") -> ZooEntry:
+    """transformers' ``LlamaForCausalLM`` (rotary embeddings, RMSNorm, SiLU gate, grouped-query heads,
+    untied head; Llama-2-7B's layer: hidden 4096, 32 / 8 heads, ffn 11008, vocab 32000)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max(2048, seq))
+    config._attn_implementation = attention
+    return ZooEntry(LibraryLoss(LlamaForCausalLM(config)), _causal_lm_inputs(batch, seq, vocab), None,
+                    f"transformers LlamaForCausalLM, {layers} layers, hidden {hidden}, heads {heads}/{kv_heads}, "
+                    f"ffn {ffn}, vocab {vocab}, seq {seq}, batch {batch}, {attention} attention")
+
+
+def timm_model(name: str = "vit_base_patch16_224", batch: int = 2, image: int = 224, classes: int = 1000) -> ZooEntry:
+    """A timm model by name (``timm.create_model(name, pretrained=False)``), trained with cross-entropy
+    on random images and labels."""
+    import timm
+
+    model = timm.create_model(name, pretrained=False, num_classes=classes)
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch, 3, image, image), torch.randint(0, classes, (batch,))
+
+    return ZooEntry(model, make, F.cross_entropy, f"timm {name}, {classes} classes, {image}x{image}, batch {batch}",
+                    num_targets=1)
+
+
 PRESETS: dict[str, Callable[..., ZooEntry]] = {
     "bert_base_layer": partial(bert_layer, batch=32, seq=128, hidden=768, heads=12, ffn=3072),
     "bert_large_layer": partial(bert_layer, batch=32, seq=128, hidden=1024, heads=16, ffn=4096),
@@ -772,3 +851,10 @@ PRESETS: dict[str, Callable[..., ZooEntry]] = {
     ),
 }
 """Published sizes (BERT-Base/Large, GPT-2 medium, ViT-B/16, ResNet-18/50, XML-CNN on EUR-Lex)."""
+
+PRESETS.update({  # the same sizes as the libraries build them (the bench's third-party suite)
+    "hf_bert_large_mlm": partial(hf_bert_mlm, layers=24, hidden=1024, heads=16, vocab=30522),
+    "hf_gpt2_medium_lm": partial(hf_gpt2_lm, layers=24, hidden=1024, heads=16, vocab=50257),
+    "hf_llama_4x4096": partial(hf_llama_lm, layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000),
+    "timm_vit_b16": partial(timm_model, "vit_base_patch16_224"),
+})
