@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="auto", help="auto (GPU if present), llvm, cuda or a TVM tag")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3: the demo's loss falls visibly in 20 steps)")
     p.add_argument("--compare", type=int, default=3,
                    help="steps that also print PyTorch eager's loss on the same weights and batch (default 3)")
     p.add_argument("--inplace", action="store_true",
