@@ -247,3 +247,30 @@ def test_bench_suite_builds_the_library_models(preset):
     with torch.no_grad():
         loss = float(entry.training_module().eval()(*entry.example_inputs()))
     assert abs(loss - math.log(500)) < 1.0
+
+
+@pytest.mark.parametrize("kwargs", [{"label_smoothing": 0.1}, {"reduction": "sum"}, {"ignore_index": 2}],
+                         ids=["label_smoothing", "sum", "ignore_index"])
+def test_cross_entropy_attributes_are_honoured(kwargs):
+    """cross_entropy's label smoothing (with ignored targets: its mask needs bitwise_not, which
+    had no gradient rule), reduction and ignore_index give torch's loss and gradients."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 10)
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.linear(x), y, **kwargs)
+
+    x, y = torch.randn(12, 16), torch.randint(0, 10, (12,))
+    y[:3] = kwargs.get("ignore_index", -100)
+    step = tvm_evt.compile_training(Loss(), (x, y), target="llvm")
+    loss, grads = step.loss_and_grads(x, y)
+    ref = Loss()(x, y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
+    for name, p in linear.named_parameters():
+        assert torch.allclose(grads[f"linear.{name}"], p.grad, atol=1e-6), name

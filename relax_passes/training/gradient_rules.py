@@ -802,6 +802,12 @@ NO_GRAD_OPS: tuple[str, ...] = (
     "relax.trunc",
     "relax.one_hot",
     "relax.grad.no_grad",  # a value read as a constant (an embedding's padding positions)
+    "relax.bitwise_not",  # integer and boolean masks (cross-entropy's ignore_index with label smoothing)
+    "relax.bitwise_and",
+    "relax.bitwise_or",
+    "relax.bitwise_xor",
+    "relax.left_shift",
+    "relax.right_shift",
 )
 """Ops whose outputs are integer/boolean or piecewise constant: no gradient flows to inputs."""
 
