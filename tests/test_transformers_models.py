@@ -24,19 +24,27 @@ class _FirstOutput(torch.nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _check(model, x, target):
-    step = tvm_evt.compile_training(model, (x, target), loss_fn=F.mse_loss, target="llvm")
-    loss, grads = step.loss_and_grads(x, target)
-    model.zero_grad()
-    ref = F.mse_loss(model(x), target)
+def _matches_torch(module, inputs, loss_fn=None) -> tuple[dict, dict]:
+    """Compile `module` (its loss: ``loss_fn(module(*inputs[:-1]), inputs[-1])``, or the module's
+    own output without `loss_fn`) for the CPU; its loss and every gradient equal torch fp32's.
+    Returns (our gradients, the module's parameters with torch's gradients)."""
+    step = tvm_evt.compile_training(module, inputs, loss_fn=loss_fn, target="llvm")
+    loss, grads = step.loss_and_grads(*inputs)
+    module.zero_grad()
+    ref = loss_fn(module(*inputs[:-1]), inputs[-1]) if loss_fn else module(*inputs)
     ref.backward()
-    params = dict(model.named_parameters())
+    params = dict(module.named_parameters())
     assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
     assert set(grads) == set(params)
     largest = max(p.grad.norm() for p in params.values())
     for name, p in params.items():
         err = float((grads[name] - p.grad).norm() / largest)
         assert err <= GRAD_TOL, f"{name}: {err:.2e}"
+    return grads, params
+
+
+def _check(model, x, target):
+    _matches_torch(model, (x, target), F.mse_loss)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -76,19 +84,7 @@ class _Loss(torch.nn.Module):
 
 
 def _check_lm(model, input_ids, labels):
-    step = tvm_evt.compile_training(model, (input_ids, labels), target="llvm")
-    loss, grads = step.loss_and_grads(input_ids, labels)
-    model.zero_grad()
-    ref = model(input_ids, labels)
-    ref.backward()
-    params = dict(model.named_parameters())
-    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
-    assert set(grads) == set(params)
-    largest = max(p.grad.norm() for p in params.values())
-    for name, p in params.items():
-        err = float((grads[name] - p.grad).norm() / largest)
-        assert err <= GRAD_TOL, f"{name}: {err:.2e}"
-    return grads, params
+    return _matches_torch(model, (input_ids, labels))
 
 
 def test_bert_for_masked_lm_leaves_the_padding_row_alone():
