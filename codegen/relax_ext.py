@@ -134,6 +134,8 @@ def unbuildable(mod: "tvm.IRModule", built: dict) -> dict[str, BuildError]:
     ``built`` (``prebuild``'s result) and fails again with the conservative configuration: what
     ``relax.ext.evt`` would raise for.  The kernels that build are in the object cache after it."""
     failed = {}
+    if not any(isinstance(result, BuildError) for result in built.values()):
+        return failed  # every kernel built: nothing to emit again
     for gv, func in mod.functions_items():
         if not (isinstance(func, relax.Function) and func.attrs and func.attrs.get("Codegen") == CODEGEN_NAME):
             continue

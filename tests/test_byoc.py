@@ -9,6 +9,7 @@ import tvm_ffi
 from tvm import relax
 
 import tvm_evt
+from test_prebuild_kernels import _codegen_functions
 from tvm_evt.codegen import patterns
 
 SM90 = {"kind": "cuda", "arch": "sm_90a"}
@@ -28,9 +29,10 @@ def _linear_gelu(k: int = 512, dtype: str = "float16") -> tvm.IRModule:
     return bb.get()
 
 
-def _codegen_functions(mod) -> dict:
-    return {gv.name_hint: f for gv, f in mod.functions_items()
-            if isinstance(f, relax.Function) and f.attrs and "Codegen" in f.attrs}
+def _unchecked(mod: tvm.IRModule) -> tvm.IRModule:
+    """FuseOpsByPattern with the evt patterns but without their legality check."""
+    table = [(name, pattern, annotations) for name, pattern, annotations, _check in patterns.pattern_table()]
+    return relax.transform.FuseOpsByPattern(table, annotate_codegen=True)(mod)
 
 
 @pytest.mark.parametrize("name", ["relax.ext.evt", "relax.ext.evt_attention", "relax.ext.evt_conv"])
@@ -95,8 +97,7 @@ def test_the_codegen_names_what_it_cannot_build():
     relax.ext.evt, which raises CodegenError naming the reason, before any nvcc runs."""
     from tvm_evt.codegen.errors import CodegenError
 
-    table = [(name, pattern, annotations) for name, pattern, annotations, _check in patterns.pattern_table()]
-    mod = relax.transform.FuseOpsByPattern(table, annotate_codegen=True)(_linear_gelu(k=147))
+    mod = _unchecked(_linear_gelu(k=147))
     assert _codegen_functions(mod)
     with tvm.target.Target(SM90), pytest.raises(CodegenError, match=r"relax\.ext\.evt: .*cannot be offloaded"):
         relax.transform.RunCodegen()(mod)
@@ -108,9 +109,7 @@ def test_operands_with_a_zero_stride_stay_with_tvm():
     Stride<_1, _0, int64_t>), so legality refuses it before any source is emitted."""
     from tvm_evt.codegen.legality import legality
 
-    table = [(name, pattern, annotations) for name, pattern, annotations, _check in patterns.pattern_table()]
-    (func,) = _codegen_functions(relax.transform.FuseOpsByPattern(table, annotate_codegen=True)(
-        _linear_gelu(k=1, dtype="bfloat16"))).values()
+    (func,) = _codegen_functions(_unchecked(_linear_gelu(k=1, dtype="bfloat16"))).values()
     verdict = legality(func)
     assert not verdict.ok and "zero stride" in verdict.reason
     assert not _codegen_functions(tvm_evt.partition_for_evt(_linear_gelu(k=1, dtype="bfloat16")))

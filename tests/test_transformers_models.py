@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import tvm_evt
+from tvm_evt.models import LibraryLoss
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,17 +73,6 @@ def test_bert_layer(attention):
     _check(_FirstOutput(BertLayer(config)), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
 
 
-class _Loss(torch.nn.Module):
-    """A transformers model fed (input_ids, labels): its own loss is the training loss."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
 def _check_lm(model, input_ids, labels):
     return _matches_torch(model, (input_ids, labels))
 
@@ -96,7 +86,7 @@ def test_bert_for_masked_lm_leaves_the_padding_row_alone():
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, pad_token_id=0)
-    model = _Loss(BertForMaskedLM(config))
+    model = LibraryLoss(BertForMaskedLM(config))
     input_ids = torch.randint(1, 100, (2, 16))
     input_ids[:, -4:] = 0  # padding
     labels = torch.full_like(input_ids, -100)
@@ -126,7 +116,7 @@ def test_causal_lm(family):
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         model = T.LlamaForCausalLM(config)
     input_ids = torch.randint(0, 100, (2, 16))
-    _check_lm(_Loss(model), input_ids, input_ids.clone())
+    _check_lm(LibraryLoss(model), input_ids, input_ids.clone())
 
 
 def test_embedding_padding_idx_and_scale_grad_by_freq():
@@ -177,24 +167,7 @@ def test_sdpa_forms_match_torch():
     model = _SDPAForms()
     x, pad = torch.randn(2, 12, 32), torch.ones(2, 12)
     pad[1, -5:] = 0
-    target = torch.randn(2, 12, 32)
-
-    class Loss(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, x, pad, target):
-            return F.mse_loss(self.model(x, pad), target)
-
-    step = tvm_evt.compile_training(Loss(), (x, pad, target), target="llvm")
-    loss, grads = step.loss_and_grads(x, pad, target)
-    ref = F.mse_loss(model(x, pad), target)
-    ref.backward()
-    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, ref.item())
-    largest = max(p.grad.norm() for p in model.parameters())
-    for name, p in model.named_parameters():
-        assert float((grads[f"model.{name}"] - p.grad).norm() / largest) <= GRAD_TOL, name
+    _matches_torch(model, (x, pad, torch.randn(2, 12, 32)), F.mse_loss)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])

@@ -58,7 +58,6 @@ MODELS = {
                  "LlamaForCausalLM (4 layers of 4096, 32/8 heads, transformers)"),
     "timm_vit_b16": ("timm_vit_b16", {"batch": 128}, {"batch": 16}, "vit_base_patch16_224 (timm)"),
 }
-THIRD_PARTY = ("hf_bert_large", "hf_gpt2_medium", "hf_llama", "timm_vit_b16")
 ATTENTION_MODELS = ("bert_large", "gpt2_medium", "vit_b16")
 SYSTEMS = {
     "eager": "PyTorch eager (math attention)",
