@@ -48,3 +48,38 @@ def assert_step_matches_torch(step, entry, inputs, torch_inputs=None, tol: float
     errs = {n: grad_err(grads[n], g, scale) for n, g in ref_grads.items()}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{worst}: {errs[worst]:.3g}"
+
+
+def torch_cuda_step(entry, inputs, autocast: bool):
+    """Loss and {name: float64 gradient} by torch on the GPU, on a copy of the entry's model: in
+    fp32, or under bf16 autocast."""
+    module = copy.deepcopy(entry.training_module()).cuda().train()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = module(*[t.cuda() for t in inputs])
+    loss.float().backward()
+    model = module.model if hasattr(module, "loss_fn") else module
+    return loss.float().cpu(), {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+AMP_SLACK = 1.5  # our bf16 gradients may be this much further from fp32 than autocast's
+
+
+def assert_bf16_step_close(step, entry, inputs) -> None:
+    """A bf16 step's loss and gradients on `inputs` against torch in fp32, with torch's own bf16
+    autocast as the yardstick: on a tiny batch-norm net (statistics over 512 positions) autocast
+    itself is 2-4 % off fp32, so a fixed bound against the autocast result would compare two noises."""
+    loss, grads = step.loss_and_grads(*[t.cuda() for t in inputs])
+    grads = {n: g.double().cpu() for n, g in grads.items()}
+    ref_loss, ref_grads = torch_cuda_step(entry, inputs, autocast=False)
+    amp_loss, amp_grads = torch_cuda_step(entry, inputs, autocast=True)
+    assert rel_err(loss.cpu(), ref_loss) <= max(2e-2, 1.5 * rel_err(amp_loss, ref_loss)), (float(loss), float(ref_loss))
+    assert set(ref_grads) <= set(grads), set(ref_grads) - set(grads)
+    names = sorted(ref_grads)
+    flat = lambda gs: torch.cat([gs[n].flatten() for n in names])
+    largest = max(float(g.norm()) for g in ref_grads.values())
+    errs = {n: (grad_err(grads[n], ref_grads[n], 100 * largest), grad_err(amp_grads[n], ref_grads[n], 100 * largest))
+            for n in names}
+    worst = sorted(errs.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1e-3))[:5]  # (ours, autocast's)
+    ours, autocast = rel_err(flat(grads), flat(ref_grads)), rel_err(flat(amp_grads), flat(ref_grads))
+    assert ours <= max(2e-2, AMP_SLACK * autocast), (ours, autocast, worst)
+    assert all(e <= max(5e-2, 2 * AMP_SLACK * a) for e, a in errs.values()), worst

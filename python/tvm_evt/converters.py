@@ -27,8 +27,10 @@ What the stock importer gets wrong, and what the converters here emit instead:
 * **Missing pools.** ``adaptive_max_pool1d`` and ``adaptive_max_pool2d`` (XML-CNN's dynamic max
   pooling) become ``max_pool2d`` with kernel = stride = the window, preceded by a ``take`` that
   lays out the overlapping windows when the input length is not a multiple of the output length.
-* **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``; with either it is
-  expanded here into ``matmul -> softmax -> dropout -> matmul``.
+* **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``.  Here it becomes
+  one ``tvm_evt.attention`` call with all its arguments (masks built from constants read as the
+  causal triangle or a key mask); only what that op cannot express is written out as
+  ``matmul -> softmax -> dropout -> matmul``, with the reason kept for ``report()``.
 
 How BatchNorm's buffer mutations appear: ``torch.export`` lists ``running_mean``,
 ``running_var`` and ``num_batches_tracked`` as ``BUFFER_MUTATION`` outputs, which in the graph are
@@ -470,29 +472,140 @@ def _repeat_heads(bb, x: relax.Expr, heads: int) -> relax.Expr:
     return bb.emit(relax.op.reshape(wide, [b, heads, s, d]))
 
 
+def constant_value(node) -> torch.Tensor | None:
+    """The value of the fx value `node` where it is computed from constants only (no placeholder
+    among its ancestors: transformers' masks built from ``arange``), evaluated with torch; else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    order, seen, stack = [], set(), [node]
+    while stack:  # the ancestors, then a topological order of them (the graph's own)
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op != "call_function":
+            return None
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    order = [n for n in node.graph.nodes if n in seen]
+    values = {}
+    try:
+        for n in order:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: values[a])
+            values[n] = n.target(*args, **kwargs)
+    except Exception:  # pylint: disable=broad-except  (an op torch cannot run here: not constant for us)
+        return None
+    value = values[node]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def attention_mask_form(mask: torch.Tensor, shape: Sequence[int]) -> tuple[bool, np.ndarray | None] | str:
+    """What a constant SDPA mask over scores of `shape` [B, H, Sq, Sk] is, in the terms the
+    attention op takes: ``(causal, bias)`` with ``bias`` float32 [Sk] or None, when every (batch,
+    head) sees the same pattern, that pattern is a key mask (one row for all queries), the causal
+    triangle (key j visible to query i iff j <= i), or both, and no query sees no key; otherwise
+    the reason it is not (a str).  A bool mask marks visible scores; a float mask is added, its
+    entries 0 (visible), -inf or below -1e30 (torch.finfo(dtype).min: masked), or a bias of any
+    value that is the same for every query."""
+    try:
+        full = torch.broadcast_to(mask, tuple(shape))
+    except RuntimeError:
+        return f"mask {list(mask.shape)} does not broadcast to the scores {list(shape)}"
+    flat = full.reshape(-1, *shape[-2:])
+    if not bool((flat == flat[:1]).all()):
+        return "the mask differs between batch rows or heads"
+    pattern = flat[0]
+    if pattern.dtype == torch.bool:
+        visible, added = pattern, torch.zeros(pattern.shape, dtype=torch.float32)
+    elif pattern.is_floating_point():
+        visible = pattern > -1e30
+        added = torch.where(visible, pattern.float(), torch.zeros((), dtype=torch.float32))
+    else:
+        return f"a {pattern.dtype} mask"
+    if not bool(visible.any(-1).all()):
+        return "a query sees no key"
+    sq, sk = shape[-2:]
+    causal_rows = torch.ones(sq, sk, dtype=torch.bool).tril()
+    keys = visible[-1]  # the last query sees all the keys the mask lets any query see
+    for causal in (False, True):
+        expected = keys.expand(sq, sk) & causal_rows if causal else keys.expand(sq, sk)
+        if bool((visible == expected).all()) and bool((added == added[-1]).all()):
+            bias = torch.where(keys, added[-1], torch.tensor(-np.inf)).numpy().astype(np.float32)
+            return causal, (None if bool(keys.all()) and not bool(added.any()) else bias)
+    return "the mask is neither a key mask nor the causal triangle"
+
+
+def _repeat_heads_if_grouped(node: fx.Node, bb, q, k, v):
+    if _arg(node, 7, "enable_gqa", False):
+        heads = _shape(q)[-3]
+        k, v = _repeat_heads(bb, k, heads), _repeat_heads(bb, v, heads)
+    return k, v
+
+
+def _attention_call(node: fx.Node, importer, q, k, v, scale: float, causal: bool, dropout_p: float):
+    """``tvm_evt.attention`` for an SDPA whose mask the op takes; or the reason it does not."""
+    from .relax_passes.ops import attention_op
+
+    if len(_shape(q)) != 4 or _shape(k)[:2] != _shape(q)[:2] or _shape(v)[:3] != _shape(k)[:3] \
+            or _shape(k)[3] != _shape(q)[3]:
+        return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)} are not [B, H, S, D] with one head dimension"
+    if _dtype(q) not in attention_op.FLOATS or _dtype(k) != _dtype(q) or _dtype(v) != _dtype(q):
+        return f"dtypes {_dtype(q)}, {_dtype(k)}, {_dtype(v)}"
+    if not scale > 0:
+        return f"scale {scale}"
+    b, h, sq, _ = _shape(q)
+    sk = _shape(k)[2]
+    bias = None
+    attn_mask = _arg(node, 3, "attn_mask")
+    if attn_mask is not None:
+        value = constant_value(attn_mask)
+        if value is None:
+            return "the mask is computed from the inputs (a per-batch padding mask, say)"
+        form = attention_mask_form(value, [b, h, sq, sk])
+        if isinstance(form, str):
+            return form
+        mask_causal, bias = form
+        if mask_causal and causal:
+            return "a causal mask with is_causal"
+        causal = causal or mask_causal
+        if bias is not None:
+            bias = relax.const(bias)
+    if causal and sq > sk:
+        return f"causal attention of {sq} queries over {sk} keys (a query would see no key)"
+    call = attention_op.attention(q, k, v, attention_op.no_seed(), scale, causal, dropout_p, 0, bias)
+    bb = importer.block_builder
+    return bb.emit(relax.TupleGetItem(bb.emit(call), 0))
+
+
 def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
     """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``
-    in the one form ``FuseAttention`` takes to the flash-attention kernels::
+    as one ``tvm_evt.attention`` call with its arguments: the scale, ``is_causal``, the dropout rate
+    (its seed and site filled in by `LowerDropout`), k and v repeated over the query heads for
+    ``enable_gqa``, and a mask computed from constants only (`constant_value`) when
+    `attention_mask_form` finds it a key mask and/or the causal triangle.  Whether a kernel takes
+    the call is decided on the CUDA route (``OffloadAttention``: the op decomposes where not).
+
+    Any other SDPA (a mask computed from the inputs, a learned one, not 4-D) is written out::
 
         S = (q @ kᵀ) * scale;  S = where(triu(1), -inf, S) if is_causal;  S = S + mask (float) or
         where(mask, S, -inf) (bool);  P = dropout(softmax(S));  O = P @ v
 
-    with k and v repeated over the query heads for ``enable_gqa``.  What the kernels cannot take
-    (a learned or per-batch mask, say) stays in this form and runs unfused.
+    and the reason kept in ``importer.attention_fallbacks`` (module path, reason), which
+    ``report()["attention"]`` lists.
     """
-    attn_mask = _arg(node, 3, "attn_mask")
     dropout_p = float(_arg(node, 4, "dropout_p", 0.0))
     is_causal = bool(_arg(node, 5, "is_causal", False))
     scale = _arg(node, 6, "scale")
-    mask = importer.env[attn_mask] if attn_mask is not None else None
-
     bb = importer.block_builder
     q, k, v = (importer.env[a] for a in node.args[:3])
-    if _arg(node, 7, "enable_gqa", False):
-        heads = _shape(q)[-3]
-        k, v = _repeat_heads(bb, k, heads), _repeat_heads(bb, v, heads)
+    k, v = _repeat_heads_if_grouped(node, bb, q, k, v)
+    scale = 1.0 / math.sqrt(_shape(q)[-1]) if scale is None else float(scale)
+    fused = _attention_call(node, importer, q, k, v, scale, is_causal, dropout_p)
+    if not isinstance(fused, str):
+        return fused
+    getattr(importer, "attention_fallbacks", []).append((node, fused))
+    attn_mask = _arg(node, 3, "attn_mask")
+    mask = importer.env[attn_mask] if attn_mask is not None else None
     q_shape, k_shape = _shape(q), _shape(k)
-    scale = 1.0 / math.sqrt(q_shape[-1]) if scale is None else float(scale)
     axes = list(range(len(k_shape)))
     axes[-1], axes[-2] = axes[-2], axes[-1]
     scores = bb.emit(relax.op.matmul(q, relax.op.permute_dims(k, axes)))

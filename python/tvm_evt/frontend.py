@@ -56,6 +56,8 @@ class ImportedModel:
     # per user input: True where ``main`` takes it [N, H, W, C] (a channels-last example input;
     # its spec above stays the logical NCHW shape the caller passes)
     channels_last: list[bool] = dataclasses.field(default_factory=list)
+    # SDPA calls imported as plain ops instead of ``tvm_evt.attention``: {"module", "reason"} each
+    attention_fallbacks: list[dict] = dataclasses.field(default_factory=list)
 
     def takes_channels_last(self, index: int) -> bool:
         return index < len(self.channels_last) and self.channels_last[index]
@@ -110,6 +112,7 @@ def _make_importer(convert_map: dict, origin_log: list, strip_prefix: str):
 
     importer = ExportedProgramImporter()
     importer.update_convert_map(convert_map)
+    importer.attention_fallbacks = []  # (fx node, reason): converters.convert_sdpa's
     custom_ops = set(convert_map)
 
     def traced(fn: Callable, takes_importer: bool) -> Callable:
@@ -288,6 +291,8 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
         buffer_values=buffer_values,
         origins=origins,
         input_specs=input_specs,
+        attention_fallbacks=[{"module": _module_path(node, strip_prefix), "reason": reason}
+                             for node, reason in importer.attention_fallbacks],
     )
 
 

@@ -806,12 +806,13 @@ def hf_llama_lm(batch: int = 2, seq: int = 16, layers: int = 2, hidden: int = 64
                     f"ffn {ffn}, vocab {vocab}, seq {seq}, batch {batch}, {attention} attention")
 
 
-def timm_model(name: str = "vit_base_patch16_224", batch: int = 2, image: int = 224, classes: int = 1000) -> ZooEntry:
-    """A timm model by name (``timm.create_model(name, pretrained=False)``), trained with cross-entropy
-    on random images and labels."""
+def timm_model(name: str = "vit_base_patch16_224", batch: int = 2, image: int = 224, classes: int = 1000,
+               **kwargs) -> ZooEntry:
+    """A timm model by name (``timm.create_model(name, pretrained=False, **kwargs)``: e.g. ``img_size``,
+    ``depth`` for a small ViT), trained with cross-entropy on random images and labels."""
     import timm
 
-    model = timm.create_model(name, pretrained=False, num_classes=classes)
+    model = timm.create_model(name, pretrained=False, num_classes=classes, **kwargs)
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(batch, 3, image, image), torch.randint(0, classes, (batch,))

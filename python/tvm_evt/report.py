@@ -12,7 +12,7 @@ returns::
      "convolutions": [{"op": "fprop" | "dgrad" | "wgrad", "x": [N, H, W, C], "w": [K, R, S, C],
                        "dtype", "kernel": bool, "reason"}, ...]}
 
-where ``attention`` lists the fused attention calls (``FuseAttention``) and whether the CUDA
+where ``attention`` lists the fused attention calls (SDPA as imported, ``FuseAttention``'s) and whether the CUDA
 route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops, and
 ``convolutions`` the ``tvm_evt.conv2d*`` calls (``implicit_conv``) and whether it runs each as an
 implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``).

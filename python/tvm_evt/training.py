@@ -358,7 +358,11 @@ class TrainingStep:
         "unfused_matmuls", "solve_seconds", ...} (see `tvm_evt.report`)."""
         from .report import training_report
 
-        return training_report(self.graph.mod, target=self.target)
+        report = training_report(self.graph.mod, target=self.target)
+        # SDPA calls the importer wrote out as plain ops (a mask computed from the inputs, say)
+        unfused = [{"op": "sdpa", "module": f["module"], "kernel": False, "reason": f["reason"]}
+                   for f in self.imported.attention_fallbacks]
+        return {**report, "attention": report["attention"] + unfused}
 
     def report_png(self, path: str) -> str:
         """Draw the partitioned ``train_step`` into the PNG ``path`` (needs matplotlib)."""

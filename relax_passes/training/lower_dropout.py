@@ -8,7 +8,9 @@ Each dropout site ``d = R.nn.dropout(x, rate)`` becomes
 where ``seed`` is a new trailing parameter ``rng_seed: R.Tensor((2,), "uint32")`` of the
 function and ``site`` numbers the dropout ops in binding order.  The gradient of ``where`` routes
 ``grad`` through the very same ``keep`` mask and none into the RNG — see `philox` for the
-counter convention.  Functions without dropout are untouched.
+counter convention.  A ``tvm_evt.attention`` call with dropout (SDPA's, as imported) takes the
+same seed and the next site number as its ``seed`` and ``site`` operands: it draws its own mask,
+by the same convention.  Functions without dropout are untouched.
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ SEED_PARAM = "rng_seed"
 
 
 DROPOUT = tvm.ir.Op.get("relax.nn.dropout")
+ATTENTION = "tvm_evt.attention"
+
+
+def _attention_dropout(expr: relax.Expr) -> bool:
+    """Is `expr` a ``tvm_evt.attention`` call with a dropout rate above 0?"""
+    if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == ATTENTION):
+        return False
+    from ..ops import attention_op  # the op module imports this one
+
+    return attention_op.operands(expr).attrs.dropout > 0.0
+
+
+def _has_dropout(body: relax.Expr) -> bool:
+    found = []
+    relax.analysis.post_order_visit(body, lambda e: found.append(e) if _attention_dropout(e) else None)
+    return bool(found) or has_call(body, DROPOUT)
 
 
 def keep_mask_function(builder: relax.BlockBuilder, shape, rate: float) -> relax.GlobalVar:
@@ -43,6 +61,8 @@ class _DropoutLowerer(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        if _attention_dropout(call):
+            return self._seed_attention(call)
         if call.op != DROPOUT:
             return call
         x = call.args[0]
@@ -64,6 +84,16 @@ class _DropoutLowerer(PyExprMutator):
         out = self.builder_.emit(relax.op.multiply(kept, relax.const(1.0 / (1.0 - rate), dtype)))
         return relax.Tuple([out, keep])
 
+    def _seed_attention(self, call: relax.Call) -> relax.Call:
+        from ..ops import attention_op
+
+        ops = attention_op.operands(call)
+        attrs = ops.attrs
+        site = self.sites
+        self.sites += 1
+        q, k, v = ops.tensors.values()
+        return attention_op.attention(q, k, v, self.seed, attrs.scale, attrs.causal, attrs.dropout, site, ops.bias)
+
 
 @tvm.transform.module_pass(opt_level=0, name="LowerDropout")
 class LowerDropout:
@@ -73,7 +103,7 @@ class LowerDropout:
         targets = [
             (gv, f)
             for gv, f in mod.functions_items()
-            if isinstance(f, relax.Function) and has_call(f.body, DROPOUT)
+            if isinstance(f, relax.Function) and _has_dropout(f.body)
         ]
         if not targets:
             return mod

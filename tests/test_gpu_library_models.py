@@ -1,0 +1,51 @@
+"""GPU tier: models as transformers and timm build them (random weights, no downloads) train in
+bf16 on CUDA as torch computes them in fp32, every GEMM on CUTLASS and every attention on the
+flash-attention kernels (skipped without CUDA; timm only where it is installed)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tvm_evt
+from tvm_evt import models
+
+from _torch_ref import assert_bf16_step_close
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+# Small models of the libraries' own classes. Vocabularies and class counts are left unaligned on
+# purpose (1001, 50257, 100): their GEMMs' extents are not a multiple of 16 bytes.
+CASES = {
+    "bert_mlm": lambda: models.hf_bert_mlm(batch=4, seq=64, layers=2, hidden=256, heads=4, vocab=1001, dropout=0.0),
+    "gpt2_lm": lambda: models.hf_gpt2_lm(batch=2, seq=128, layers=2, hidden=256, heads=4, vocab=50257, dropout=0.0),
+    # grouped-query attention (4 query heads over 2 key/value heads) at every head dimension the
+    # flash-attention kernels take
+    **{f"llama_lm_d{d}": (lambda d=d: models.hf_llama_lm(batch=2, seq=96, layers=2, hidden=4 * d, heads=4,
+                                                          kv_heads=2, ffn=256, vocab=1000))
+       for d in (32, 64, 80, 96, 128)},
+    # 17 tokens (16 patches and the class token), 100 classes
+    "timm_vit": lambda: models.timm_model("vit_tiny_patch16_224", batch=8, image=32, classes=100, img_size=32,
+                                          patch_size=8, depth=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_library_model_bf16_step(name):
+    if name.startswith("timm"):
+        pytest.importorskip("timm")
+    torch.manual_seed(0)
+    entry = CASES[name]()
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    precision="bf16")
+    assert step.target.kind.name == "cuda"
+    report = step.report()
+    assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
+    assert report["attention"] and all(a["kernel"] for a in report["attention"]), report["attention"]
+    assert_bf16_step_close(step, entry, entry.example_inputs())
+    before = {n: v.clone() for n, v in step.parameters().items()}
+    step(*[t.cuda() for t in entry.example_inputs()])
+    assert any(not torch.equal(before[n], v) for n, v in step.parameters().items())
