@@ -269,6 +269,23 @@ def test_unsupported_op_names_op_and_module():
     assert "cumprod" in msg and "block" in msg
 
 
+class _TargetWeighted(torch.nn.Module):
+    """A loss weighted by a function of the targets that has no gradient rule (floor_mod), on no
+    path from a parameter: TVM's Gradient still differentiates it."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x, labels):
+        return (self.head(x) * torch.remainder(labels, 3).float()).mean()
+
+
+def test_unsupported_op_on_the_targets_side_names_op_and_module():
+    with pytest.raises(UnsupportedOpError, match=r"aten\.remainder.*no gradient rule for relax\.floor_mod"):
+        tvm_evt.compile_training(_TargetWeighted(), (torch.randn(2, 4), torch.randint(0, 9, (2, 4))), target=LLVM)
+
+
 def test_wrong_inputs_are_reported():
     entry = models.ZOO["mlp"]()
     inputs = entry.example_inputs()

@@ -276,7 +276,10 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
             {n: importer._convert_pytorch_tensor_to_tvm(t) for n, t in const_binding.items()},
         )(mod)
 
-    origins = {var: origin for var, origin in origin_log if isinstance(var, relax.Var)}
+    origins = {}  # the first op that produced a var (a pass-through such as an assert returns it again)
+    for var, origin in origin_log:
+        if isinstance(var, relax.Var):
+            origins.setdefault(var, origin)
     input_specs = []
     for var in user_inputs.values():
         sinfo = var.ty

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from typing import Sequence
 
@@ -126,6 +127,36 @@ def check_differentiable(imported: ImportedModel) -> None:
         raise UnsupportedOpError(pending[0], "", "no gradient rule")
 
 
+def _differentiate(mod: tvm.IRModule, params: list, imported: ImportedModel) -> tvm.IRModule:
+    """TVM's ``Gradient`` of ``main``'s loss.  It differentiates every op the loss depends on, the
+    labels' side included (a ``remainder`` of the targets that weighs the loss, say), which
+    `check_differentiable`'s parameter paths do not cover; an op there without a rule is
+    re-raised as `UnsupportedOpError` naming its aten op and module instead of TVM's InternalError."""
+    try:
+        return relax.transform.Gradient("main", require_grads=params, target_index=0)(mod)
+    except Exception as err:  # pylint: disable=broad-except  (TVM raises InternalError here)
+        missing = re.search(r"FPrimalGradient has not been registered for (\S+)", str(err))
+        if missing is None:
+            raise
+        op = missing.group(1)
+        raise UnsupportedOpError(*_origin_of(imported, op), f"no gradient rule for {op}") from None
+
+
+def _origin_of(imported: ImportedModel, op_name: str) -> tuple[str, str]:
+    """(aten op, module path) of the first binding of the imported ``main`` that calls `op_name`
+    (the origin recorded for it, or for the converter output it is part of)."""
+    found = False
+    for block in imported.mod["main"].body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            found = found or (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+                              and value.op.name == op_name)
+            if found and binding.var in imported.origins:
+                origin = imported.origins[binding.var]
+                return origin.aten_op, origin.module_path
+    return op_name, ""
+
+
 # --------------------------------------------------------------------- graph building
 
 
@@ -197,7 +228,7 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     params = list(main.params[n_in : n_in + n_p])
     if not params:
         raise ValueError("the model has no trainable parameters")
-    mod = relax.transform.Gradient("main", require_grads=params, target_index=0)(mod)
+    mod = _differentiate(mod, params, imported)
     overwrites = [imported.buffer_names.index(name) for name in imported.mutated_buffers]
     appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace, overwrites=overwrites)
     mod = appender(mod)
