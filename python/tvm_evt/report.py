@@ -25,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .pipeline import front_passes
+from .pipeline import enabled, front_passes
 from .relax_passes.partition.partition_evt import CODEGEN, partition_report
 
 
@@ -49,6 +49,8 @@ def attention_calls(func: relax.Function) -> list[dict]:
         row = {"op": "backward" if call.op.name == BACKWARD_OP else "forward",
                "shape": [int(d) for d in q.shape][:3] + [int(k.shape[2])], "dtype": str(q.dtype)}
         try:
+            if not enabled("flash_attention"):
+                raise Unsupported("the flash-attention kernels are switched off (TVM_EVT_DISABLE)")
             spec = attention_of_call(call)
             row.update(causal=spec.causal, dropout=spec.dropout, kernel=True, reason=None)
         except Unsupported as err:

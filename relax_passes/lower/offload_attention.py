@@ -109,8 +109,10 @@ def _dropout_site(spec) -> tuple:
 
 @mutator
 class _Offloader(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, prefix: str, shared: dict, fallbacks: list, backward_sites: set):
+    def __init__(self, mod: tvm.IRModule, prefix: str, shared: dict, fallbacks: list, backward_sites: set,
+                 kernels: bool = True):
         super().__init__(mod)
+        self.kernels = kernels
         self.prefix = prefix
         self.shared = shared  # AttentionCall -> GlobalVar
         self.fallbacks = fallbacks
@@ -123,6 +125,8 @@ class _Offloader(PyExprMutator):
         if name is None:
             return call
         try:
+            if not self.kernels:
+                raise Unsupported(f"{name}: the flash-attention kernels are switched off (TVM_EVT_DISABLE)")
             spec = attention_of_call(call)
         except Unsupported as err:
             self.fallbacks.append(err.reason)
@@ -174,9 +178,11 @@ def _backward_sites(func: relax.Function) -> set:
 @tvm.transform.module_pass(opt_level=0, name="OffloadAttention")
 class OffloadAttention:
     """Fused attention calls -> ``Codegen="evt_attention"`` functions, or plain ops where the
-    kernels cannot take them (``fallbacks`` lists why)."""
+    kernels cannot take them (``fallbacks`` lists why); `kernels` False: plain ops for every call
+    (``TVM_EVT_DISABLE=flash_attention``)."""
 
-    def __init__(self):
+    def __init__(self, kernels: bool = True):
+        self.kernels = kernels
         self.fallbacks: list[str] = []
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -187,7 +193,7 @@ class OffloadAttention:
             return mod
         shared: dict = {}
         for gv, func in targets:
-            mutator_ = _Offloader(mod, gv.name_hint, shared, self.fallbacks, _backward_sites(func))
+            mutator_ = _Offloader(mod, gv.name_hint, shared, self.fallbacks, _backward_sites(func), self.kernels)
             new = mutator_.visit_expr(func)
             mutator_.builder_.update_func(gv, new)
             mod = mutator_.builder_.get()
