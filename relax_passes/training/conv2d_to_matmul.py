@@ -17,7 +17,8 @@ gradient) are GEMMs the EVT partitioner offloads.  ``windows`` is chosen by the 
 * otherwise, at most ``MAX_WINDOW`` kernel taps: pad, one strided slice per tap, stacked.
 
 Only ``groups == 1`` NCHW/OIHW convolutions with static shapes are rewritten (and NCW/OIW
-``conv1d``: XML-CNN); the rest stay as they are.  A ``conv1d`` goes channels-last first: its
+``conv1d``: XML-CNN); the rest stay convolutions, an NHWC one written back as NCHW between
+transposes (the layout TVM's ``conv2d`` gradient takes).  A ``conv1d`` goes channels-last first: its
 input transposed to NWC (an input that is itself the transpose of an NWC tensor, as XML-CNN's
 embedding, is read as that tensor, so the gradient stays NWC too), its weight to OWI, then
 gathered as an NHWC conv2d of height 1 (below).  Gathered channel-major from NCW, each of
@@ -72,7 +73,7 @@ class _Rewriter(PyExprMutator):
         given = (a.data_layout, a.kernel_layout, a.out_layout or a.data_layout)
         nhwc = call.op == CONV2D and given == NHWC
         if xs is None or ws is None or ys is None or int(a.groups) != 1 or (given != layouts and not nhwc):
-            return call
+            return self._differentiable(call) if nhwc else call
         stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
         emit = self.builder_.emit
         out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
@@ -81,7 +82,7 @@ class _Rewriter(PyExprMutator):
             return conv_op.conv2d(x, w, conv_op.Geometry(tuple(pad), tuple(stride), tuple(dilation)))
         if nhwc:  # channels innermost: the windows are channel-contiguous and the output needs no transpose
             y = self._nhwc_gemm(x, xs, w, ws, ys, stride, dilation, pad, out_dtype)
-            return call if y is None else relax.op.reshape(y, [xs[0], *ys[1:3], ws[0]])
+            return self._differentiable(call) if y is None else relax.op.reshape(y, [xs[0], *ys[1:3], ws[0]])
         if call.op == CONV1D:  # an NHWC conv2d of height 1 between NCW <-> NWC transposes
             (n, c, wd), (o, _, k), (_, _, ow) = xs, ws, ys
             nwc = producer(self, x, PERMUTE)  # x = NWC^T (XML-CNN's embedding): read the NWC tensor
@@ -99,6 +100,18 @@ class _Rewriter(PyExprMutator):
         y = emit(relax.op.matmul(cols, w2, out_dtype=out_dtype))
         y = emit(relax.op.reshape(y, [n, oh, ow, o]))
         return relax.op.permute_dims(y, [0, 3, 1, 2])
+
+    def _differentiable(self, call: relax.Call) -> relax.Expr:
+        """An NHWC/OHWI ``conv2d`` left as a convolution (grouped, depthwise, or windows of more than
+        ``MAX_WINDOW`` taps such as a 7x7 stem), as the NCHW/OIHW one between transposes: TVM's
+        ``conv2d`` gradient takes only that layout, so the layout ConvertConvLayout chose must not
+        reach ``Gradient`` on a convolution this pass does not rewrite."""
+        emit, a = self.builder_.emit, call.attrs
+        x = emit(relax.op.permute_dims(call.args[0], [0, 3, 1, 2]))
+        w = emit(relax.op.permute_dims(call.args[1], [0, 3, 1, 2]))
+        y = emit(relax.op.nn.conv2d(x, w, strides=a.strides, padding=a.padding, dilation=a.dilation,
+                                    groups=int(a.groups), out_dtype=a.out_dtype if a.out_dtype and str(a.out_dtype) else None))
+        return relax.op.permute_dims(y, [0, 2, 3, 1])
 
     def _nhwc_gemm(self, x, xs, w, ws, ys, stride, dilation, pad, out_dtype):
         """An NHWC/OHWI convolution as one GEMM, its ``[N*OH*OW, O]`` result, or None (windows

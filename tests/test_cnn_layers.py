@@ -1,0 +1,87 @@
+"""Convolutional layers as torchvision writes them (torchvision's wheel does not load on the CPU
+torch build, so they are written here after its definitions): under the default rewrites every
+one compiles on the CPU route and its loss and every gradient equal torch fp32 — the 7x7/2 stem,
+depthwise and grouped convolutions that stay convolutions, stride-2 downsamples, dilation."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tvm_evt
+
+GRAD_TOL = 1e-4  # of the largest gradient's norm
+
+
+def _stem() -> nn.Module:  # torchvision.models.resnet: conv1, bn1, relu, maxpool
+    return nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                         nn.MaxPool2d(3, 2, 1))
+
+
+class _BasicBlock(nn.Module):  # torchvision.models.resnet.BasicBlock with a 1x1/2 downsample
+    def __init__(self, cin: int, cout: int, stride: int = 1, groups: int = 1, dilation: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, dilation, dilation=dilation, groups=groups, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class _InvertedResidual(nn.Module):  # torchvision.models.mobilenetv2.InvertedResidual
+    def __init__(self, cin: int, cout: int, stride: int, expand: int):
+        super().__init__()
+        hidden = cin * expand
+        self.use_res = stride == 1 and cin == cout
+        self.conv = nn.Sequential(
+            nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+def _classifier(body: nn.Module, channels: int, classes: int = 10) -> nn.Module:
+    return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
+
+
+MODELS = {
+    "resnet_stem": lambda: _classifier(nn.Sequential(_stem(), _BasicBlock(16, 16)), 16),
+    "basic_block_stride2": lambda: _classifier(_BasicBlock(8, 16, stride=2), 16),
+    "resnext_grouped": lambda: _classifier(_BasicBlock(16, 16, groups=4), 16),
+    "dilated": lambda: _classifier(_BasicBlock(8, 8, dilation=2), 8),
+    "mobilenet_v2_blocks": lambda: _classifier(nn.Sequential(
+        nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(),
+        _InvertedResidual(8, 8, 1, 4), _InvertedResidual(8, 16, 2, 4)), 16),
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cnn_layers_match_torch(name, channels_last):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks") else model[0].conv1.in_channels
+    x, y = torch.randn(2, cin, 16, 16), torch.randint(0, 10, (2,))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    step = tvm_evt.compile_training(model, (x, y), loss_fn=F.cross_entropy, target="llvm")
+    loss, grads = step.loss_and_grads(x, y)
+    model.load_state_dict(reference)  # tracing ran the model once: batch-norm statistics moved
+    model.zero_grad()
+    ref = F.cross_entropy(model(x), y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
+    params = dict(model.named_parameters())
+    largest = max(float(p.grad.norm()) for p in params.values())
+    for n, p in params.items():
+        err = float((grads[n] - p.grad).norm()) / largest
+        assert err <= GRAD_TOL, f"{n}: {err:.2e}"
