@@ -53,8 +53,12 @@ def _batches(n: int, batch: int = BATCH) -> list:
     return [(torch.randn(batch, 6, generator=gen), torch.randn(batch, 3, generator=gen)) for _ in range(n)]
 
 
-def _optimizer():
-    return tvm_evt.optim.AdamW(lr=0.05, weight_decay=0.1)
+def _optimizer(name: str = "sgd"):
+    """SGD's update is proportional to the gradient, so a wrong average (a sum, say) shows;
+    AdamW's is nearly invariant to the gradient's scale, but has two slots for ZeRO-1 to shard."""
+    if name == "adamw":
+        return tvm_evt.optim.AdamW(lr=0.05, weight_decay=0.1)
+    return tvm_evt.optim.SGD(lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
 def _free_port() -> int:
@@ -87,7 +91,7 @@ def _init(rank: int, world: int, port: int, backend: str = "gloo", timeout_s: fl
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _train_worker(rank, world, port, out_dir, zero, target, precision, backend):
+def _train_worker(rank, world, port, out_dir, zero, optimizer, target, precision, backend):
     """Three steps on this rank's shard, the state saved, two more; then a fresh step loads the
     saved state and runs the same two."""
     import torch.distributed as dist
@@ -97,7 +101,7 @@ def _train_worker(rank, world, port, out_dir, zero, target, precision, backend):
     _init(rank, world, port, backend)
     batches = [distributed.shard_batch(b) for b in _batches(STEPS + MORE)]
     compile_step = lambda: tvm_evt.compile_training(
-        _model(perturb=rank > 0), batches[0], torch.nn.functional.mse_loss, _optimizer(), target=target,
+        _model(perturb=rank > 0), batches[0], torch.nn.functional.mse_loss, _optimizer(optimizer), target=target,
         precision=precision, data_parallel=True, zero=zero, bucket_mb=1e-4)  # a bucket per parameter or two
     step = compile_step()
     losses = [float(step(*b)) for b in batches[:STEPS]]
@@ -120,18 +124,19 @@ def _train_worker(rank, world, port, out_dir, zero, target, precision, backend):
     dist.destroy_process_group()
 
 
-def _reference(target=None, precision="fp32"):
+def _reference(optimizer, target=None, precision="fp32"):
     """One process, the whole batch: the losses and parameters after STEPS steps."""
-    step = tvm_evt.compile_training(_model(), _batches(1)[0], torch.nn.functional.mse_loss, _optimizer(),
+    step = tvm_evt.compile_training(_model(), _batches(1)[0], torch.nn.functional.mse_loss, _optimizer(optimizer),
                                     target=target, precision=precision)
     losses = [float(step(*b)) for b in _batches(STEPS)]
     return losses, {k: v.detach().cpu().clone() for k, v in step.parameters().items()}
 
 
-@pytest.mark.parametrize("zero", [False, True], ids=["allreduce", "zero1"])
-def test_two_gloo_ranks_match_one_process_on_the_whole_batch(tmp_path, zero):
-    results = _run_ranks(_train_worker, 2, tmp_path, zero, "llvm", "fp32", "gloo")
-    ref_losses, ref_params = _reference("llvm")
+@pytest.mark.parametrize("zero,optimizer", [(False, "sgd"), (True, "sgd"), (True, "adamw")],
+                         ids=["allreduce-sgd", "zero1-sgd", "zero1-adamw"])
+def test_two_gloo_ranks_match_one_process_on_the_whole_batch(tmp_path, zero, optimizer):
+    results = _run_ranks(_train_worker, 2, tmp_path, zero, optimizer, "llvm", "fp32", "gloo")
+    ref_losses, ref_params = _reference(optimizer, "llvm")
     r0, r1 = results
     assert r0["segments"] > 1 and r0["buckets"] > 1  # the backward really was cut, buckets really launched apart
     mean_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
@@ -145,9 +150,10 @@ def test_two_gloo_ranks_match_one_process_on_the_whole_batch(tmp_path, zero):
         assert r["step_count"] == STEPS + MORE
         for name in r["after"]:
             assert torch.equal(r["resumed"][name], r["after"][name]), f"{name}: resumed from the saved state differs"
-    # AdamW's two slots: whole on every rank, or a shard of each bucket (aligned, padded) under ZeRO-1
+    # the optimizer's slots: whole on every rank, or a shard of each bucket (aligned, padded) under ZeRO-1
     numel = sum(p.numel() for p in _model().parameters())
-    for slot in ("exp_avg", "exp_avg_sq"):
+    assert set(r0["slot_numel"]) == set(_optimizer(optimizer).slots())
+    for slot in r0["slot_numel"]:
         if zero:
             assert r0["slot_numel"][slot] < numel and r0["slot_numel"][slot] == r1["slot_numel"][slot]
         else:
@@ -236,12 +242,12 @@ def test_flat_layout_aligns_every_parameter_and_shard():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("zero", [False, True], ids=["allreduce", "zero1"])
-def test_two_nccl_ranks_match_one_gpu_on_the_whole_batch_in_bf16(tmp_path, zero):
+@pytest.mark.parametrize("zero,optimizer", [(False, "sgd"), (True, "adamw")], ids=["allreduce-sgd", "zero1-adamw"])
+def test_two_nccl_ranks_match_one_gpu_on_the_whole_batch_in_bf16(tmp_path, zero, optimizer):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    results = _run_ranks(_train_worker, 2, tmp_path, zero, None, "bf16", "nccl", timeout=580)
-    ref_losses, ref_params = _reference(None, "bf16")
+    results = _run_ranks(_train_worker, 2, tmp_path, zero, optimizer, None, "bf16", "nccl", timeout=580)
+    ref_losses, ref_params = _reference(optimizer, None, "bf16")
     r0, r1 = results
     mean_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
     assert mean_losses == pytest.approx(ref_losses, rel=2e-2, abs=1e-2)
@@ -250,3 +256,21 @@ def test_two_nccl_ranks_match_one_gpu_on_the_whole_batch_in_bf16(tmp_path, zero)
         assert torch.equal(r0["params"][name], r1["params"][name]), f"{name}: the ranks' parameters differ"
     for r in results:
         assert r["again"] == r["more"]
+
+
+def test_train_script_with_nproc_trains_over_two_ranks():
+    """``scripts/train.py --nproc 2``: torchrun on this host, gloo on the CPU, the zoo MLP (with
+    dropout: each rank's seed advances on the device)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), "--nproc", "2", "--model", "mlp", "--steps", "3",
+                           "--target", "llvm", "--compare", "1", "--zero"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "data parallel: 2 ranks" in proc.stdout and "ZeRO-1" in proc.stdout
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 3 and "eager" in steps[0], proc.stdout  # rank 0 prints, once per step
