@@ -17,7 +17,7 @@ from . import optim
 from .codegen import patterns as _patterns
 from .codegen import relax_ext as _relax_ext
 from .codegen.patterns import partition_for_evt
-from .errors import InputMismatchError, UnsupportedOpError
+from .errors import DataParallelMismatchError, InputMismatchError, UnsupportedOpError
 from .frontend import from_torch
 from .training import TrainingStep, build_training_module, compile_training, cpu_target, default_target
 
@@ -34,5 +34,6 @@ __all__ = [
     "TrainingStep",
     "UnsupportedOpError",
     "InputMismatchError",
+    "DataParallelMismatchError",
     "optim",
 ]

@@ -12,3 +12,8 @@ class UnsupportedOpError(NotImplementedError):
 
 class InputMismatchError(ValueError):
     """A training step was called with inputs that do not match what it was compiled for."""
+
+
+class DataParallelMismatchError(InputMismatchError):
+    """Data-parallel ranks compiled different steps (model, shapes, optimizer), or were given
+    different state: raised on every rank at the first step, naming what differs where."""

@@ -102,7 +102,7 @@ PHASES = (
     Phase("training", "relax_passes.training",
           ("LowerDropout", "ExpandSmallPower", "SplitFusedProjection", "ConvertConvLayout", "CancelTransposes",
            "Conv2dToMatmul", "FuseAttention", "PadAttentionKeys", "AutoMixedPrecision", "ScaleLoss",
-           "FuseBatchNorm", "AppendOptimizer")),
+           "FuseBatchNorm", "AppendOptimizer", "SplitAdjoint", "AppendBucketUpdates")),
     Phase("graph", "relax_passes.graph",
           ("EliminateLoss", "DecomposeCrossEntropy", "DecomposeLayerNorm", "DecomposeBatchNorm",
            "DecomposeMatmulBias", "EliminateReduction", "EliminateSoftmaxBackwardReduction",

@@ -30,7 +30,7 @@ from tvm import relax
 from .codegen.frontend.attention_call import DTYPES as FLASH_DTYPES
 from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
-from .frontend import NCHW_TO_NHWC, ImportedModel, from_torch
+from .frontend import ImportedModel, from_torch
 from .logs import quiet_known_warnings
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
 from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
@@ -46,6 +46,7 @@ from .relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.training.pad_attention_keys import PadAttentionKeys
 from .relax_passes.training.split_fused_projection import SplitFusedProjection
 from .relax_passes.training.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
+from .tensors import input_arguments, to_torch, to_tvm
 
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 # the precisions whose attention the flash-attention kernels compute (FuseAttention runs for these)
@@ -183,12 +184,23 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
                           inplace: bool = False) -> TrainingGraph:
     """Steps 2-6 of the module docstring; `inplace`: the optimizer update writes over the parameters
     and slots train_step is given (``AppendOptimizer``; not with fp16's dynamic loss scaling)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if inplace and precision == "fp16":
         raise ValueError("inplace=True (which cuda_graph=True implies): fp16 steps scale their loss dynamically "
                          "and must keep the old parameters when the gradients overflow; use bf16 or fp32, or "
                          "inplace=False")
+    mod, loss_scale, has_seed = build_adjoint_module(imported, precision)
+    n_p = len(imported.param_names)
+    overwrites = [imported.buffer_names.index(name) for name in imported.mutated_buffers]
+    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace, overwrites=overwrites)
+    mod = appender(mod)
+    return TrainingGraph(mod, appender.layout, loss_scale, has_seed, inplace)
+
+
+def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
+    """Steps 2-5 of the module docstring: (the module with ``main`` and ``main_adjoint``, the
+    dynamic loss scale of fp16 or None, whether the graph takes a dropout seed)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     check_differentiable(imported)
     passes = [
         LowerDropout(),
@@ -229,33 +241,13 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     if not params:
         raise ValueError("the model has no trainable parameters")
     mod = _differentiate(mod, params, imported)
-    overwrites = [imported.buffer_names.index(name) for name in imported.mutated_buffers]
-    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace, overwrites=overwrites)
-    mod = appender(mod)
-    has_seed = any(p.name == SEED_PARAM for p in main.params)
-    return TrainingGraph(mod, appender.layout, loss_scale, has_seed, inplace)
+    return mod, loss_scale, any(p.name == SEED_PARAM for p in main.params)
 
 
 # ---------------------------------------------------------------------------- runtime
 
 
-def _to_tvm(t, device):
-    """torch tensor → TVM tensor on `device`, zero-copy through DLPack when possible."""
-    if device.dlpack_device_type() == 2 and t.device.type != "cuda":  # kDLCUDA
-        t = t.to(f"cuda:{device.index}")
-    elif device.dlpack_device_type() == 1 and t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    try:
-        return tvm.runtime.from_dlpack(t)
-    except Exception:  # a view at an offset TVM finds misaligned (it asks for 64 bytes): copy
-        return tvm.runtime.from_dlpack(t.clone())
-
-
-def _to_torch(x):
-    import torch
-
-    return torch.from_dlpack(x)
+_to_tvm, _to_torch = to_tvm, to_torch  # the names this module's callers know
 
 
 class TrainingStep:
@@ -297,23 +289,7 @@ class TrainingStep:
         return _to_tvm(t.detach().clone() if self.graph.inplace else t.detach(), self.device)
 
     def _check_inputs(self, inputs: Sequence) -> list:
-        specs, names = self.imported.input_specs, self.imported.input_names
-        if len(inputs) != len(specs):
-            raise InputMismatchError(
-                f"training step takes {len(specs)} inputs ({', '.join(names)}), got {len(inputs)}"
-            )
-        out = []
-        for i, (name, t, (shape, dtype)) in enumerate(zip(names, inputs, specs)):
-            got_dtype = str(t.dtype).replace("torch.", "")
-            if tuple(t.shape) != shape or got_dtype != dtype:
-                raise InputMismatchError(
-                    f"input '{name}': expected shape {list(shape)} dtype {dtype}, "
-                    f"got shape {list(t.shape)} dtype {got_dtype}"
-                )
-            if self.imported.takes_channels_last(i):  # NHWC memory: in place when t is channels-last
-                t = t.permute(*NCHW_TO_NHWC)
-            out.append(_to_tvm(t, self.device))
-        return out
+        return input_arguments(self.imported, inputs, self.device)
 
     def _rest(self) -> list:
         rest = [self._buffers[n] for n in self.imported.buffer_names]
@@ -432,7 +408,11 @@ def compile_training(
     tuning_dir=None,
     inplace: bool = False,
     cuda_graph: bool | None = None,
-) -> TrainingStep:
+    data_parallel: bool = False,
+    zero: bool = False,
+    bucket_mb: float = 25.0,
+    process_group=None,
+):
     """Compile forward + backward + optimizer update of `model` into one training step.
 
     `target=None` picks CUDA when a GPU is present, else llvm; `optimizer` defaults to
@@ -445,9 +425,22 @@ def compile_training(
     kernels into CUDA graphs, replayed by later steps (those that read the step's inputs or make its
     loss run outside them). None: on unless ``TVM_EVT_DISABLE=cuda_graph`` or fp16 (whose loss
     scaler keeps the old parameters on an overflow, so its update cannot run in place).
+
+    `data_parallel`: this process is one rank of `process_group` (None: torch.distributed's default
+    group, which ``init_process_group`` set up under torchrun) and `example_inputs` are its shard
+    of the batch; returns a `tvm_evt.distributed.DataParallelStep`, which averages the gradients
+    across the ranks in buckets of about `bucket_mb` MiB, each all-reduced as soon as the backward
+    has produced it, before the update. `zero`: ZeRO-1, each rank keeps and updates the optimizer
+    state of its shard of the parameters (reduce-scatter, update, all-gather).  fp32 and bf16, not
+    ``inplace`` or ``cuda_graph`` (off by default with data_parallel).
     """
     start = time.perf_counter()
     tgt = as_target(target)
+    if zero and not data_parallel:
+        raise ValueError("zero=True shards the optimizer state across data-parallel ranks: it needs data_parallel=True")
+    if data_parallel:
+        return _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, precision, seed, tuning_dir,
+                                      inplace, cuda_graph, zero, bucket_mb, process_group, start)
     graphs = captures_graphs(tgt, precision, cuda_graph)
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
@@ -459,3 +452,22 @@ def compile_training(
 
             executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
     return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
+
+
+def _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, precision, seed, tuning_dir, inplace,
+                           cuda_graph, zero, bucket_mb, process_group, start):
+    """`compile_training` with ``data_parallel=True``: `tvm_evt.distributed` builds and runs it."""
+    from . import distributed
+
+    if precision == "fp16":
+        raise ValueError("data_parallel=True with precision='fp16': the dynamic loss scale would need one overflow "
+                         "verdict across the ranks, which the data-parallel step does not compute; use bf16 or fp32")
+    if inplace or cuda_graph:
+        raise ValueError("data_parallel=True runs the step as several functions with collectives between them: "
+                         "inplace=True and cuda_graph=True are not supported with it")
+    distributed.process_group(process_group)  # a clear error before the compile when there is no group
+    imported = from_torch(model, example_inputs, loss_fn)
+    mod, _, has_seed = build_adjoint_module(imported, precision)
+    return distributed.compile_data_parallel(imported, mod, _resolve_optimizer(optimizer), precision, tgt, has_seed,
+                                             seed=seed, zero=zero, bucket_mb=bucket_mb, group=process_group,
+                                             tuning_dir=tuning_dir, start=start)

@@ -6,5 +6,7 @@ Forward rewrites, before ``relax.transform.Gradient``: ``LowerDropout`` (Philox 
 ``Conv2dToMatmul``, ``FuseAttention``, ``PadAttentionKeys``, ``AutoMixedPrecision`` and
 ``ScaleLoss``, ``FuseBatchNorm``.  ``gradient_rules`` registers the gradients TVM 0.27 lacks;
 ``AppendOptimizer`` appends the fused optimizer update (``optimizers``, ``optimizer_update``,
-``write_back``) as ``train_step``.
+``write_back``) as ``train_step``.  For data parallel (``tvm_evt.distributed``), ``SplitAdjoint``
+cuts ``main_adjoint`` into one function per gradient bucket and ``AppendBucketUpdates`` adds each
+bucket's update (or ZeRO-1 shard's) and the step counter's ``advance``.
 """
