@@ -1,7 +1,8 @@
 """CUDA source of the fused training attention kernels (``string.Template``: ``${name}``).
 
 FlashAttention-2's algorithm (Dao, 2023) on Hopper's warpgroup MMA (``wgmma.mma_async``
-m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), written for head dimension 64:
+m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), for head dimensions D = 32, 64,
+80, 96 and 128 (the kernels' template parameter ``kDim``; see "Head dimensions" below):
 
 * ``fwd``    one CTA per 64 query rows of one (batch, head): Q stays in registers, K/V tiles of 64
              keys stream through double-buffered shared memory (``cp.async``), the softmax is
@@ -16,10 +17,31 @@ m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), written for h
 * ``dq``     one CTA per 64 query rows: dQ += dS K, recomputing S and dP.  No atomics, so every
              gradient is deterministic (see ``BACKWARD_ENTRY`` for the atomic version it replaced).
 
-Shared-memory tiles are 64 rows of 128 bytes with the 16-byte chunks XOR-swizzled by the row: the
-layout wgmma reads through a 128-byte-swizzle descriptor, and conflict-free for ``ldmatrix``.  A
-warp owns 16 rows of every 64-row tile it computes; the accumulator fragment of one product is
-re-packed as the A operand of the next (P -> P V) without leaving registers.  wgmma against the
+Shared-memory tiles are 64 rows of one or two panels of 128 bytes (64 head columns), the 16-byte
+chunks of a panel's rows XOR-swizzled by the row: the layout wgmma reads through a 128-byte-swizzle
+descriptor, and conflict-free for ``ldmatrix``.  A warp owns 16 rows of every 64-row tile it
+computes; the accumulator fragment of one product is re-packed as the A operand of the next
+(P -> P V) without leaving registers.
+
+Head dimensions.  A tile's rows are D padded to whole panels, kHead = 64 (D = 32, 64) or 128
+(D = 80, 96, 128): a panel is exactly one swizzle atom wide, so a descriptor, ``swz`` and
+``ldmatrix`` addressing are those of a 64 x 64 tile, and the head never takes a second layout.
+The true D is a compile-time constant everywhere else: global rows are D elements apart, the
+copies zero-fill the padding columns (cp.async with 0 source bytes; nothing padded is ever in
+global memory), a product over the head (S = Q Kᵀ, dPd = dO Vᵀ) issues only D / 16 k-steps, and
+the stores skip the padding columns.  A product with the head as N (O += P V, dV += Pᵀ dO,
+dK += dSᵀ Q, dQ += dS K) is one m64n64k16 chain a panel, into an accumulator a panel
+(``acc[kPanels][8][4]``), rather than one n128 MMA: one instruction shape and one descriptor form
+for every D, and the MMAs are not these kernels' bottleneck (below).  At D = 80 and 96 the second
+panel's MMAs run partly on zeros; that was preferred to MMAs of n = 16 or 32 and a second
+accumulator shape.  Head 64 compiles to the code it had before D was a parameter (the same PTX up
+to shared-memory offsets and two unsigned shifts; the same registers, no spills).
+Two panels double every tile: the kernels' tiles (forward 80 KB, dK/dV 96, dQ 64) outgrow static
+shared memory's 48, so they take dynamic shared memory (``shared_storage`` / ``launch``), and the
+forward and dQ kernels are compiled for two CTAs an SM (``min_blocks``).  dK/dV would need K's and V's A fragments (2 x 32 registers a thread)
+beside the dK and dV accumulators (2 x 64) and Sᵀ and dPᵀ (2 x 32): its MMAs read K and V from
+shared memory instead (wgmma's SS form; ``keys_in_smem``).  Registers and spills per kernel and D:
+tests/test_flash_attention_codegen.py::test_ptxas_fits_every_head_dim_without_spills.  wgmma against the
 mma.sync kernels it replaced (H100, scripts/bench_attention.py --layout bshd, forward + backward
 ms, two runs each): BERT-Large 0.967-0.969 -> 0.931-0.936, GPT-2 1.038-1.049 -> 0.996-0.999,
 ViT-B/16 0.802-0.807 -> 0.768-0.769, BERT-Large without dropout 0.793-0.794 -> 0.735-0.747.
@@ -84,8 +106,8 @@ constexpr int tile_elems(int dim) { return kBlock * kPanelCols * panels(dim); }
 // Head 64: three, where dQ fits 168 registers instead of 212 (24 bytes spilled).  H200,
 // scripts/bench_attention.py --layout bshd: ViT dQ+dK+dV 0.703 -> 0.633 ms, GPT-2 0.777 -> 0.756,
 // the forward 2-5 % faster; dK/dV at three (220 bytes spilled) was slower, so it keeps two.
-// Heads of two panels: two, as their shared memory (80 and 64 KB) allows no more than that anyway
-// and 168 registers would not hold Q's, dO's and dQ's fragments beside S and dP.
+// Heads of two panels: two.  The forward's 80 KB of tiles allow no more, and at three dQ spilled
+// about 300 bytes (168 registers do not hold Q's, dO's and dQ's fragments beside S and dP).
 constexpr int min_blocks(int dim) { return panels(dim) == 1 ? 3 : 2; }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
