@@ -21,7 +21,10 @@ Shared-memory tiles are 64 rows of one or two panels of 128 bytes (64 head colum
 chunks of a panel's rows XOR-swizzled by the row: the layout wgmma reads through a 128-byte-swizzle
 descriptor, and conflict-free for ``ldmatrix``.  A warp owns 16 rows of every 64-row tile it
 computes; the accumulator fragment of one product is re-packed as the A operand of the next
-(P -> P V) without leaving registers.
+(P -> P V) without leaving registers.  wgmma against the mma.sync kernels it replaced (H100,
+scripts/bench_attention.py --layout bshd, forward + backward ms, two runs each): BERT-Large
+0.967-0.969 -> 0.931-0.936, GPT-2 1.038-1.049 -> 0.996-0.999, ViT-B/16 0.802-0.807 ->
+0.768-0.769, BERT-Large without dropout 0.793-0.794 -> 0.735-0.747.
 
 Head dimensions.  A tile's rows are D padded to whole panels, kHead = 64 (D = 32, 64) or 128
 (D = 80, 96, 128): a panel is exactly one swizzle atom wide, so a descriptor, ``swz`` and
@@ -34,17 +37,15 @@ dK += dSᵀ Q, dQ += dS K) is one m64n64k16 chain a panel, into an accumulator a
 (``acc[kPanels][8][4]``), rather than one n128 MMA: one instruction shape and one descriptor form
 for every D, and the MMAs are not these kernels' bottleneck (below).  At D = 80 and 96 the second
 panel's MMAs run partly on zeros; that was preferred to MMAs of n = 16 or 32 and a second
-accumulator shape.  Head 64 compiles to the code it had before D was a parameter (the same PTX up
-to shared-memory offsets and two unsigned shifts; the same registers, no spills).
-Two panels double every tile: the kernels' tiles (forward 80 KB, dK/dV 96, dQ 64) outgrow static
-shared memory's 48, so they take dynamic shared memory (``shared_storage`` / ``launch``), and the
-forward and dQ kernels are compiled for two CTAs an SM (``min_blocks``).  dK/dV would need K's and V's A fragments (2 x 32 registers a thread)
-beside the dK and dV accumulators (2 x 64) and Sᵀ and dPᵀ (2 x 32): its MMAs read K and V from
-shared memory instead (wgmma's SS form; ``keys_in_smem``).  Registers and spills per kernel and D:
-tests/test_flash_attention_codegen.py::test_ptxas_fits_every_head_dim_without_spills.  wgmma against the
-mma.sync kernels it replaced (H100, scripts/bench_attention.py --layout bshd, forward + backward
-ms, two runs each): BERT-Large 0.967-0.969 -> 0.931-0.936, GPT-2 1.038-1.049 -> 0.996-0.999,
-ViT-B/16 0.802-0.807 -> 0.768-0.769, BERT-Large without dropout 0.793-0.794 -> 0.735-0.747.
+accumulator shape.  Head 64 compiles to the code it had before D was a parameter: the same PTX up
+to shared-memory offsets and two unsigned shifts, no spills, and the same registers (dK/dV: 1
+or 2 fewer).  Two panels double every tile: the kernels' tiles (forward 80 KB, dK/dV 96, dQ 64) outgrow
+static shared memory's 48, so they take dynamic shared memory (``shared_storage`` / ``launch``),
+and the forward and dQ kernels are compiled for two CTAs an SM (``min_blocks``).  dK/dV would need
+K's and V's A fragments (2 x 32 registers a thread) beside the dK and dV accumulators (2 x 64) and
+Sᵀ and dPᵀ (2 x 32): its MMAs read K and V from shared memory instead (wgmma's SS form;
+``keys_in_smem``).  Registers and spills per kernel and D:
+tests/test_flash_attention_codegen.py::test_ptxas_fits_every_head_dim_without_spills.
 
 The elementwise work between the MMAs is the kernels' bottleneck (one warpgroup a CTA, two or
 three CTAs an SM), so it is kept to a few instructions a score:
@@ -543,9 +544,9 @@ struct FwdShared {
 // output is, once), and the running max / sum of the thread's two rows and its accumulator rows are
 // updated.
 template <bool kCausal, bool kBias, bool kDropout, bool kRagged, int kPanels>
-__device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[kPanels][8][4], float (&m_run)[2], float (&l_run)[2],
-                                            Params const& p, const uint32_t* mask, const float* bias,
-                                            const int (&row)[2], int n0, int warp, int g, int t) {
+__device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[kPanels][8][4], float (&m_run)[2],
+                                            float (&l_run)[2], Params const& p, const uint32_t* mask,
+                                            const float* bias, const int (&row)[2], int n0, int warp, int g, int t) {
   // row r sees the tile's keys [0, visible[r]): those that exist and, causal, do not follow it.
   // Only causal attention or a key count that is not a multiple of the tile hides any.
   constexpr bool kBounded = kCausal || kRagged;
@@ -605,7 +606,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks(kDim)) flash_fwd(Params p
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   // causal: the last query tiles, which see the most keys, are started first (the CTAs of a
   // launch start in blockIdx order), so that the short ones fill the last wave
-  const int m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlock, bh = blockIdx.y, ld = row_stride<kDim>(p);
+  const int m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlock, bh = blockIdx.y;
+  const int ld = row_stride<kDim>(p);
   const uint16_t* Q = p.q + head_base<kDim>(p, bh, p.sq);
   const uint16_t* K = p.k + head_base<kDim>(p, bh, p.sk);
   const uint16_t* V = p.v + head_base<kDim>(p, bh, p.sk);
@@ -678,8 +680,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks(kDim)) flash_fwd(Params p
   store_rows<kBf16, kDim>(O, acc, inv[0], inv[1], m0 + warp * 16, p.sq, ld, g, t);
 }
 
-// ---- backward: D = rowsum(dO * O), eight lanes a row, each 16-byte loads of O and of dO (one
-// at a head of 64; one warp a row, 4 bytes a lane, had run at a third of the memory bandwidth)
+// ---- backward: D = rowsum(dO * O), eight lanes a row, each loading 16-byte chunks of O and dO
+// (one each at a head of 64; one warp a row, 4 bytes a lane, had run at a third of the memory
+// bandwidth)
 constexpr int kDeltaRows = kThreads / 8;  // rows a CTA
 template <int kDim, bool kBf16>
 __global__ void __launch_bounds__(kThreads) flash_delta(Params p, int rows) {
@@ -869,8 +872,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     else
       gemm_nk2<kBf16, kSteps>(s, kf, sm.q[buf], dp, vf, sm.d[buf]);
     // Pdᵀ into s (P where kept, else 0: dV is divided by 1 - p once, when stored); dSᵀ into dp
-    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sm.lse[buf], sm.delta[buf], sm.mask[buf],
-                                                                          kb, key, m0, warp, g, t);
+    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sm.lse[buf], sm.delta[buf],
+                                                                          sm.mask[buf], kb, key, m0, warp, g, t);
     uint32_t pa[4][4], da[4][4];  // Pdᵀ and dSᵀ as A operands
     pack_a<kBf16>(pa, s);
     pack_a<kBf16>(da, dp);
@@ -892,7 +895,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   }
   for (int i = bounded_end; i < last; ++i) query_tile(Bool<false>{}, i);
   store_rows<kBf16, kDim>(p.dk + head_base<kDim>(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
-  store_rows<kBf16, kDim>(p.dv + head_base<kDim>(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld, g, t);
+  store_rows<kBf16, kDim>(p.dv + head_base<kDim>(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld,
+                          g, t);
 }
 
 // ---- backward: dQ, one CTA per 64 query rows
