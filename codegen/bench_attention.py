@@ -1,11 +1,12 @@
 """Flash-attention kernel benchmark (``relax.ext.evt_attention``) against torch's SDPA on the GPU.
 
-Cases are the attention cores of the end-to-end models (bf16, head dimension 64):
+Cases are the attention cores of the end-to-end models (bf16, head dimension 64 unless named):
   bert       BERT-Large layer   32 x 16 x 512 x 512, dropout 0.1, keep bits saved by the forward
   bert_regen the same, the backward drawing the keep bits again from the seed
   bert_p0    the same without dropout
   gpt2       GPT-2 medium block 16 x 16 x 1024 x 1024, causal, dropout 0.1 (saved)
   vit        ViT-B/16 block     128 x 12 x 197 x 208, key bias (PadAttentionKeys' -inf), dropout 0.1 (saved)
+  llama      a Llama-2-7B layer 4 x 32 x 2048 x 2048, head dimension 128, causal, no dropout
 
 Method: both kernels of a case are built through ``build_attention`` and called through their FFI
 entries on torch tensors; each is timed with CUDA events after warm-up, with fresh random inputs
@@ -22,20 +23,21 @@ import tempfile
 from .bench import median_ms
 from .ir.attention import AttentionCall
 
-CASES = {  # name: (batch, heads, sq, sk, causal, bias, dropout, saved mask)
-    "bert": (32, 16, 512, 512, False, False, 0.1, True),
-    "bert_regen": (32, 16, 512, 512, False, False, 0.1, False),
-    "bert_p0": (32, 16, 512, 512, False, False, 0.0, False),
-    "gpt2": (16, 16, 1024, 1024, True, False, 0.1, True),
-    "vit": (128, 12, 197, 208, False, True, 0.1, True),
+CASES = {  # name: (batch, heads, sq, sk, head dimension, causal, bias, dropout, saved mask)
+    "bert": (32, 16, 512, 512, 64, False, False, 0.1, True),
+    "bert_regen": (32, 16, 512, 512, 64, False, False, 0.1, False),
+    "bert_p0": (32, 16, 512, 512, 64, False, False, 0.0, False),
+    "gpt2": (16, 16, 1024, 1024, 64, True, False, 0.1, True),
+    "vit": (128, 12, 197, 208, 64, False, True, 0.1, True),
+    "llama": (4, 32, 2048, 2048, 128, True, False, 0.0, False),
 }
-HEAD_DIM, SCALE, SITE = 64, 0.125, 3
+SITE = 3
 WARMUP = 3  # untimed runs before each timing
 
 
 def calls(name: str, dtype: str = "bfloat16", layout: str = "bhsd") -> tuple[AttentionCall, AttentionCall]:
-    batch, heads, sq, sk, causal, bias, p, saved = CASES[name]
-    common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=HEAD_DIM, scale=SCALE,
+    batch, heads, sq, sk, head_dim, causal, bias, p, saved = CASES[name]
+    common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=head_dim, scale=head_dim ** -0.5,
                   causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0, layout=layout)
     return (AttentionCall(symbol=f"bench_{name}_{layout}_fwd", backward=False, **common),
             AttentionCall(symbol=f"bench_{name}_{layout}_bwd", backward=True, **common))
@@ -99,7 +101,7 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str 
     ql, kl, vl = (heads_major(x.detach().requires_grad_()) for x in (q, k, v))
 
     def torch_fwd():
-        return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=SCALE)
+        return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=fwd.scale)
 
     with torch.no_grad():
         torch_f = median_ms(torch_fwd, fresh, iters, WARMUP)

@@ -1,12 +1,14 @@
 """Flash-attention codegen without a GPU: the emitted entries, what is refused, and an nvcc build
 whose entries check their arguments (the kernels' numbers: tests/test_gpu_flash_attention.py)."""
+import os
+import re
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from tvm_evt.codegen.backend.flash_attention import KEY_TILE, emit_attention
+from tvm_evt.codegen.backend.flash_attention import HEAD_DIMS, KEY_TILE, emit_attention
 from tvm_evt.codegen.build import cache, link_module, toolchain
 from tvm_evt.codegen.errors import Unsupported
 from tvm_evt.codegen.ir.attention import AttentionCall
@@ -28,7 +30,7 @@ def test_dps_arguments_follow_the_flags():
 def test_forward_entry_bakes_in_shapes_flags_and_dropout_constants():
     src = emit_attention(call())
     # sk = 208 leaves its last 64-key tile part-filled: the kernels bound each row's keys (kRagged)
-    assert "flash_fwd<true, false, true, true, true><<<grid, kThreads, 0, stream>>>(p);" in src
+    assert "flash_fwd<64, true, false, true, true, true>, grid, stream, p);" in src
     assert "dim3 grid((197 + kBlock - 1) / kBlock, 6);" in src
     # the Philox threshold and scale of p = 0.1 (codegen/philox.py's convention), the site
     assert "p.threshold = 6554u;" in src and "p.drop_scale = 1.1111111640930176f;" in src
@@ -44,8 +46,8 @@ def test_forward_entry_bakes_in_shapes_flags_and_dropout_constants():
 def test_backward_entry_launches_delta_dkdv_dq():
     src = emit_attention(call(backward=True, dtype="float16", causal=True, dropout=0.0, has_bias=False,
                               symbol="attn_bwd"))
-    assert "flash_delta<false><<<" in src
-    assert "flash_dkdv<false, true, false, false, true>" in src and "flash_dq<false, true, false, false, true>" in src
+    assert "flash_delta<64, false><<<" in src
+    assert "flash_dkdv<64, false, true, false, false, true>" in src and "flash_dq<64, false, true, false, false, true>" in src
     assert "p.seed" not in src.split("int run(")[1]  # no dropout: no seed argument
     assert "expects 9 tensors" in src  # q, k, v, o, lse, dout, dq, dk, dv
 
@@ -54,7 +56,7 @@ def test_backward_entry_with_dropout_computes_dq_without_atomics():
     """dQ comes from its own kernel with dropout too: no fp32 workspace, no atomics (deterministic)."""
     src = emit_attention(call(backward=True, dropout=0.1, symbol="attn_bwd"))
     run = src.split("int run(")[1]
-    assert "flash_dkdv<true, false, true, true, true>" in run and "flash_dq<true, false, true, true, true>" in run
+    assert "flash_dkdv<64, true, false, true, true, true>" in run and "flash_dq<64, true, false, true, true, true>" in run
     assert "atomicAdd" not in src and "red.global.add" not in src and "cudaMemsetAsync" not in run
 
 
@@ -72,8 +74,8 @@ def test_full_key_tiles_drop_the_bound():
     entry launches the kernels with kRagged false."""
     src = emit_attention(call(sk=512, sq=512, backward=True))
     run = src.split("int run(")[1]
-    assert "flash_dkdv<true, false, true, true, false>" in run and "flash_dq<true, false, true, true, false>" in run
-    assert "flash_fwd<true, false, true, true, false><<<" in emit_attention(call(sk=512, sq=512))
+    assert "flash_dkdv<64, true, false, true, true, false>" in run and "flash_dq<64, true, false, true, true, false>" in run
+    assert "flash_fwd<64, true, false, true, true, false>," in emit_attention(call(sk=512, sq=512))
     assert "constexpr bool kBounded = kCausal || kRagged;" in src
     assert f"constexpr int kBlock = {KEY_TILE};" in src  # the entry's tile is the kernels'
 
@@ -83,8 +85,25 @@ def test_same_call_same_source():
     assert emit_attention(call()) != emit_attention(call(site=4))
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_entries_check_and_launch_the_true_head_dim(head_dim):
+    """Every head dimension runs in kernels instantiated for it (the tiles padded inside the kernels,
+    never in global memory): the entries check [.., D] tensors and launch the kernels of D."""
+    fwd = emit_attention(call(head_dim=head_dim, layout="bshd"))
+    assert f'check(q, kKernel, "q", {{2, 197, 3, {head_dim}}}, kDLBfloat, 16, device)' in fwd
+    assert f'check(out, kKernel, "out", {{2, 197, 3, {head_dim}}}, kDLBfloat, 16, device)' in fwd
+    assert f"launch<FwdShared<{head_dim}, true, true>>(\n      flash_fwd<{head_dim}, true, false, true, true, true>," in fwd
+    bwd = emit_attention(call(head_dim=head_dim, backward=True, symbol="attn_bwd"))
+    assert f'check(dk, kKernel, "dk", {{2, 3, 208, {head_dim}}}, kDLBfloat, 16, device)' in bwd
+    run = bwd.split("int run(")[1]
+    for kernel in (f"flash_delta<{head_dim}, true>", f"flash_dkdv<{head_dim}, true,", f"flash_dq<{head_dim}, true,"):
+        assert kernel in run, kernel
+
+
 @pytest.mark.parametrize("bad, reason", [
-    (dict(head_dim=128), "head dimension 128"),
+    (dict(head_dim=48), "head dimension 48"),  # a multiple of 16, but no tested instantiation
+    (dict(head_dim=256), "head dimension 256"),
+    (dict(head_dim=72), "head dimension 72"),
     (dict(dtype="float32"), "dtype float32"),
     (dict(symbol="not-an-identifier"), "not a C identifier"),
     (dict(layout="sbhd"), "layout 'sbhd'"),
@@ -134,7 +153,7 @@ def test_each_kernel_calls_one_copy_of_its_softmax():
     every output wrong on H100 with nvcc 13.0, though each copy alone was right
     (docs/bench/h100-2026-11-26-e): the forward and dK/dV kernels call their softmax once."""
     src = emit_attention(call(backward=True))
-    kernels = src[src.index("__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd"):]
+    kernels = src[src.index("__global__ void __launch_bounds__(kThreads, min_blocks(kDim)) flash_fwd"):]
     assert kernels.count("fwd_softmax<") == 1 and kernels.count("dkdv_scores<") == 1
 
 
@@ -153,8 +172,51 @@ def test_no_tile_waits_on_a_load_issued_for_it():
     dkdv = _kernel_body(src, "flash_dkdv")
     assert dkdv.index("fetch(i + 1)") < dkdv.index("gemm_nk2<") < dkdv.index("stage(buf ^ 1)")
     dq = _kernel_body(src, "flash_dq")
-    assert dq.index("keep_next = mask_word(") < dq.index("gemm_nk2<") < dq.index("sMask[buf ^ 1][tid] = keep_next")
+    assert dq.index("keep_next = mask_word(") < dq.index("gemm_nk2<") < dq.index("sm.mask[buf ^ 1][tid] = keep_next")
     for name in ("flash_fwd", "flash_dq"):
         body = _kernel_body(src, name)
-        assert "load_bias(sBias[buf ^ 1]" in body and "p.bias[" not in body, name
+        assert "load_bias(sm.bias[buf ^ 1]" in body and "p.bias[" not in body, name
     assert src.count("p.bias[") == 1 and "p.bias[key[r]]" in dkdv
+
+
+def _ptxas_report(stderr: str) -> dict[str, tuple[int, int]]:
+    """kernel (flash_fwd, ...) -> (registers, spill bytes stored + loaded) from ``-Xptxas -v``."""
+    kernels, name = {}, None
+    for line in stderr.splitlines():
+        if m := re.search(r"Compiling entry function '_ZN13tvm_evt_flash(\d+)(flash_\w+?)I", line):
+            name = m.group(2)
+        elif m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            spill = int(m.group(1)) + int(m.group(2))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name:
+            kernels[name], name = (int(m.group(1)), spill), None
+    return kernels
+
+
+@pytest.mark.slow
+def test_ptxas_fits_every_head_dim_without_spills(tmp_path):
+    """Every kernel of every head dimension, with dropout, bias and causal masking and without, fits
+    its registers with no spill: the codegen's nvcc flags plus ``-Xptxas -v`` (a few minutes of nvcc).
+    D = 128 is the tightest (dK/dV at 255 registers, its K and V read from shared memory)."""
+    nvcc = toolchain.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc absent")
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ptxas(spec):
+        source, output = tmp_path / f"{spec.symbol}.cu", tmp_path / f"{spec.symbol}.o"
+        source.write_text(emit_attention(spec))
+        done = subprocess.run([*toolchain.compile_command(nvcc, source, output), "-Xptxas", "-v"],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return spec.symbol, _ptxas_report(done.stderr)
+
+    specs = [call(symbol=f"d{d}_{flags}_{kind}", head_dim=d, backward=kind == "bwd", scale=d ** -0.5,
+                  **(dict(causal=True, has_bias=True, dropout=0.1) if flags == "cbd" else dict(has_bias=False, dropout=0.0)))
+             for d in HEAD_DIMS for flags in ("cbd", "plain") for kind in ("fwd", "bwd")]
+    with ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2)))) as pool:
+        reports = dict(pool.map(ptxas, specs))
+    for symbol, kernels in reports.items():
+        want = {"flash_delta", "flash_dkdv", "flash_dq"} if symbol.endswith("bwd") else {"flash_fwd"}
+        assert set(kernels) == want, (symbol, kernels)
+        for kernel, (registers, spilled) in kernels.items():
+            assert spilled == 0 and registers <= 255, (symbol, kernel, registers, spilled)

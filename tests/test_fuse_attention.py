@@ -189,6 +189,15 @@ def test_build_training_module_fuses_by_default_where_the_kernels_take_the_head_
     assert not _fused_calls(tvm_evt.build_training_module(imported, sgd, "bf16").mod)
 
 
+@pytest.mark.parametrize("hidden, heads", [(64, 2), (160, 2), (256, 2)])
+def test_every_head_dim_the_kernels_take_is_fused_with_its_own_scale(hidden, heads):
+    """Head dimensions 32, 80 and 128 fuse as 64 does, each scaled by 1/sqrt(D) of its true D."""
+    entry = models.ZOO["gpt2_block"](hidden=hidden, heads=heads)
+    imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+    [call] = _fused_calls(tvm_evt.build_training_module(imported, tvm_evt.optim.SGD(lr=0.1), "bf16").mod)
+    assert A.operands(call).attrs.scale == pytest.approx((hidden // heads) ** -0.5)
+
+
 # name, dropout kept: ViT's keys (17) are padded by PadAttentionKeys when not fused, which draws
 # its dropout mask at the padded shape, so ViT is compared without dropout
 E2E = [("bert_layer", True), ("gpt2_block", True), ("vit", False)]

@@ -1,9 +1,12 @@
 """Flash-attention kernels (relax.ext.evt_attention) against a float64 torch reference on the GPU.
 
-Each case builds the forward and the backward kernel for one (shape, flags) through the BYOC
-entry, exports and loads them, and checks O, LSE, dQ, dK and dV on fresh random inputs with the
-outputs poisoned (NaN) before the run, every element; the dropout mask of the reference is the numpy Philox reference
-(``codegen.philox``), so forward and backward must regenerate exactly that mask.
+Each case builds the forward and the backward kernel for one (shape, flags, head dimension)
+through the BYOC entry, exports and loads them, and checks O, LSE, dQ, dK and dV on fresh random
+inputs with the outputs poisoned (NaN) before the run, every element; the dropout mask of the
+reference is the numpy Philox reference (``codegen.philox``), so forward and backward must
+regenerate exactly that mask.  Every case runs at head dimension 64 in both dtypes; the other head
+dimensions run the cases that cover every flag and layout (``HEAD_DIM_CASES``) in bf16, and two of
+them in fp16.
 """
 from __future__ import annotations
 
@@ -32,31 +35,41 @@ CASES = [
 ]
 
 
-def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, tmp, layout="bhsd"):
+# the cases every other head dimension runs: full tiles without flags; dropout (saved, and drawn
+# again); causal; a key bias with ragged keys; ragged keys alone; both layouts
+HEAD_DIM_CASES = ("plain", "dropout_saved", "causal_saved", "vit_padded", "ragged_keys", "ragged",
+                  "bshd_ragged_causal", "bshd_vit")
+OTHER_HEAD_DIMS = (32, 80, 96, 128)
+PARAMS = [(case, dtype, 64) for case in CASES for dtype in ("bfloat16", "float16")] + [
+    (case, "bfloat16", d) for d in OTHER_HEAD_DIMS for case in CASES if case[0] in HEAD_DIM_CASES] + [
+    (case, "float16", d) for d in OTHER_HEAD_DIMS for case in CASES if case[0] in ("causal_saved", "bshd_vit")]
+
+
+def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, head_dim, tmp, layout="bhsd"):
     """The forward and backward entries of one case, built, exported and loaded."""
     import tvm
 
     from tvm_evt.codegen.ir.attention import AttentionCall
     from tvm_evt.codegen.relax_ext import build_attention
 
-    common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=64, scale=0.125,
+    common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=head_dim, scale=head_dim ** -0.5,
                   causal=causal, dropout=p, site=5, has_bias=has_bias, saved_mask=saved, layout=layout)
-    fwd = AttentionCall(symbol=f"{name}_{dtype}_fwd", backward=False, **common)
-    bwd = AttentionCall(symbol=f"{name}_{dtype}_bwd", backward=True, **common)
+    fwd = AttentionCall(symbol=f"{name}_{dtype}_d{head_dim}_fwd", backward=False, **common)
+    bwd = AttentionCall(symbol=f"{name}_{dtype}_d{head_dim}_bwd", backward=True, **common)
     lib = build_attention([fwd, bwd])
-    path = os.path.join(tmp, f"{name}_{dtype}.so")
+    path = os.path.join(tmp, f"{name}_{dtype}_d{head_dim}.so")
     lib.export_library(path)
     mod = tvm.runtime.load_module(path)
     return fwd, bwd, mod[fwd.symbol], mod[bwd.symbol]
 
 
-def _reference(q, k, v, do, bias, causal, p, seed, site):
+def _reference(q, k, v, do, bias, causal, p, seed, site, scale):
     import torch
 
     from tvm_evt.codegen import philox
 
     q, k, v, do = (t.double().requires_grad_(True) for t in (q, k, v, do))
-    s = q @ k.transpose(-1, -2) * 0.125
+    s = q @ k.transpose(-1, -2) * scale
     if bias is not None:
         s = s + bias.double()
     if causal:
@@ -73,15 +86,14 @@ def _reference(q, k, v, do, bias, causal, p, seed, site):
     return o.detach(), lse.detach(), dq, dk, dv
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_flash_attention_matches_float64(case, dtype, tmp_path):
+@pytest.mark.parametrize("case, dtype, head_dim", PARAMS, ids=[f"{c[0]}-{t}-d{d}" for c, t, d in PARAMS])
+def test_flash_attention_matches_float64(case, dtype, head_dim, tmp_path):
     import torch
     import tvm
 
     name, batch, heads, sq, sk, causal, has_bias, p, saved, *layout = case
     layout = layout[0] if layout else "bhsd"
-    fwd, bwd, run_fwd, run_bwd = _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype,
+    fwd, bwd, run_fwd, run_bwd = _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, head_dim,
                                           str(tmp_path), layout)
     # the kernels' view: [B, S, H, D] tensors for "bshd" (the reference stays [B, H, S, D])
     kernel = (lambda t: t.transpose(1, 2).contiguous()) if layout == "bshd" else (lambda t: t)
@@ -92,7 +104,7 @@ def test_flash_attention_matches_float64(case, dtype, tmp_path):
     def randn(*shape):
         return torch.randn(*shape, device="cuda", generator=gen).to(tdt)
 
-    q, k, v, do = randn(batch, heads, sq, 64), randn(batch, heads, sk, 64), randn(batch, heads, sk, 64), randn(batch, heads, sq, 64)
+    q, k, v, do = (randn(batch, heads, rows, head_dim) for rows in (sq, sk, sk, sq))
     seed = (int.from_bytes(os.urandom(4), "little"), 7)
     tensors = {"q": kernel(q), "k": kernel(k), "v": kernel(v), "dout": kernel(do),
                "seed": torch.tensor(seed, dtype=torch.int64).to(torch.uint32).cuda()}
@@ -116,7 +128,7 @@ def test_flash_attention_matches_float64(case, dtype, tmp_path):
     tensors["o"], tensors["lse"] = o, lse
     call(run_bwd, bwd, [dq, dk, dv])
     torch.cuda.synchronize()
-    want = _reference(q, k, v, do, tensors.get("bias"), causal, p, seed, 5)
+    want = _reference(q, k, v, do, tensors.get("bias"), causal, p, seed, 5, fwd.scale)
     for what, g, w in zip(["O", "LSE", "dQ", "dK", "dV"], [back(o), lse, back(dq), back(dk), back(dv)], want):
         g = g.double()
         assert torch.isfinite(g).all(), f"{what} has non-finite values"

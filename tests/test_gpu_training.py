@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, o
     "bert_layer": dict(batch=4, seq=64, hidden=128, heads=4),
     "bert_layer_d64": dict(batch=4, seq=80, hidden=256, heads=4),  # flash attention's head dimension
     "gpt2_block_d64": dict(batch=2, seq=96, hidden=256, heads=4),
+    "gpt2_block_d128": dict(batch=2, seq=96, hidden=256, heads=2),  # flash attention's two-panel head
+    "bert_layer_d80": dict(batch=4, seq=80, hidden=320, heads=4),  # D = 80: a partly padded panel
     "vit": dict(batch=8, image=32, patch=8, hidden=128, heads=4),
     "resnet_basic": dict(batch=8, in_channels=32, channels=32, size=8),
     "resnet_basic_cl": dict(batch=8, in_channels=32, channels=32, size=8),  # channels-last inputs
@@ -32,6 +35,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("resnet_basic", "disable=nhwc"),
     ("vit", "default"),  # without pad_keys the 17-key attention GEMMs are left to TVM (misaligned)
     ("bert_layer_d64", "default"), ("gpt2_block_d64", "default"),  # flash attention (head dim 64)
+    ("gpt2_block_d128", "default"), ("bert_layer_d80", "default"),  # and head dims 128, 80
     ("gpt2_block_d64", "disable=split_projection"), ("resnet_basic_cl", "default"),
     ("resnet_basic_cl", "disable=implicit_conv"),  # 3x3 convolutions as im2col + GEMM
     ("resnet_basic_s2_cl", "default"),
@@ -51,7 +55,7 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
     if switch != "default":
         how, names = switch.split("=")
         monkeypatch.setenv(pipeline.DISABLE_ENV if how == "disable" else pipeline.ENABLE_ENV, names)
-    entry = models.ZOO[name.removesuffix("_d64").removesuffix("_cl").removesuffix("_s2")](**SMALL[name])
+    entry = models.ZOO[re.sub(r"(_d\d+|_s2|_cl)+$", "", name)](**SMALL[name])
     no_dropout(entry.model)
     example_inputs = entry.example_inputs
     if name.endswith("_cl"):  # the step takes the image and target as NHWC, in place
@@ -69,7 +73,7 @@ def test_bf16_step_on_cuda_runs_every_matmul_in_evt(name, switch, monkeypatch):
         or any(c["kernel"] for c in report["convolutions"]), report
     if name.startswith("resnet") and switch == "default":
         assert report["convolutions"] and all(c["kernel"] for c in report["convolutions"]), report["convolutions"]
-    if name.endswith("_d64"):  # the attention core is one op, and the kernels take it
+    if re.search(r"_d\d+$", name):  # the attention core is one op, and the kernels take it
         assert [a["op"] for a in report["attention"]] == ["forward", "backward"], report["attention"]
         assert all(a["kernel"] for a in report["attention"]), report["attention"]
     assert_bf16_step_close(step, entry, example_inputs())
@@ -93,7 +97,7 @@ def test_cuda_graph_step_matches_the_eager_step(name, optimizer):
     side streams joined back); losses and parameters track the step launched kernel by kernel."""
     make_optimizer = {"adamw": lambda: tvm_evt.optim.AdamW(lr=1e-3),
                       "sgd": lambda: tvm_evt.optim.SGD(lr=1e-2, momentum=0.9)}[optimizer]
-    entry = models.ZOO[name.removesuffix("_d64").removesuffix("_cl")](**SMALL[name])
+    entry = models.ZOO[re.sub(r"(_d\d+|_s2|_cl)+$", "", name)](**SMALL[name])
     no_dropout(entry.model)
     make = entry.example_inputs
     if name.endswith("_cl"):

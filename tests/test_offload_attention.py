@@ -185,8 +185,8 @@ def test_training_report_says_which_attention_runs_as_a_kernel():
     entry = models.ZOO["bert_layer"](batch=2, seq=64, hidden=128, heads=2)  # head dim 64
     imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
     bf16 = training_report(tvm_evt.build_training_module(imported, None, "bf16").mod)["attention"]
-    assert [(a["op"], a["shape"], a["kernel"], a["causal"]) for a in bf16] == \
-        [("forward", [2, 2, 64, 64], True, False), ("backward", [2, 2, 64, 64], True, False)]
+    assert [(a["op"], a["shape"], a["head_dim"], a["kernel"], a["causal"]) for a in bf16] == \
+        [("forward", [2, 2, 64, 64], 64, True, False), ("backward", [2, 2, 64, 64], 64, True, False)]
     # fp32: no kernel computes it, so FuseAttention leaves it unfused
     assert training_report(tvm_evt.build_training_module(imported, None, "fp32").mod)["attention"] == []
 

@@ -18,6 +18,9 @@ from .sm90_emitter import CODEGEN_VERSION
 
 DL_CODE = {"bfloat16": ("kDLBfloat", 16), "float16": ("kDLFloat", 16)}
 KEY_TILE = 64  # the kernels' kBlock: keys a streamed tile
+# head dimensions the kernels take: multiples of 16 (their MMAs' k-step) held in one or two 64-column
+# panels, D = 32 in the kernels of 64 and D = 80, 96 in those of 128 (flash_templates' docstring)
+HEAD_DIMS = (32, 64, 80, 96, 128)
 
 
 def _float(x: float) -> str:
@@ -44,8 +47,8 @@ def _shapes(call: AttentionCall) -> dict[str, tuple[list[int], str, int]]:
 def emit_attention(call: AttentionCall) -> str:
     if call.dtype not in DL_CODE:
         raise Unsupported(f"{call.symbol}: dtype {call.dtype}")
-    if call.head_dim != 64:
-        raise Unsupported(f"{call.symbol}: head dimension {call.head_dim} (the kernels take 64)")
+    if call.head_dim not in HEAD_DIMS:
+        raise Unsupported(f"{call.symbol}: head dimension {call.head_dim} (the kernels take {HEAD_DIMS})")
     if call.layout not in ("bhsd", "bshd"):
         raise Unsupported(f"{call.symbol}: layout {call.layout!r} (the kernels take bhsd, bshd)")
     if not call.scale > 0:  # the forward takes a row's max before scaling its scores
@@ -76,7 +79,7 @@ def emit_attention(call: AttentionCall) -> str:
         site=call.site, layout=call.layout,
     )
     flags = dict(
-        sq=call.sq, sk=call.sk, batch_heads=call.batch * call.heads, bf16="true" if call.dtype == "bfloat16" else "false",
+        sq=call.sq, sk=call.sk, head_dim=call.head_dim, batch_heads=call.batch * call.heads, bf16="true" if call.dtype == "bfloat16" else "false",
         causal=str(call.causal).lower(), has_bias=str(call.has_bias).lower(), has_dropout=str(call.has_dropout).lower(),
         # keys that do not fill their last tile: only then (or causal) does a row see part of a tile
         ragged=str(call.sk % KEY_TILE != 0).lower(),

@@ -1,7 +1,8 @@
 """CUDA source of the fused training attention kernels (``string.Template``: ``${name}``).
 
 FlashAttention-2's algorithm (Dao, 2023) on Hopper's warpgroup MMA (``wgmma.mma_async``
-m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), written for head dimension 64:
+m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), for head dimensions D = 32, 64,
+80, 96 and 128 (the kernels' template parameter ``kDim``; see "Head dimensions" below):
 
 * ``fwd``    one CTA per 64 query rows of one (batch, head): Q stays in registers, K/V tiles of 64
              keys stream through double-buffered shared memory (``cp.async``), the softmax is
@@ -16,13 +17,35 @@ m64n64k16, bf16/fp16 in, fp32 accumulate; each CTA one warpgroup), written for h
 * ``dq``     one CTA per 64 query rows: dQ += dS K, recomputing S and dP.  No atomics, so every
              gradient is deterministic (see ``BACKWARD_ENTRY`` for the atomic version it replaced).
 
-Shared-memory tiles are 64 rows of 128 bytes with the 16-byte chunks XOR-swizzled by the row: the
-layout wgmma reads through a 128-byte-swizzle descriptor, and conflict-free for ``ldmatrix``.  A
-warp owns 16 rows of every 64-row tile it computes; the accumulator fragment of one product is
-re-packed as the A operand of the next (P -> P V) without leaving registers.  wgmma against the
-mma.sync kernels it replaced (H100, scripts/bench_attention.py --layout bshd, forward + backward
-ms, two runs each): BERT-Large 0.967-0.969 -> 0.931-0.936, GPT-2 1.038-1.049 -> 0.996-0.999,
-ViT-B/16 0.802-0.807 -> 0.768-0.769, BERT-Large without dropout 0.793-0.794 -> 0.735-0.747.
+Shared-memory tiles are 64 rows of one or two panels of 128 bytes (64 head columns), the 16-byte
+chunks of a panel's rows XOR-swizzled by the row: the layout wgmma reads through a 128-byte-swizzle
+descriptor, and conflict-free for ``ldmatrix``.  A warp owns 16 rows of every 64-row tile it
+computes; the accumulator fragment of one product is re-packed as the A operand of the next
+(P -> P V) without leaving registers.  wgmma against the mma.sync kernels it replaced (H100,
+scripts/bench_attention.py --layout bshd, forward + backward ms, two runs each): BERT-Large
+0.967-0.969 -> 0.931-0.936, GPT-2 1.038-1.049 -> 0.996-0.999, ViT-B/16 0.802-0.807 ->
+0.768-0.769, BERT-Large without dropout 0.793-0.794 -> 0.735-0.747.
+
+Head dimensions.  A tile's rows are D padded to whole panels, kHead = 64 (D = 32, 64) or 128
+(D = 80, 96, 128): a panel is exactly one swizzle atom wide, so a descriptor, ``swz`` and
+``ldmatrix`` addressing are those of a 64 x 64 tile, and the head never takes a second layout.
+The true D is a compile-time constant everywhere else: global rows are D elements apart, the
+copies zero-fill the padding columns (cp.async with 0 source bytes; nothing padded is ever in
+global memory), a product over the head (S = Q Kᵀ, dPd = dO Vᵀ) issues only D / 16 k-steps, and
+the stores skip the padding columns.  A product with the head as N (O += P V, dV += Pᵀ dO,
+dK += dSᵀ Q, dQ += dS K) is one m64n64k16 chain a panel, into an accumulator a panel
+(``acc[kPanels][8][4]``), rather than one n128 MMA: one instruction shape and one descriptor form
+for every D, and the MMAs are not these kernels' bottleneck (below).  At D = 80 and 96 the second
+panel's MMAs run partly on zeros; that was preferred to MMAs of n = 16 or 32 and a second
+accumulator shape.  Head 64 compiles to the code it had before D was a parameter: the same PTX up
+to shared-memory offsets and two unsigned shifts, no spills, and the same registers (dK/dV: 1
+or 2 fewer).  Two panels double every tile: the kernels' tiles (forward 80 KB, dK/dV 96, dQ 64) outgrow
+static shared memory's 48, so they take dynamic shared memory (``shared_storage`` / ``launch``),
+and the forward and dQ kernels are compiled for two CTAs an SM (``min_blocks``).  dK/dV would need
+K's and V's A fragments (2 x 32 registers a thread) beside the dK and dV accumulators (2 x 64) and
+Sᵀ and dPᵀ (2 x 32): its MMAs read K and V from shared memory instead (wgmma's SS form;
+``keys_in_smem``).  Registers and spills per kernel and D:
+tests/test_flash_attention_codegen.py::test_ptxas_fits_every_head_dim_without_spills.
 
 The elementwise work between the MMAs is the kernels' bottleneck (one warpgroup a CTA, two or
 three CTAs an SM), so it is kept to a few instructions a score:
@@ -72,14 +95,21 @@ KERNELS = r"""
 namespace tvm_evt_flash {
 
 constexpr int kBlock = 64;    // query rows (or keys) of a CTA, and of each streamed tile
-constexpr int kHead = 64;     // head dimension
 constexpr int kThreads = 128; // four warps, each owning 16 rows of a 64-row tile
-// CTAs an SM the forward and dQ kernels are compiled for (__launch_bounds__' second argument):
-// dQ then fits 168 registers instead of 212 (24 bytes spilled), three CTAs an SM instead of two.
-// H200, scripts/bench_attention.py --layout bshd: ViT dQ+dK+dV 0.703 -> 0.633 ms, GPT-2 0.777 ->
-// 0.756, the forward 2-5 % faster; dK/dV at three (220 bytes spilled) was slower, so it keeps two.
-constexpr int kMinBlocks = 3;
-constexpr int kTile = kBlock * kHead;
+constexpr int kPanelCols = 64;                 // head columns of a panel: 128 bytes, one swizzle atom
+constexpr int kPanel = kBlock * kPanelCols;    // elements of a panel
+// The head dimension ``dim`` (the kernels' template parameter kDim, a multiple of 16) is held in
+// tiles of panels(dim) panels, its columns past dim zero; a product over the head takes dim / 16
+// k-steps, one with the head as its N dimension one 64-column MMA a panel.
+constexpr int panels(int dim) { return (dim + kPanelCols - 1) / kPanelCols; }
+constexpr int tile_elems(int dim) { return kBlock * kPanelCols * panels(dim); }
+// CTAs an SM the forward and dQ kernels are compiled for (__launch_bounds__' second argument).
+// Head 64: three, where dQ fits 168 registers instead of 212 (24 bytes spilled).  H200,
+// scripts/bench_attention.py --layout bshd: ViT dQ+dK+dV 0.703 -> 0.633 ms, GPT-2 0.777 -> 0.756,
+// the forward 2-5 % faster; dK/dV at three (220 bytes spilled) was slower, so it keeps two.
+// Heads of two panels: two.  The forward's 80 KB of tiles allow no more, and at three dQ spilled
+// about 300 bytes (168 registers do not hold Q's, dO's and dQ's fragments beside S and dP).
+constexpr int min_blocks(int dim) { return panels(dim) == 1 ? 3 : 2; }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -107,7 +137,7 @@ struct Params {
   int q_blocks, k_blocks;   // 64-row tiles of the queries and of the keys (the saved mask's grid)
   int sq, sk;
   int heads;
-  int bshd;              // q, k, v, o, dO, O, dQ, dK, dV are [B, S, H, 64] (else [B, H, S, 64])
+  int bshd;              // q, k, v, o, dO, O, dQ, dK, dV are [B, S, H, D] (else [B, H, S, D])
   float scale;           // softmax scale
   float scale_log2;      // scale * log2(e)
   float drop_scale;      // 1 / (1 - p)
@@ -197,8 +227,10 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
-// element offset of 16-byte chunk ``chunk`` (0..7) of row ``row`` in a swizzled 64x64 tile
-__device__ __forceinline__ int swz(int row, int chunk) { return row * kHead + ((chunk ^ (row & 7)) << 3); }
+// element offset of 16-byte chunk ``chunk`` (0..7) of row ``row`` in a swizzled 64x64 panel
+__device__ __forceinline__ int swz(int row, int chunk) { return row * kPanelCols + ((chunk ^ (row & 7)) << 3); }
+// the same in a tile of panels: chunk c of a row is chunk c % 8 of panel c / 8
+__device__ __forceinline__ int tile_swz(int row, int chunk) { return (chunk >> 3) * kPanel + swz(row, chunk & 7); }
 
 // the first ``bytes`` (0..16) of a 16-byte chunk, the rest zero-filled
 __device__ __forceinline__ void cp_async_bytes(void* smem, const void* gmem, int bytes) {
@@ -216,14 +248,17 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 // the first element of head ``bh`` (batch * heads + head) of a tensor of ``s`` rows a head, and
-// the distance between its rows: [B, H, S, 64] or, with ``p.bshd``, [B, S, H, 64]
+// the distance between its rows: [B, H, S, D] or, with ``p.bshd``, [B, S, H, D]
+template <int kDim>
 __device__ __forceinline__ int64_t head_base(Params const& p, int bh, int s) {
-  return p.bshd ? (int64_t(bh / p.heads) * s * p.heads + bh % p.heads) * kHead : int64_t(bh) * s * kHead;
+  return p.bshd ? (int64_t(bh / p.heads) * s * p.heads + bh % p.heads) * kDim : int64_t(bh) * s * kDim;
 }
-__device__ __forceinline__ int row_stride(Params const& p) { return p.bshd ? p.heads * kHead : kHead; }
+template <int kDim>
+__device__ __forceinline__ int row_stride(Params const& p) { return p.bshd ? p.heads * kDim : kDim; }
 // the first element of query row ``r`` = (bh, query) of a [Sq]-row tensor (q, o, dO, dQ)
+template <int kDim>
 __device__ __forceinline__ int64_t query_row(Params const& p, int64_t r) {
-  return head_base(p, int(r / p.sq), p.sq) + r % p.sq * row_stride(p);
+  return head_base<kDim>(p, int(r / p.sq), p.sq) + r % p.sq * row_stride<kDim>(p);
 }
 
 // the key bias of keys [n0, n0 + 64) into shared memory (0 past the last key), with a tile's copies:
@@ -235,16 +270,19 @@ __device__ __forceinline__ void load_bias(float* dst, Params const& p, int n0, i
   }
 }
 
-// rows [row0, row0 + 64) of a [rows, 64] matrix (rows ``ld`` elements apart) into a swizzled tile
-// (rows >= ``rows`` read as 0)
+// rows [row0, row0 + 64) of a [rows, kDim] matrix (rows ``ld`` elements apart) into a swizzled
+// tile (rows >= ``rows`` and the padding columns past kDim read as 0).  A row's chunks go to
+// consecutive threads, so that a warp's copies are whole rows in global memory.
+template <int kDim>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* src, int row0, int rows, int ld, int tid) {
+  constexpr int kChunks = panels(kDim) * 8;  // 16-byte chunks of a tile row, padding included
 #pragma unroll
-  for (int it = 0; it < kTile / 8 / kThreads; ++it) {
-    int idx = it * kThreads + tid;
-    int r = idx >> 3, c = idx & 7;
-    bool valid = row0 + r < rows;
+  for (int it = 0; it < tile_elems(kDim) / 8 / kThreads; ++it) {
+    const unsigned idx = it * kThreads + tid;  // (unsigned: a shift and a mask)
+    const int r = idx / kChunks, c = idx % kChunks;
+    bool valid = row0 + r < rows && (kDim % kPanelCols == 0 || c < kDim / 8);
     const uint16_t* g = src + (valid ? int64_t(row0 + r) * ld + c * 8 : 0);
-    cp_async16(tile + swz(r, c), g, valid);
+    cp_async16(tile + tile_swz(r, c), g, valid);
   }
 }
 
@@ -255,7 +293,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
 }
 // A operand (16 rows from ``row0``, k columns 16*kk..) of a tile stored [M][K]
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, int row0, int kk, int lane) {
-  ldsm_x4(a, tile + swz(row0 + (lane & 15), 2 * kk + (lane >> 4)));
+  ldsm_x4(a, tile + (kk >> 2) * kPanel + swz(row0 + (lane & 15), 2 * (kk & 3) + (lane >> 4)));
 }
 
 // ---- Hopper's warpgroup MMA (wgmma.mma_async m64n64k16, fp32 accumulate).  A CTA is one
@@ -264,8 +302,9 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, i
 // in registers has mma.sync's A fragments.  B is read by the tensor cores
 // through a descriptor of a swizzled tile: its 128-byte rows are exactly the 128-byte-swizzle
 // layout (``swz``), 8-row groups 1024 bytes apart, tiles 1024-byte aligned.  A tile stored [N][K]
-// is "K-major" (a k-step of 16 moves 32 bytes along the row), one stored [K][N] is "MN-major"
-// (transposed by the instruction; a k-step moves 16 rows).
+// is "K-major" (a k-step of 16 moves 32 bytes along the row, and to the next panel every four), one
+// stored [K][N] is "MN-major" (transposed by the instruction; a k-step moves 16 rows).  A descriptor
+// covers one panel: N = 64, so a product with the head as N is one MMA a panel.
 __device__ __forceinline__ uint64_t tile_desc(const uint16_t* tile) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
   return uint64_t((addr & 0x3FFFF) >> 4)  // start address, 16-byte units
@@ -273,10 +312,10 @@ __device__ __forceinline__ uint64_t tile_desc(const uint16_t* tile) {
          | uint64_t(1024 >> 4) << 32       // stride byte offset: 8 rows of 128 bytes
          | uint64_t(1) << 62;              // 128-byte swizzle
 }
-// the tile's k-step ``kk`` (16 of its K elements) as a descriptor
+// the tile's k-step ``kk`` (16 of its K elements) as a descriptor (MN-major: of one panel)
 template <bool kMnMajor>
 __device__ __forceinline__ uint64_t step_desc(const uint16_t* tile, int kk) {
-  return tile_desc(tile + (kMnMajor ? 16 * kk * kHead : 16 * kk));
+  return tile_desc(tile + (kMnMajor ? 16 * kk * kPanelCols : (kk >> 2) * kPanel + 16 * (kk & 3)));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -289,9 +328,15 @@ __device__ __forceinline__ void pin(float (&acc)[8][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[nt][e])::"memory");
 }
-__device__ __forceinline__ void pin(uint32_t (&a)[4][4]) {
+template <int kPanels>
+__device__ __forceinline__ void pin(float (&acc)[kPanels][8][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
+  for (int n = 0; n < kPanels; ++n) pin(acc[n]);
+}
+template <int kSteps>
+__device__ __forceinline__ void pin(uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kk][i])::"memory");
 }
@@ -323,25 +368,49 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[8][4], const uint32_t (&a)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(kMnMajorB)));
   }
 }
+// acc += A B, A and B one k-step of K-major tiles in shared memory (descriptors)
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss(float (&acc)[8][4], uint64_t a, uint64_t b) {
+  if constexpr (kBf16) {
+    asm volatile(TVM_EVT_ACCUMULATE "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TVM_EVT_D32
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : TVM_EVT_ACC32(acc)
+                 : "l"(a), "l"(b));
+  } else {
+    asm volatile(TVM_EVT_ACCUMULATE "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TVM_EVT_D32
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : TVM_EVT_ACC32(acc)
+                 : "l"(a), "l"(b));
+  }
+}
 #undef TVM_EVT_D32
 #undef TVM_EVT_ACCUMULATE
 #undef TVM_EVT_ACC32
 
 // The products below are warpgroup-wide: every thread of the CTA calls them together, with the
-// same shared-memory tiles.  ``issue_*`` only issue the four k-steps of one 64 x 64 x 64 product;
-// the ``gemm_*`` wrappers fence, issue one or two products, and wait for them.
+// same shared-memory tiles.  ``issue_*`` only issue the k-steps of one product (64 x 64 x D or
+// 64 x D x 64); the ``gemm_*`` wrappers fence, issue one or two products, and wait for them.
 
-// acc (64 x 64) += A Bᵀ: A the warps' 16-row fragments (a[kk]: k columns 16 kk..), B a tile stored [N][K]
-template <bool kBf16>
-__device__ __forceinline__ void issue_nk(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
+// acc (64 x 64) += A Bᵀ over the head: A the warps' 16-row fragments (a[kk]: k columns 16 kk..),
+// B a tile stored [N][K]
+template <bool kBf16, int kSteps>
+__device__ __forceinline__ void issue_nk(float (&acc)[8][4], const uint32_t (&a)[kSteps][4], const uint16_t* tile) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs<kBf16, false>(acc, a[kk], step_desc<false>(tile, kk));
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs<kBf16, false>(acc, a[kk], step_desc<false>(tile, kk));
 }
-// acc += A B: A as in issue_nk, B a tile stored [K][N]
-template <bool kBf16>
-__device__ __forceinline__ void issue_kn(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
+// the same with A a tile stored [M][K] in shared memory
+template <bool kBf16, int kSteps>
+__device__ __forceinline__ void issue_nk(float (&acc)[8][4], const uint16_t* a_tile, const uint16_t* tile) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs<kBf16, true>(acc, a[kk], step_desc<true>(tile, kk));
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_ss<kBf16>(acc, step_desc<false>(a_tile, kk), step_desc<false>(tile, kk));
+}
+// acc (64 x D: a 64-column panel each) += A B: A 64 x 64 as in issue_nk, B a tile stored [K][N]
+template <bool kBf16, int kPanels>
+__device__ __forceinline__ void issue_kn(float (&acc)[kPanels][8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
+#pragma unroll
+  for (int n = 0; n < kPanels; ++n)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<kBf16, true>(acc[n], a[kk], step_desc<true>(tile + n * kPanel, kk));
 }
 // the warps' 16 x 64 accumulator fragments re-packed as an A operand (P -> P V)
 template <bool kBf16>
@@ -356,8 +425,8 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[4][4], const float (&p)[8][
   pin(a);
 }
 
-template <bool kBf16>
-__device__ __forceinline__ void gemm_nk(float (&acc)[8][4], const uint32_t (&a)[4][4], const uint16_t* tile) {
+template <bool kBf16, int kSteps>
+__device__ __forceinline__ void gemm_nk(float (&acc)[8][4], const uint32_t (&a)[kSteps][4], const uint16_t* tile) {
   pin(acc);
   wgmma_fence();
   issue_nk<kBf16>(acc, a, tile);
@@ -365,23 +434,23 @@ __device__ __forceinline__ void gemm_nk(float (&acc)[8][4], const uint32_t (&a)[
   wgmma_wait();
   pin(acc);
 }
-// c0 += a0 t0ᵀ and c1 += a1 t1ᵀ, one wait for both
-template <bool kBf16>
-__device__ __forceinline__ void gemm_nk2(float (&c0)[8][4], const uint32_t (&a0)[4][4], const uint16_t* t0,
-                                         float (&c1)[8][4], const uint32_t (&a1)[4][4], const uint16_t* t1) {
+// c0 += a0 t0ᵀ and c1 += a1 t1ᵀ, one wait for both (a0, a1: fragments, or tiles in shared memory)
+template <bool kBf16, int kSteps, class A>
+__device__ __forceinline__ void gemm_nk2(float (&c0)[8][4], A const& a0, const uint16_t* t0, float (&c1)[8][4],
+                                         A const& a1, const uint16_t* t1) {
   pin(c0);
   pin(c1);
   wgmma_fence();
-  issue_nk<kBf16>(c0, a0, t0);
-  issue_nk<kBf16>(c1, a1, t1);
+  issue_nk<kBf16, kSteps>(c0, a0, t0);
+  issue_nk<kBf16, kSteps>(c1, a1, t1);
   wgmma_commit();
   wgmma_wait();
   pin(c0);
   pin(c1);
 }
 // acc += P B, B a tile stored [K][N]
-template <bool kBf16>
-__device__ __forceinline__ void gemm_pk(float (&acc)[8][4], const float (&p)[8][4], const uint16_t* tile) {
+template <bool kBf16, int kPanels>
+__device__ __forceinline__ void gemm_pk(float (&acc)[kPanels][8][4], const float (&p)[8][4], const uint16_t* tile) {
   uint32_t a[4][4];
   pack_a<kBf16>(a, p);
   pin(acc);
@@ -410,19 +479,24 @@ __device__ __forceinline__ float quad_sum(float x) {
 // fragment column of accumulator element (nt, e): 8 nt + 2 t (+1) (its row: g or g + 8)
 __device__ __forceinline__ int frag_col(int nt, int e, int t) { return nt * 8 + 2 * t + (e & 1); }
 
-// 16 x 64 fp32 fragments, scaled, into rows [row0, row0 + 16) of a [rows, 64] matrix (rows ``ld`` apart)
-template <bool kBf16>
-__device__ __forceinline__ void store_rows(uint16_t* dst, const float (&acc)[8][4], float scale0, float scale1,
-                                           int row0, int rows, int ld, int g, int t) {
+// 16 x kDim fp32 fragments (a panel's each), scaled, into rows [row0, row0 + 16) of a [rows, kDim]
+// matrix (rows ``ld`` apart); the padding columns are not stored
+template <bool kBf16, int kDim>
+__device__ __forceinline__ void store_rows(uint16_t* dst, const float (&acc)[panels(kDim)][8][4], float scale0,
+                                           float scale1, int row0, int rows, int ld, int g, int t) {
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    int col = nt * 8 + 2 * t;
-    if (row0 + g < rows)
-      *reinterpret_cast<uint32_t*>(dst + int64_t(row0 + g) * ld + col) =
-          pack2<kBf16>(acc[nt][0] * scale0, acc[nt][1] * scale0);
-    if (row0 + g + 8 < rows)
-      *reinterpret_cast<uint32_t*>(dst + int64_t(row0 + g + 8) * ld + col) =
-          pack2<kBf16>(acc[nt][2] * scale1, acc[nt][3] * scale1);
+  for (int n = 0; n < panels(kDim); ++n) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      int col = n * kPanelCols + nt * 8 + 2 * t;
+      if (kDim % kPanelCols != 0 && col >= kDim) continue;  // (a column pair is all in or out: kDim % 16 == 0)
+      if (row0 + g < rows)
+        *reinterpret_cast<uint32_t*>(dst + int64_t(row0 + g) * ld + col) =
+            pack2<kBf16>(acc[n][nt][0] * scale0, acc[n][nt][1] * scale0);
+      if (row0 + g + 8 < rows)
+        *reinterpret_cast<uint32_t*>(dst + int64_t(row0 + g + 8) * ld + col) =
+            pack2<kBf16>(acc[n][nt][2] * scale1, acc[n][nt][3] * scale1);
+    }
   }
 }
 
@@ -436,15 +510,43 @@ __device__ __forceinline__ int whole_key_tiles(Params const& p, int m0, int bloc
   return whole;
 }
 
+// ---- shared memory: each kernel's tiles as a struct, static where it fits in 48 KB (every kernel
+// of one panel does), else dynamic (``launch`` opts the kernel in) with its base rounded up to 1024
+// bytes: the 128-byte swizzle is a function of address bits 4-9, so every tile starts 1024-aligned.
+constexpr int kStaticSmem = 48 * 1024;
+template <class S>
+__device__ __forceinline__ S& shared_storage() {
+  if constexpr (sizeof(S) <= kStaticSmem) {
+    __shared__ S storage;
+    return storage;
+  } else {
+    extern __shared__ uint8_t dynamic_smem[];
+    const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_smem));
+    return *reinterpret_cast<S*>(dynamic_smem + ((1024u - (at & 1023u)) & 1023u));
+  }
+}
+// the dynamic shared memory to launch a kernel of storage S with (0: static)
+template <class S>
+constexpr int dynamic_smem_bytes() { return sizeof(S) <= kStaticSmem ? 0 : int(sizeof(S)) + 1024; }
+
+template <int kDim, bool kBias, bool kDropout>
+struct FwdShared {
+  alignas(1024) uint16_t q[tile_elems(kDim)];
+  alignas(1024) uint16_t k[2][tile_elems(kDim)];
+  alignas(1024) uint16_t v[2][tile_elems(kDim)];
+  uint32_t mask[2][kDropout ? kMaskWords : 1];
+  alignas(16) float bias[2][kBias ? kBlock : 4];
+};
+
 // ---- forward
 // One key tile of the online softmax: the scores s (64 x 64, this thread's fragments) become the
 // probabilities that multiply V (dropped ones zero; the kept ones not yet divided by 1 - p: the
 // output is, once), and the running max / sum of the thread's two rows and its accumulator rows are
 // updated.
-template <bool kCausal, bool kBias, bool kDropout, bool kRagged>
-__device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4], float (&m_run)[2], float (&l_run)[2],
-                                            Params const& p, const uint32_t* mask, const float* bias,
-                                            const int (&row)[2], int n0, int warp, int g, int t) {
+template <bool kCausal, bool kBias, bool kDropout, bool kRagged, int kPanels>
+__device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[kPanels][8][4], float (&m_run)[2],
+                                            float (&l_run)[2], Params const& p, const uint32_t* mask,
+                                            const float* bias, const int (&row)[2], int n0, int warp, int g, int t) {
   // row r sees the tile's keys [0, visible[r]): those that exist and, causal, do not follow it.
   // Only causal attention or a key count that is not a multiple of the tile hides any.
   constexpr bool kBounded = kCausal || kRagged;
@@ -491,45 +593,46 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[8][4], float (&acc)[8][4]
       const float pr = ex2(kBias ? s[nt][e] - base[r] : fmaf(s[nt][e], p.scale_log2, -base[r]));
       l_run[r] += pr;  // the softmax normaliser counts dropped probabilities too
       s[nt][e] = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u ? pr : 0.f;
-      acc[nt][e] *= corr[r];
+#pragma unroll
+      for (int n = 0; n < kPanels; ++n) acc[n][nt][e] *= corr[r];
     }
   }
 }
 
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
-  __shared__ alignas(1024) uint16_t sQ[kTile];
-  __shared__ alignas(1024) uint16_t sK[2][kTile];
-  __shared__ alignas(1024) uint16_t sV[2][kTile];
-  __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
-  __shared__ alignas(16) float sBias[2][kBias ? kBlock : 4];
+template <int kDim, bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
+__global__ void __launch_bounds__(kThreads, min_blocks(kDim)) flash_fwd(Params p) {
+  constexpr int kPanels = panels(kDim), kSteps = kDim / 16;
+  auto& sm = shared_storage<FwdShared<kDim, kBias, kDropout>>();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   // causal: the last query tiles, which see the most keys, are started first (the CTAs of a
   // launch start in blockIdx order), so that the short ones fill the last wave
-  const int m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlock, bh = blockIdx.y, ld = row_stride(p);
-  const uint16_t* Q = p.q + head_base(p, bh, p.sq);
-  const uint16_t* K = p.k + head_base(p, bh, p.sk);
-  const uint16_t* V = p.v + head_base(p, bh, p.sk);
+  const int m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlock, bh = blockIdx.y;
+  const int ld = row_stride<kDim>(p);
+  const uint16_t* Q = p.q + head_base<kDim>(p, bh, p.sq);
+  const uint16_t* K = p.k + head_base<kDim>(p, bh, p.sk);
+  const uint16_t* V = p.v + head_base<kDim>(p, bh, p.sk);
   int blocks = (p.sk + kBlock - 1) / kBlock;
   if (kCausal) blocks = min(blocks, (m0 + kBlock - 1) / kBlock + 1);
 
-  load_tile(sQ, Q, m0, p.sq, ld, tid);
-  load_tile(sK[0], K, 0, p.sk, ld, tid);
-  load_tile(sV[0], V, 0, p.sk, ld, tid);
-  if (kBias) load_bias(sBias[0], p, 0, tid);
+  load_tile<kDim>(sm.q, Q, m0, p.sq, ld, tid);
+  load_tile<kDim>(sm.k[0], K, 0, p.sk, ld, tid);
+  load_tile<kDim>(sm.v[0], V, 0, p.sk, ld, tid);
+  if (kBias) load_bias(sm.bias[0], p, 0, tid);
   cp_async_commit();
-  if (kDropout) mask_tile(sMask[0], p, bh, m0, 0, tid);
+  if (kDropout) mask_tile(sm.mask[0], p, bh, m0, 0, tid);
   cp_async_wait_all();
   __syncthreads();
-  uint32_t qf[4][4];
+  uint32_t qf[kSteps][4];
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) load_a(qf[kk], sQ, warp * 16, kk, lane);
+  for (int kk = 0; kk < kSteps; ++kk) load_a(qf[kk], sm.q, warp * 16, kk, lane);
 
   const int row[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  float acc[8][4];
+  float acc[kPanels][8][4];  // O, a panel's columns each
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int n = 0; n < kPanels; ++n)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[n][nt][0] = acc[n][nt][1] = acc[n][nt][2] = acc[n][nt][3] = 0.f;
 
   // the key tiles every row sees whole run first, through a softmax without the bound (two loops,
   // each with one copy of the softmax: see below)
@@ -538,25 +641,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     constexpr bool kBounded = decltype(bounded)::value;
     const int buf = j & 1, n0 = j * kBlock;
     if (j + 1 < blocks) {
-      load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
-      load_tile(sV[buf ^ 1], V, n0 + kBlock, p.sk, ld, tid);
-      if (kBias) load_bias(sBias[buf ^ 1], p, n0 + kBlock, tid);
+      load_tile<kDim>(sm.k[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
+      load_tile<kDim>(sm.v[buf ^ 1], V, n0 + kBlock, p.sk, ld, tid);
+      if (kBias) load_bias(sm.bias[buf ^ 1], p, n0 + kBlock, tid);
     }
     cp_async_commit();
     // the next tile's mask, read after this tile's closing barrier.  It is drawn before S = Q Kᵀ:
     // drawn between that product's wgmma wait and the softmax (where the mma.sync kernel drew it),
     // the scores of every row came out wrong (H100, nvcc 13.0; tests/test_gpu_flash_attention.py)
-    if (kDropout && j + 1 < blocks) mask_tile(sMask[buf ^ 1], p, bh, m0, n0 + kBlock, tid);
+    if (kDropout && j + 1 < blocks) mask_tile(sm.mask[buf ^ 1], p, bh, m0, n0 + kBlock, tid);
     float s[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-    gemm_nk<kBf16>(s, qf, sK[buf]);
+    gemm_nk<kBf16>(s, qf, sm.k[buf]);
 
     // one copy of the softmax in a loop body: with a fast copy for unmasked tiles beside it (a
     // uniform branch), every output came out wrong (H100, nvcc 13.0), though each copy alone was right
-    fwd_softmax<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, acc, m_run, l_run, p, sMask[buf],
-                                                                           sBias[buf], row, n0, warp, g, t);
-    gemm_pk<kBf16>(acc, s, sV[buf]);
+    fwd_softmax<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, acc, m_run, l_run, p, sm.mask[buf],
+                                                                           sm.bias[buf], row, n0, warp, g, t);
+    gemm_pk<kBf16>(acc, s, sm.v[buf]);
     cp_async_wait_all();
     __syncthreads();
   };
@@ -566,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
   }
 
   float inv[2];
-  uint16_t* O = p.out + head_base(p, bh, p.sq);
+  uint16_t* O = p.out + head_base<kDim>(p, bh, p.sq);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = quad_sum(l_run[r]);
@@ -574,26 +677,32 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd(Params p) {
     if (t == 0 && row[r] < p.sq)
       p.lse[int64_t(bh) * p.sq + row[r]] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
   }
-  store_rows<kBf16>(O, acc, inv[0], inv[1], m0 + warp * 16, p.sq, ld, g, t);
+  store_rows<kBf16, kDim>(O, acc, inv[0], inv[1], m0 + warp * 16, p.sq, ld, g, t);
 }
 
-// ---- backward: D = rowsum(dO * O), eight lanes a row, each one 16-byte load of O and of dO
-// (one warp a row, 4 bytes a lane, had run at a third of the memory bandwidth)
+// ---- backward: D = rowsum(dO * O), eight lanes a row, each loading 16-byte chunks of O and dO
+// (one each at a head of 64; one warp a row, 4 bytes a lane, had run at a third of the memory
+// bandwidth)
 constexpr int kDeltaRows = kThreads / 8;  // rows a CTA
-template <bool kBf16>
+template <int kDim, bool kBf16>
 __global__ void __launch_bounds__(kThreads) flash_delta(Params p, int rows) {
   const int part = threadIdx.x & 7;
   const int64_t r = int64_t(blockIdx.x) * kDeltaRows + (threadIdx.x >> 3);  // r: (bh, query)
   float x = 0.f;
   if (r < rows) {  // (no early return: the whole warp shuffles below)
-    const int64_t at = query_row(p, r) + part * 8;
-    const uint4 o = *reinterpret_cast<const uint4*>(p.o + at);
-    const uint4 d = *reinterpret_cast<const uint4*>(p.dout + at);
-    const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
+    const int64_t row = query_row<kDim>(p, r);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = unpack2<kBf16>(ow[i]), b = unpack2<kBf16>(dw[i]);
-      x += a.x * b.x + a.y * b.y;
+    for (int i = 0; i < (kDim / 8 + 7) / 8; ++i) {  // the row's 16-byte chunks part, part + 8, ...
+      const int chunk = part + 8 * i;
+      if (kDim % kPanelCols != 0 && chunk >= kDim / 8) break;
+      const uint4 o = *reinterpret_cast<const uint4*>(p.o + row + chunk * 8);
+      const uint4 d = *reinterpret_cast<const uint4*>(p.dout + row + chunk * 8);
+      const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 a = unpack2<kBf16>(ow[w]), b = unpack2<kBf16>(dw[w]);
+        x += a.x * b.x + a.y * b.y;
+      }
     }
   }
 #pragma unroll
@@ -643,33 +752,58 @@ __device__ __forceinline__ void dkdv_scores(float (&s)[8][4], float (&dp)[8][4],
 }
 
 // ---- backward: dK and dV, one CTA per 64 keys
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
-__global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
-  __shared__ alignas(1024) uint16_t sQ[2][kTile];
-  __shared__ alignas(1024) uint16_t sD[2][kTile];   // dO tiles
-  __shared__ alignas(16) float sL[2][kBlock];       // -LSE * log2(e) of the tile's queries (-inf: no query)
-  __shared__ alignas(16) float sDelta[2][kBlock];
-  __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride(p);
-  const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
-  const uint16_t* Q = p.q + head_base(p, bh, p.sq);
-  const uint16_t* dO = p.dout + head_base(p, bh, p.sq);
+// K and V are the A operands of Sᵀ = K Qᵀ and dPdᵀ = V dOᵀ, held in registers for a head of one
+// panel.  For two, their 2 x 32 registers a thread would not fit beside the 2 x 64 of the dK and dV
+// accumulators and the 2 x 32 of Sᵀ and dPᵀ, so the MMAs read them from shared memory (wgmma's SS
+// form) and the CTA keeps them there.
+constexpr bool keys_in_smem(int dim) { return panels(dim) > 1; }
+template <int kElems>
+struct KeyTiles {
+  alignas(1024) uint16_t k[kElems];
+  alignas(1024) uint16_t v[kElems];
+};
+template <>
+struct KeyTiles<0> {};  // K and V in registers (loaded through the first query buffers)
 
-  // K and V of this CTA into registers (through the first buffers)
-  uint16_t* k_tile = sQ[0];
-  load_tile(k_tile, p.k + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
-  load_tile(sD[0], p.v + head_base(p, bh, p.sk), n0, p.sk, ld, tid);
+template <int kDim, bool kDropout>
+struct DkdvShared {
+  alignas(1024) uint16_t q[2][tile_elems(kDim)];
+  alignas(1024) uint16_t d[2][tile_elems(kDim)];  // dO tiles
+  alignas(16) float lse[2][kBlock];               // -LSE * log2(e) of the tile's queries (-inf: no query)
+  alignas(16) float delta[2][kBlock];
+  uint32_t mask[2][kDropout ? kMaskWords : 1];
+  KeyTiles<keys_in_smem(kDim) ? tile_elems(kDim) : 0> keys;
+};
+
+template <int kDim, bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
+__global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
+  constexpr int kPanels = panels(kDim), kSteps = kDim / 16;
+  constexpr bool kKeysInSmem = keys_in_smem(kDim);
+  auto& sm = shared_storage<DkdvShared<kDim, kDropout>>();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride<kDim>(p);
+  const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
+  const uint16_t* Q = p.q + head_base<kDim>(p, bh, p.sq);
+  const uint16_t* dO = p.dout + head_base<kDim>(p, bh, p.sq);
+
+  // K and V of this CTA: into shared memory, and from there into registers (through the first
+  // query buffers) unless the MMAs read them there
+  uint16_t *k_tile = sm.q[0], *v_tile = sm.d[0];
+  if constexpr (kKeysInSmem) k_tile = sm.keys.k, v_tile = sm.keys.v;
+  load_tile<kDim>(k_tile, p.k + head_base<kDim>(p, bh, p.sk), n0, p.sk, ld, tid);
+  load_tile<kDim>(v_tile, p.v + head_base<kDim>(p, bh, p.sk), n0, p.sk, ld, tid);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
-  uint32_t kf[4][4], vf[4][4];
+  uint32_t kf[kSteps][4], vf[kSteps][4];
+  if constexpr (!kKeysInSmem) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    load_a(kf[kk], k_tile, warp * 16, kk, lane);
-    load_a(vf[kk], sD[0], warp * 16, kk, lane);
+    for (int kk = 0; kk < kSteps; ++kk) {
+      load_a(kf[kk], k_tile, warp * 16, kk, lane);
+      load_a(vf[kk], v_tile, warp * 16, kk, lane);
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   const int key[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
   float kb[2] = {0.f, 0.f};
@@ -677,11 +811,13 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) kb[r] = key[r] < p.sk ? p.bias[key[r]] * kLog2e : 0.f;
   }
-  float dk[8][4], dv[8][4];
+  float dk[kPanels][8][4], dv[kPanels][8][4];
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int n = 0; n < kPanels; ++n)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[nt][e] = dv[nt][e] = 0.f;
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[n][nt][e] = dv[n][nt][e] = 0.f;
 
   const int first = kCausal ? n0 / kBlock : 0;
   const int last = (p.sq + kBlock - 1) / kBlock;
@@ -690,8 +826,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
   // tile's copies are issued and stored to shared memory only when the tile before it is done
   // (``stage``): stored as soon as loaded, each tile waited on their global-memory latency.
   auto load_queries = [&](int i, int buf) {
-    load_tile(sQ[buf], Q, i * kBlock, p.sq, ld, tid);
-    load_tile(sD[buf], dO, i * kBlock, p.sq, ld, tid);
+    load_tile<kDim>(sm.q[buf], Q, i * kBlock, p.sq, ld, tid);
+    load_tile<kDim>(sm.d[buf], dO, i * kBlock, p.sq, ld, tid);
   };
   float stat = 0.f;
   uint32_t keep = 0;
@@ -701,9 +837,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     if (kDropout) keep = mask_word(p, bh, i * kBlock, n0, tid);
   };
   auto stage = [&](int buf) {
-    if (tid < 64) sL[buf][tid] = neg_lse_log2(stat);
-    else sDelta[buf][tid - 64] = stat;
-    if (kDropout) sMask[buf][tid] = keep;
+    if (tid < 64) sm.lse[buf][tid] = neg_lse_log2(stat);
+    else sm.delta[buf][tid - 64] = stat;
+    if (kDropout) sm.mask[buf][tid] = keep;
   };
   if (first < last) {
     load_queries(first, 0);
@@ -731,18 +867,21 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
-    gemm_nk2<kBf16>(s, kf, sQ[buf], dp, vf, sD[buf]);  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
+    if constexpr (kKeysInSmem)  // Sᵀ = K Qᵀ, dPdᵀ = V dOᵀ
+      gemm_nk2<kBf16, kSteps>(s, sm.keys.k, sm.q[buf], dp, sm.keys.v, sm.d[buf]);
+    else
+      gemm_nk2<kBf16, kSteps>(s, kf, sm.q[buf], dp, vf, sm.d[buf]);
     // Pdᵀ into s (P where kept, else 0: dV is divided by 1 - p once, when stored); dSᵀ into dp
-    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sL[buf], sDelta[buf], sMask[buf],
-                                                                          kb, key, m0, warp, g, t);
+    dkdv_scores<kCausal && kBounded, kBias, kDropout, kRagged && kBounded>(s, dp, p, sm.lse[buf], sm.delta[buf],
+                                                                          sm.mask[buf], kb, key, m0, warp, g, t);
     uint32_t pa[4][4], da[4][4];  // Pdᵀ and dSᵀ as A operands
     pack_a<kBf16>(pa, s);
     pack_a<kBf16>(da, dp);
     pin(dv);
     pin(dk);
     wgmma_fence();
-    issue_kn<kBf16>(dv, pa, sD[buf]);  // dV += Pdᵀ dO
-    issue_kn<kBf16>(dk, da, sQ[buf]);  // dK += dSᵀ Q
+    issue_kn<kBf16>(dv, pa, sm.d[buf]);  // dV += Pdᵀ dO
+    issue_kn<kBf16>(dk, da, sm.q[buf]);  // dK += dSᵀ Q
     wgmma_commit();
     wgmma_wait();
     pin(dv);
@@ -755,33 +894,40 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv(Params p) {
     for (int i = first; i < bounded_end; ++i) query_tile(Bool<true>{}, i);
   }
   for (int i = bounded_end; i < last; ++i) query_tile(Bool<false>{}, i);
-  store_rows<kBf16>(p.dk + head_base(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
-  store_rows<kBf16>(p.dv + head_base(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld, g, t);
+  store_rows<kBf16, kDim>(p.dk + head_base<kDim>(p, bh, p.sk), dk, p.scale, p.scale, n0 + warp * 16, p.sk, ld, g, t);
+  store_rows<kBf16, kDim>(p.dv + head_base<kDim>(p, bh, p.sk), dv, p.drop_scale, p.drop_scale, n0 + warp * 16, p.sk, ld,
+                          g, t);
 }
 
 // ---- backward: dQ, one CTA per 64 query rows
-template <bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
-  __shared__ alignas(1024) uint16_t sK[2][kTile];
-  __shared__ alignas(1024) uint16_t sV[2][kTile];
-  __shared__ uint32_t sMask[2][kDropout ? kMaskWords : 1];
-  __shared__ alignas(16) float sBias[2][kBias ? kBlock : 4];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride(p);
-  const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
-  const uint16_t* K = p.k + head_base(p, bh, p.sk);
-  const uint16_t* V = p.v + head_base(p, bh, p.sk);
+template <int kDim, bool kBias, bool kDropout>
+struct DqShared {
+  alignas(1024) uint16_t k[2][tile_elems(kDim)];
+  alignas(1024) uint16_t v[2][tile_elems(kDim)];
+  uint32_t mask[2][kDropout ? kMaskWords : 1];
+  alignas(16) float bias[2][kBias ? kBlock : 4];
+};
 
-  load_tile(sK[0], p.q + head_base(p, bh, p.sq), m0, p.sq, ld, tid);
-  load_tile(sV[0], p.dout + head_base(p, bh, p.sq), m0, p.sq, ld, tid);
+template <int kDim, bool kBf16, bool kCausal, bool kBias, bool kDropout, bool kRagged>
+__global__ void __launch_bounds__(kThreads, min_blocks(kDim)) flash_dq(Params p) {
+  constexpr int kPanels = panels(kDim), kSteps = kDim / 16;
+  auto& sm = shared_storage<DqShared<kDim, kBias, kDropout>>();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.x * kBlock, bh = blockIdx.y, ld = row_stride<kDim>(p);
+  const int64_t qo = int64_t(bh) * p.sq;  // LSE and delta rows of this head
+  const uint16_t* K = p.k + head_base<kDim>(p, bh, p.sk);
+  const uint16_t* V = p.v + head_base<kDim>(p, bh, p.sk);
+
+  load_tile<kDim>(sm.k[0], p.q + head_base<kDim>(p, bh, p.sq), m0, p.sq, ld, tid);
+  load_tile<kDim>(sm.v[0], p.dout + head_base<kDim>(p, bh, p.sq), m0, p.sq, ld, tid);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
-  uint32_t qf[4][4], df[4][4];
+  uint32_t qf[kSteps][4], df[kSteps][4];
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    load_a(qf[kk], sK[0], warp * 16, kk, lane);
-    load_a(df[kk], sV[0], warp * 16, kk, lane);
+  for (int kk = 0; kk < kSteps; ++kk) {
+    load_a(qf[kk], sm.k[0], warp * 16, kk, lane);
+    load_a(df[kk], sm.v[0], warp * 16, kk, lane);
   }
   __syncthreads();
 
@@ -794,27 +940,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   }
   int blocks = (p.sk + kBlock - 1) / kBlock;
   if (kCausal) blocks = min(blocks, (m0 + kBlock - 1) / kBlock + 1);
-  load_tile(sK[0], K, 0, p.sk, ld, tid);
-  load_tile(sV[0], V, 0, p.sk, ld, tid);
-  if (kBias) load_bias(sBias[0], p, 0, tid);
+  load_tile<kDim>(sm.k[0], K, 0, p.sk, ld, tid);
+  load_tile<kDim>(sm.v[0], V, 0, p.sk, ld, tid);
+  if (kBias) load_bias(sm.bias[0], p, 0, tid);
   cp_async_commit();
-  if (kDropout) mask_tile(sMask[0], p, bh, m0, 0, tid);
+  if (kDropout) mask_tile(sm.mask[0], p, bh, m0, 0, tid);
   cp_async_wait_all();
   __syncthreads();
 
   uint32_t keep_next = 0;  // the next tile's keep bits (this thread's word), stored when this tile is done
-  float acc[8][4];
+  float acc[kPanels][8][4];  // dQ, a panel's columns each
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int n = 0; n < kPanels; ++n)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[n][nt][0] = acc[n][nt][1] = acc[n][nt][2] = acc[n][nt][3] = 0.f;
   // as in the forward pass, the key tiles every row sees whole first, without the bound
   const int whole = whole_key_tiles<kCausal, kRagged>(p, m0, blocks);
   auto key_tile = [&](auto bounded, int j) {
     constexpr bool kBounded = decltype(bounded)::value;
     const int buf = j & 1, n0 = j * kBlock;
     if (j + 1 < blocks) {
-      load_tile(sK[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
-      load_tile(sV[buf ^ 1], V, n0 + kBlock, p.sk, ld, tid);
-      if (kBias) load_bias(sBias[buf ^ 1], p, n0 + kBlock, tid);
+      load_tile<kDim>(sm.k[buf ^ 1], K, n0 + kBlock, p.sk, ld, tid);
+      load_tile<kDim>(sm.v[buf ^ 1], V, n0 + kBlock, p.sk, ld, tid);
+      if (kBias) load_bias(sm.bias[buf ^ 1], p, n0 + kBlock, tid);
       if (kDropout) keep_next = mask_word(p, bh, m0, n0 + kBlock, tid);
     }
     cp_async_commit();
@@ -823,7 +971,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
-    gemm_nk2<kBf16>(s, qf, sK[buf], dp, df, sV[buf]);  // S = Q Kᵀ, dPd = dO Vᵀ
+    gemm_nk2<kBf16, kSteps>(s, qf, sm.k[buf], dp, df, sm.v[buf]);  // S = Q Kᵀ, dPd = dO Vᵀ
     // dS = P (dP - D), dP = dPd dropped and scaled like P; as the forward's softmax: one compare
     // a score against its row's visible keys, the keep bits a word per row (``fwd_softmax``)
     int visible[2];
@@ -833,7 +981,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
       visible[r] = (kCausal ? min(p.sk, row[r] + 1) : p.sk) - n0;
       if (kDropout) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) keep[r][h] = sMask[buf][2 * (warp * 16 + g + 8 * r) + h] >> (2 * t);
+        for (int h = 0; h < 2; ++h) keep[r][h] = sm.mask[buf][2 * (warp * 16 + g + 8 * r) + h] >> (2 * t);
       }
     }
 #pragma unroll
@@ -842,15 +990,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
       for (int e = 0; e < 4; ++e) {
         const int col = frag_col(nt, e, t), r = e >> 1;
         float x = fmaf(s[nt][e], p.scale_log2, nlse[r]);
-        if (kBias) x = fmaf(sBias[buf][col], kLog2e, x);
+        if (kBias) x = fmaf(sm.bias[buf][col], kLog2e, x);
         const float pr = !kBounded || col < visible[r] ? ex2(x) : 0.f;
         const bool kept_e = (keep[r][nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u;
         const float dpe = kept_e ? dp[nt][e] : 0.f;
         s[nt][e] = pr * (kDropout ? fmaf(dpe, p.drop_scale, -dlt[r]) : dpe - dlt[r]);  // dS
       }
     }
-    gemm_pk<kBf16>(acc, s, sK[buf]);  // dQ += dS K
-    if (kDropout && j + 1 < blocks) sMask[buf ^ 1][tid] = keep_next;
+    gemm_pk<kBf16>(acc, s, sm.k[buf]);  // dQ += dS K
+    if (kDropout && j + 1 < blocks) sm.mask[buf ^ 1][tid] = keep_next;
     cp_async_wait_all();
     __syncthreads();
   };
@@ -858,7 +1006,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_dq(Params p) {
   if constexpr (kCausal || kRagged) {  // (otherwise whole == blocks)
     for (int j = whole; j < blocks; ++j) key_tile(Bool<true>{}, j);
   }
-  store_rows<kBf16>(p.dq + head_base(p, bh, p.sq), acc, p.scale, p.scale, m0 + warp * 16, p.sq, ld, g, t);
+  store_rows<kBf16, kDim>(p.dq + head_base<kDim>(p, bh, p.sq), acc, p.scale, p.scale, m0 + warp * 16, p.sq, ld, g, t);
 }
 
 // ---- the FFI side
@@ -906,6 +1054,15 @@ inline int check(DLTensor const* t, const char* kernel, const char* what, std::i
 template <class T>
 T* data_of(DLTensor const* t) {
   return reinterpret_cast<T*>(static_cast<char*>(t->data) + t->byte_offset);
+}
+
+// launches ``kernel`` over ``grid`` x kThreads with the dynamic shared memory its storage S needs,
+// opting it in to more than 48 KB (a static S needs none)
+template <class S>
+inline void launch(void (*kernel)(Params), dim3 grid, cudaStream_t stream, Params const& p) {
+  constexpr int bytes = dynamic_smem_bytes<S>();
+  if constexpr (bytes > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  kernel<<<grid, kThreads, bytes, stream>>>(p);
 }
 
 inline int launched(const char* kernel) {
@@ -967,7 +1124,8 @@ FORWARD_ENTRY = Template(
 """
     + PARAMS
     + """  dim3 grid((${sq} + kBlock - 1) / kBlock, ${batch_heads});
-  flash_fwd<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}><<<grid, kThreads, 0, stream>>>(p);
+  launch<FwdShared<${head_dim}, ${has_bias}, ${has_dropout}>>(
+      flash_fwd<${head_dim}, ${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>, grid, stream, p);
   return launched(kKernel);
 }
 }  // namespace ${namespace}
@@ -996,11 +1154,13 @@ BACKWARD_ENTRY = Template(
     + """  const int rows = ${batch_heads} * ${sq};
   if (cudaMallocAsync(reinterpret_cast<void**>(&p.delta), sizeof(float) * rows, stream) != cudaSuccess)
     return fail("RuntimeError", "%s: cannot allocate %d floats of workspace", kKernel, rows);
-  flash_delta<${bf16}><<<(rows + kDeltaRows - 1) / kDeltaRows, kThreads, 0, stream>>>(p, rows);
-  flash_dkdv<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>
-      <<<dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
-  flash_dq<${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>
-      <<<dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), kThreads, 0, stream>>>(p);
+  flash_delta<${head_dim}, ${bf16}><<<(rows + kDeltaRows - 1) / kDeltaRows, kThreads, 0, stream>>>(p, rows);
+  launch<DkdvShared<${head_dim}, ${has_dropout}>>(
+      flash_dkdv<${head_dim}, ${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>,
+      dim3((${sk} + kBlock - 1) / kBlock, ${batch_heads}), stream, p);
+  launch<DqShared<${head_dim}, ${has_bias}, ${has_dropout}>>(
+      flash_dq<${head_dim}, ${bf16}, ${causal}, ${has_bias}, ${has_dropout}, ${ragged}>,
+      dim3((${sq} + kBlock - 1) / kBlock, ${batch_heads}), stream, p);
   int status = launched(kKernel);
   cudaFreeAsync(p.delta, stream);
   return status;

@@ -13,6 +13,7 @@ import dataclasses
 import tvm
 from tvm import relax
 
+from ..backend.flash_attention import HEAD_DIMS
 from ..errors import Unsupported
 from ..ir.attention import AttentionCall
 from .op_call import only_call
@@ -22,7 +23,6 @@ BACKWARD_OP = "tvm_evt.attention_backward"
 # op -> (tensor arguments before ``seed``, index of ``seed``)
 TENSOR_ARGS = {FORWARD_OP: ("q", "k", "v"), BACKWARD_OP: ("q", "k", "v", "o", "lse", "dout")}
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64,)
 
 
 def _prim(expr, what: str, op: str):

@@ -141,9 +141,9 @@ OPTIONAL = {
     "nhwc": Rewrite("ConvertConvLayout (NHWC/OHWI) before Conv2dToMatmul: channel-contiguous im2col, no transposes "
                     "between convolutions (H100: ResNet-50 conv3_x 43.15 -> 24.71 ms per step)"),
     "flash_attention": Rewrite("FuseAttention: the attention core (QK^T, scale, causal mask, softmax, dropout, PV) "
-                               "of bf16/fp16 steps as one tvm_evt.attention op before Gradient (SDPA is one from "
-                               "import), run by flash-attention kernels on CUDA (off: OffloadAttention writes "
-                               "every call out as plain ops) (H100 bf16: BERT-Large 5.77 -> 4.79, "
+                               "of bf16/fp16 steps with head dim 32, 64, 80, 96 or 128 as one tvm_evt.attention op "
+                               "before Gradient (SDPA is one from import), run by flash-attention kernels on CUDA "
+                               "(off: OffloadAttention writes every call out as plain ops) (H100 bf16: BERT-Large 5.77 -> 4.79, "
                                "GPT-2 medium 8.00 -> 4.98, ViT-B/16 7.12 -> 5.89 ms per step)"),
     "split_projection": Rewrite("SplitFusedProjection: a linear layer whose output is split along its features "
                                 "(a fused QKV projection) as one linear layer per piece, so no split copies its output "

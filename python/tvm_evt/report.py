@@ -7,7 +7,7 @@ returns::
     {"partitions": [{"symbol", "ops": ["relax.matmul", ...], "bytes_saved", "matmul"}, ...],
      "unfused_matmuls": [{"var", "shape", "dtype", "reason"}, ...],
      "solve_seconds": float, "method": "ilp" | "cache" | "greedy" | "mixed", ...,
-     "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "dtype", "causal",
+     "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "head_dim", "dtype", "causal",
                     "dropout", "kernel": bool, "reason"}, ...],
      "convolutions": [{"op": "fprop" | "dgrad" | "wgrad", "x": [N, H, W, C], "w": [K, R, S, C],
                        "dtype", "kernel": bool, "reason"}, ...]}
@@ -47,7 +47,8 @@ def attention_calls(func: relax.Function) -> list[dict]:
     for call in calls:
         q, k = call.args[0].ty, call.args[1].ty
         row = {"op": "backward" if call.op.name == BACKWARD_OP else "forward",
-               "shape": [int(d) for d in q.shape][:3] + [int(k.shape[2])], "dtype": str(q.dtype)}
+               "shape": [int(d) for d in q.shape][:3] + [int(k.shape[2])], "head_dim": int(q.shape[3]),
+               "dtype": str(q.dtype)}
         try:
             if not enabled("flash_attention"):
                 raise Unsupported("the flash-attention kernels are switched off (TVM_EVT_DISABLE)")

@@ -1,7 +1,7 @@
 """OffloadAttention: fused attention calls to flash-attention kernels (the CUDA route).
 
 Each ``tvm_evt.attention`` / ``tvm_evt.attention_backward`` call the kernels can take
-(``codegen.frontend.attention_call``: bf16/fp16, head dimension 64, ...) becomes a call of a
+(``codegen.frontend.attention_call``: bf16/fp16, head dimension 32, 64, 80, 96 or 128, ...) becomes a call of a
 ``Codegen="evt_attention"`` function holding just that call, which ``RunCodegen`` hands to
 ``relax.ext.evt_attention``; equal calls (the same shapes, flags and dropout site) share one
 function.  A call the kernels cannot take is decomposed into plain Relax ops

@@ -368,7 +368,7 @@ class FuseAttention:
     """Replace each attention core (module docstring) by ``tvm_evt.attention``; ``fused`` counts them.
 
     `head_dims`: fuse only attention over these head dimensions (None: any); the training pipeline
-    passes the flash-attention kernels' (``codegen.frontend.attention_call.HEAD_DIMS``), since a call
+    passes the flash-attention kernels' (``codegen.backend.flash_attention.HEAD_DIMS``), since a call
     the kernels refuse is decomposed again on CUDA, where the unfused graph would have had its keys
     padded for CUTLASS (PadAttentionKeys)."""
 
