@@ -16,7 +16,7 @@ with zeros: the padded products add 0 to K's sums, and the padded rows and colum
 are sliced away (``strided_slice``), so the result is the same tensor.  A ``permute_dims`` operand
 (a K-major weight ``Wᵀ``, the ``dYᵀ`` of a weight gradient, through a chain of them) is padded on
 its underlying tensor, on the axis the view's axis comes from, and viewed again: the main loop
-still folds the transpose into its strides.  A tensor is padded once per axis and block, however
+still folds the transpose into its strides.  A tensor is padded once per axis (or set of axes) and block, however
 many matmuls read it (a language-model head's output gradient feeds both its input's and its
 weight's gradient; its weight, the forward and the input gradient).
 
@@ -179,7 +179,7 @@ class _Padder(PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.bound: dict = {}  # var -> value, of the function being visited
-        self.pads: dict = {}  # (stored tensor, axis, extent) -> its padded var, this block's
+        self.pads: dict = {}  # (stored tensor, ((axis, extent), ...)) -> its padded var, this block's
         self.views: dict = {}  # (padded var, axes) -> permute_dims of it, this block's
         self.padded = 0
 
@@ -194,27 +194,22 @@ class _Padder(PyExprMutator):
         self.pads, self.views = {}, {}
         return super().visit_dataflow_block_(block)
 
-    def _pad(self, stored: relax.Expr, axis: int, extent: int) -> relax.Expr:
-        key = (stored, axis, extent)
-        if key not in self.pads:
-            base = self.visit_expr(stored) if not isinstance(stored, tuple) else self.pads[stored]
-            shape = static_shape(base)
-            width = [0] * (2 * len(shape))
-            width[2 * axis + 1] = extent - shape[axis]
-            self.pads[key] = self.builder_.emit(relax.op.nn.pad(base, width))
-        return self.pads[key]
-
     def _operand(self, expr: relax.Expr, pads: dict) -> relax.Expr:
-        """`expr` (a matmul operand) with its view axes `pads` zero-padded: its stored tensor padded
-        on the axes they come from (one pad per axis, memoised), viewed as `expr` views it."""
+        """`expr` (a matmul operand) with its view axes `pads` ({axis: extent}) zero-padded: its
+        stored tensor padded on the axes they come from (memoised), viewed as `expr` views it."""
         if not pads:
             return self.visit_expr(expr)
         stored, axes = view_of(self.bound, expr)
         ndim = len(static_shape(expr))
-        key, value = stored, None
-        for axis, extent in sorted(((axes[a % ndim] if axes else a % ndim), e) for a, e in pads.items()):
-            value = self._pad(key, axis, extent)
-            key = (key, axis, extent)  # the next axis pads this padded tensor
+        widths = tuple(sorted(((axes[a % ndim] if axes else a % ndim), e) for a, e in pads.items()))
+        if (stored, widths) not in self.pads:
+            value = self.visit_expr(stored)
+            shape = static_shape(value)
+            width = [0] * (2 * ndim)
+            for axis, extent in widths:
+                width[2 * axis + 1] = extent - shape[axis]
+            self.pads[(stored, widths)] = self.builder_.emit(relax.op.nn.pad(value, width))
+        value = self.pads[(stored, widths)]
         if axes is None:
             return value
         if (value, tuple(axes)) not in self.views:
