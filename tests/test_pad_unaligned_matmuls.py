@@ -327,26 +327,45 @@ def test_a_pad_fuses_into_its_elementwise_producer():
 
 
 # --------------------------------------------------------------------------- in the evt pipeline
-def _lm_report(monkeypatch, tmp_path, disable: str = ""):
+def _report(entry, monkeypatch, tmp_path, disable: str = ""):
+    """The bf16 training graph of `entry` and its partition report on the CUDA route (no GPU needed)."""
     import tvm_evt
-    from tvm_evt import models
     from tvm_evt.report import training_report
     from tvm_evt.training import hopper_target
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(pipeline.DISABLE_ENV, disable)
-    entry = models.hf_gpt2_lm(batch=4, seq=16, layers=1, hidden=32, heads=2, vocab=1001, dropout=0.0)
     imported = tvm_evt.from_torch(entry.model, entry.example_inputs(), entry.loss_fn)
     graph = tvm_evt.build_training_module(imported, None, "bf16")
     return graph, training_report(graph.mod, target=hopper_target())
 
 
+def _gpt2(vocab: int = 1001):
+    from tvm_evt import models
+
+    return models.hf_gpt2_lm(batch=4, seq=16, layers=1, hidden=32, heads=2, vocab=vocab, dropout=0.0)
+
+
 def test_a_gpt2_lm_head_of_an_unaligned_vocabulary_runs_every_matmul_on_cutlass(monkeypatch, tmp_path):
-    _, report = _lm_report(monkeypatch, tmp_path)
+    _, report = _report(_gpt2(), monkeypatch, tmp_path)
     assert report["unfused_matmuls"] == []
-    _, off = _lm_report(monkeypatch, tmp_path, disable="pad_matmuls")
+    _, off = _report(_gpt2(), monkeypatch, tmp_path, disable="pad_matmuls")
     assert [(m["shape"], "1001 is not a multiple of 8" in m["reason"]) for m in off["unfused_matmuls"]] == \
         [([64, 1001], True)]
+
+
+def test_an_mlp_of_unaligned_widths_runs_every_matmul_on_cutlass(monkeypatch, tmp_path):
+    """147 inputs, 100 hidden units, 10 outputs: every forward and gradient GEMM has an unaligned
+    K, N or M-major M (8 of them left to TVM unpadded)."""
+    from tvm_evt import models
+
+    def entry():
+        return models.ZOO["mlp"](batch=256, in_features=147, hidden=100, out_features=10)
+
+    _, report = _report(entry(), monkeypatch, tmp_path)
+    assert report["unfused_matmuls"] == [] and len(report["partitions"]) == 8
+    _, off = _report(entry(), monkeypatch, tmp_path, disable="pad_matmuls")
+    assert len(off["unfused_matmuls"]) == 8 and all("not a multiple of 8" in m["reason"] for m in off["unfused_matmuls"])
 
 
 @pytest.mark.slow
@@ -360,7 +379,7 @@ def test_nvcc_builds_a_padded_lm_head_partition(monkeypatch, tmp_path, request):
         pytest.skip("a minute of nvcc: run with -m slow")
     if toolchain.find_nvcc() is None or shutil.which("ld") is None:
         pytest.skip("nvcc absent")
-    graph, _ = _lm_report(monkeypatch, tmp_path)
+    graph, _ = _report(_gpt2(), monkeypatch, tmp_path)
     sources = relax_ext.kernel_sources(partitioned(graph.mod, target=hopper_target()))
     padded = {s: src for s, src in sources.items() if "1008" in src}  # the logits GEMM: N = 1008
     assert padded
