@@ -9,16 +9,16 @@ partitioner, on the CUDA route, this pass pads the offending extent of each such
 (views of the output as ``A[.., M, K] @ B[.., K, N]``) to the next multiple of 16 bytes:
 
     contraction K, contiguous in A or B    A' = pad(A, K), B' = pad(B, K)      matmul(A', B')
-    N (the output's rows; B's if N-major)  B' = pad(B, N)                      matmul(A, B')[.., :N]
+    N (the output's row; B's if N-major)   B' = pad(B, N)                      matmul(A, B')[.., :N]
     M of an M-major A (A = Xᵀ)             A' = pad(A, M)                      matmul(A', B)[.., :M, :]
 
 with zeros: the padded products add 0 to K's sums, and the padded rows and columns of the output
 are sliced away (``strided_slice``), so the result is the same tensor.  A ``permute_dims`` operand
 (a K-major weight ``Wᵀ``, the ``dYᵀ`` of a weight gradient, through a chain of them) is padded on
 its underlying tensor, on the axis the view's axis comes from, and viewed again: the main loop
-still folds the transpose into its strides.  A tensor is padded once per axis (or set of axes) and block, however
-many matmuls read it (a language-model head's output gradient feeds both its input's and its
-weight's gradient; its weight, the forward and the input gradient).
+still folds the transpose into its strides.  A tensor is padded once per axis (or set of axes)
+and block, however many matmuls read it (a language-model head's output gradient feeds both its
+input's and its weight's gradient; its weight, the forward and the input gradient).
 
 The pads are copies of their operand, cheap where TVM's FuseOps fuses them into an elementwise
 producer (a cast, the loss gradient's subtraction): the producer then writes the padded tensor
@@ -27,10 +27,13 @@ of a CTA tile by itself, so padding to the tile (64 or 128) would only add bytes
 
 A matmul is padded only when the codegen (``tvm_evt.codegen.legality``) refuses it as a lone
 GEMM with its operand views folded, and accepts the padded one: one refused for another reason
-(a 1-D or broadcast operand, an M-major float32 A, symbolic shapes) is left as it is, and the
-partitioner lists it with its reason in ``report()["unfused_matmuls"]``.  The padded output's
-consumers read the slice, so they stay out of this GEMM's epilogue (they join TVM's kernel that
-slices).
+(a 1-D operand, an M-major float32 A, a dtype pair CUTLASS lacks, symbolic shapes) is left as it
+is, and the partitioner lists it with its reason in ``report()["unfused_matmuls"]``.  A padded
+output's consumers read the slice, so they stay out of the GEMM's epilogue (TVM fuses the slice
+into them).  Where the partitioner could run the GEMM unpadded through a transposed copy of the
+operand (an M-major A: the weight gradient ``dYᵀ X``), the pad is taken only where that operand
+is larger than the output (more tokens than features): the copy would move more bytes than the
+epilogue saves.
 """
 from __future__ import annotations
 
