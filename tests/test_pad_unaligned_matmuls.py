@@ -386,3 +386,28 @@ def test_nvcc_builds_a_padded_lm_head_partition(monkeypatch, tmp_path, request):
     symbol = sorted(padded)[0]
     objects = cache.build_many({symbol: padded[symbol]})
     assert os.path.getsize(objects[symbol]) > 0 and len(kernel_entries(objects[symbol])) == 1
+
+
+def test_the_cuda_relax_phases_lower_the_pads_and_slices(monkeypatch, tmp_path):
+    """The whole CUDA Relax pipeline over a padded MLP step (RunCodegen with a codegen that builds
+    nothing, as tests/test_absorb_partition_input_casts.py runs it): TVM's legalisation, fusion
+    and DLight schedules take the pads and slices around the CUTLASS partitions."""
+    import tvm_ffi
+    from tvm_evt import models
+    from tvm_evt.codegen import relax_ext
+
+    graph, _ = _report(models.ZOO["mlp"](batch=256, in_features=147, hidden=100, out_features=10),
+                       monkeypatch, tmp_path)
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    phases = pipeline.phases(cuda)
+    built = []
+    tvm_ffi.register_global_func(relax_ext.GLOBAL_FUNC, lambda funcs, *_: built.extend(funcs) or [], override=True)
+    monkeypatch.setattr(relax_ext, "prebuild", lambda mod, jobs=None: {})
+    try:
+        with cuda:
+            out = tvm.transform.Sequential(phases)(graph.mod)
+    finally:
+        relax_ext.register()
+    assert len({f.attrs["global_symbol"] for f in built}) >= 8  # every GEMM went to the codegen
+    kernels = [gv.name_hint for gv, f in out.functions_items() if not isinstance(f, relax.Function)]
+    assert any("pad" in k for k in kernels) and any("strided_slice" in k for k in kernels), kernels
