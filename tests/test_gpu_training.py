@@ -29,6 +29,8 @@ SMALL = {  # vit: 17 tokens, so attention runs over 32 keys (PadAttentionKeys, o
     "resnet_basic_s2_cl": dict(batch=8, in_channels=32, channels=32, size=8, stride=2),
     # conv1d outputs of 63, 61 and 57 positions into 4 adaptive max-pool windows
     "xml_cnn": dict(batch=8, seq=64, vocab=500, embed=64, filters=16, pool_chunks=4, bottleneck=64, labels=128),
+    # every GEMM unaligned (K = 147, N = 100, N = 10 and their gradients): PadUnalignedMatmuls
+    "mlp": dict(batch=256, in_features=147, hidden=100, out_features=10),
 }
 CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and each opt-in where it acts
     ("bert_layer", "default"), ("bert_layer", "disable=all"), ("resnet_basic", "default"),
@@ -40,6 +42,7 @@ CASES = [  # (model, switch of pipeline.OPTIONAL): the defaults, all off, and ea
     ("resnet_basic_cl", "disable=implicit_conv"),  # 3x3 convolutions as im2col + GEMM
     ("resnet_basic_s2_cl", "default"),
     ("xml_cnn", "default"),
+    ("mlp", "default"),  # with pad_matmuls off its 8 GEMMs are left to TVM (misaligned)
     # the loss and the last layer norm's dgamma and dbeta as separate reductions (one column_sums kernel by default)
     ("bert_layer", "disable=column_sums"), ("vit", "disable=column_sums"),
     # a layer norm gradient's dy * gamma stored by a GEMM epilogue (left to its row kernel by default)

@@ -19,6 +19,9 @@ tvm-evt runs in five phases, each one folder (``PHASES``; the order a training s
 What ``phases(target)`` runs after the training phase, in order:
 
     EVTGraphPasses     (graph) ``evt_graph_passes``
+    PadUnalignedMatmuls  (partition; CUDA only) matmuls whose contiguous extents TMA cannot stride
+                       over (a vocabulary of 50257, 100 classes, K = 147) zero-padded to 16 bytes
+                       (and the output sliced back), so the partitioner gives them to CUTLASS
     PartitionEVT       (partition) the ILP partitioner: GEMM + epilogue clusters as Codegen="evt" functions
     AbsorbPartitionInputCasts  a cast (or a ReLU mask's compare) that only feeds a partition's
                        epilogue moves into it
@@ -82,6 +85,7 @@ from .relax_passes.lower.split_to_slices import SplitToSlices
 from .relax_passes.partition.absorb_partition_input_casts import AbsorbPartitionInputCasts
 from .relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.partition.inline_partitions import InlineEVTPartitions
+from .relax_passes.partition.pad_unaligned_matmuls import PadUnalignedMatmuls
 from .relax_passes.partition.partition_evt import DEFAULT_TIME_LIMIT, PartitionEVT
 
 PIPELINE_NAME = "evt"
@@ -109,7 +113,7 @@ PHASES = (
            "AccumulateInFloat32", "FuseColumnMoments", "SaveSoftmaxLowPrecision", "EliminateMaskedFillGradient",
            "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout")),
     Phase("partition", "relax_passes.partition",
-          ("PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "InlineEVTPartitions")),
+          ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "RecomputeElementwise",
@@ -175,6 +179,10 @@ OPTIONAL = {
                                      "(BERT-Large's FFN1 dX stores dy, not also dy * gamma; H100 bf16, off/on/off: "
                                      "GPT-2 medium 3.40/3.38 -> 3.34, ViT-B/16 3.68/3.68 -> 3.65, BERT-Large "
                                      "3.07/3.06 -> 3.08 ms per step)"),
+    "pad_matmuls": Rewrite("PadUnalignedMatmuls: on CUDA, matmuls whose operands' or output's contiguous extent is "
+                           "not a multiple of 16 bytes (GPT-2's vocabulary of 50257: its LM head and gradients) "
+                           "zero-padded to one, the output sliced back, so they run on CUTLASS instead of TVM's "
+                           "generic kernels (not yet timed on a GPU)"),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
@@ -225,11 +233,13 @@ def pre_partition_passes() -> list:
 
 def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
                  functions: tuple[str, ...] | None = None, target: tvm.target.Target | None = None) -> list:
-    """The graph passes, then the partitioner.  Given a CUDA `target`, the partitioner is told
-    which ops that route's layer-norm gradient kernels compute in passing (``partition_row_kernels``)."""
-    row_kernels = (target is not None and target.kind.name == "cuda" and enabled("layer_norm")
-                   and enabled("partition_row_kernels"))
+    """The graph passes, then the partitioner.  Given a CUDA `target`, matmuls TMA cannot stride
+    over are padded first (``pad_matmuls``), and the partitioner is told which ops that route's
+    layer-norm gradient kernels compute in passing (``partition_row_kernels``)."""
+    cuda = target is not None and target.kind.name == "cuda"
+    row_kernels = cuda and enabled("layer_norm") and enabled("partition_row_kernels")
     return pre_partition_passes() + [
+        *([PadUnalignedMatmuls(functions=functions)] if cuda and enabled("pad_matmuls") else []),
         PartitionEVT(time_limit=time_limit, use_cache=use_cache, functions=functions,
                      row_kernels=row_kernels, row_kernel_epilogue=row_kernels and enabled("ln_epilogue")),
         *([AbsorbPartitionInputCasts()] if enabled("input_casts") else []),  # casts done in epilogues
