@@ -1,6 +1,9 @@
 """GPU tier: models as transformers and timm build them (random weights, no downloads) train in
 bf16 on CUDA as torch computes them in fp32, every GEMM on CUTLASS and every attention on the
-flash-attention kernels (skipped without CUDA; timm only where it is installed)."""
+flash-attention kernels (skipped without CUDA; timm only where it is installed).
+
+Run it without xdist workers (or `-n 1`): each compile builds ~20 CUTLASS kernels on every core, and
+four at once left an H200 host with no case finished in 530 s (docs/bench/h200-2026-11-28b)."""
 
 from __future__ import annotations
 
