@@ -10,7 +10,6 @@ import tvm
 from tvm import relax
 
 import tvm_evt
-from tvm_evt.converters import attention_mask_form
 from tvm_evt.relax_passes.ops import attention_op
 from tvm_evt.relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
 
@@ -21,21 +20,25 @@ KEYS = torch.tensor([True, True, True, False, False])
 NEG = torch.finfo(torch.float32).min
 
 
+def _form(mask: torch.Tensor, shape):
+    return attention_op.mask_form(mask.numpy(), shape)
+
+
 def _float(visible: torch.Tensor) -> torch.Tensor:
     return torch.where(visible, 0.0, NEG)
 
 
 def test_mask_forms_the_op_takes():
-    assert attention_mask_form(torch.ones(B, 1, S, S, dtype=torch.bool), SHAPE) == (False, None)
-    assert attention_mask_form(torch.zeros(1, 1, S, S), SHAPE) == (False, None)
-    assert attention_mask_form(CAUSAL, SHAPE) == (True, None)
-    assert attention_mask_form(_float(CAUSAL)[None, None].expand(B, 1, S, S), SHAPE) == (True, None)
-    causal, bias = attention_mask_form(KEYS, SHAPE)  # a key mask broadcast over queries
+    assert _form(torch.ones(B, 1, S, S, dtype=torch.bool), SHAPE) == (False, None)
+    assert _form(torch.zeros(1, 1, S, S), SHAPE) == (False, None)
+    assert _form(CAUSAL, SHAPE) == (True, None)
+    assert _form(_float(CAUSAL)[None, None].expand(B, 1, S, S), SHAPE) == (True, None)
+    causal, bias = _form(KEYS, SHAPE)  # a key mask broadcast over queries
     assert not causal and bias.dtype == np.float32 and list(bias) == [0, 0, 0, -np.inf, -np.inf]
-    causal, bias = attention_mask_form(_float(CAUSAL & KEYS), SHAPE)
+    causal, bias = _form(_float(CAUSAL & KEYS), SHAPE)
     assert causal and list(bias) == [0, 0, 0, -np.inf, -np.inf]
     ramp = torch.arange(S, dtype=torch.float32) * 0.5  # an additive per-key bias of any value
-    causal, bias = attention_mask_form(ramp, SHAPE)
+    causal, bias = _form(ramp, SHAPE)
     assert not causal and np.allclose(bias, ramp.numpy())
 
 
@@ -46,7 +49,7 @@ def test_mask_forms_the_op_takes():
     (torch.arange(S * S, dtype=torch.float32).reshape(S, S), "neither a key mask nor the causal triangle"),
 ])
 def test_mask_forms_the_op_does_not_take(mask, why):
-    assert why in attention_mask_form(mask, SHAPE)
+    assert why in _form(mask, SHAPE)
 
 
 class _Attention(torch.nn.Module):

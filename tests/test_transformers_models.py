@@ -243,3 +243,28 @@ def test_cross_entropy_attributes_are_honoured(kwargs):
     assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
     for name, p in linear.named_parameters():
         assert torch.allclose(grads[f"linear.{name}"], p.grad, atol=1e-6), name
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_whole_models_reach_the_attention_op(family, attention):
+    """Whole library LMs, whose attention masks are tensors built from ``arange`` (SDPA's
+    ``attn_mask``; added to the scores by the eager form): in a bf16 step every layer's attention
+    is one tvm_evt.attention call with its gradient, no softmax left over."""
+    from tvm import relax
+
+    from tvm_evt import models
+    from tvm_evt.relax_passes.ops import attention_op
+
+    build = {"bert": models.hf_bert_mlm, "gpt2": models.hf_gpt2_lm, "llama": models.hf_llama_lm}[family]
+    torch.manual_seed(0)
+    entry = build(batch=2, seq=16, layers=2, hidden=128, heads=4, vocab=101, attention=attention,  # head dim 32
+                  **({} if family == "llama" else {"dropout": 0.0}))
+    imported = tvm_evt.from_torch(entry.training_module(), entry.example_inputs())
+    graph = tvm_evt.build_training_module(imported, None, "bf16")
+    ops = []
+    relax.analysis.post_order_visit(
+        graph.mod["train_step"].body,
+        lambda e: ops.append(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None)
+    assert ops.count(attention_op.FORWARD) == 2 and ops.count(attention_op.BACKWARD) == 2
+    assert "relax.nn.softmax" not in ops

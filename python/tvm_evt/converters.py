@@ -498,42 +498,6 @@ def constant_value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def attention_mask_form(mask: torch.Tensor, shape: Sequence[int]) -> tuple[bool, np.ndarray | None] | str:
-    """What a constant SDPA mask over scores of `shape` [B, H, Sq, Sk] is, in the terms the
-    attention op takes: ``(causal, bias)`` with ``bias`` float32 [Sk] or None, when every (batch,
-    head) sees the same pattern, that pattern is a key mask (one row for all queries), the causal
-    triangle (key j visible to query i iff j <= i), or both, and no query sees no key; otherwise
-    the reason it is not (a str).  A bool mask marks visible scores; a float mask is added, its
-    entries 0 (visible), -inf or below -1e30 (torch.finfo(dtype).min: masked), or a bias of any
-    value that is the same for every query."""
-    try:
-        full = torch.broadcast_to(mask, tuple(shape))
-    except RuntimeError:
-        return f"mask {list(mask.shape)} does not broadcast to the scores {list(shape)}"
-    flat = full.reshape(-1, *shape[-2:])
-    if not bool((flat == flat[:1]).all()):
-        return "the mask differs between batch rows or heads"
-    pattern = flat[0]
-    if pattern.dtype == torch.bool:
-        visible, added = pattern, torch.zeros(pattern.shape, dtype=torch.float32)
-    elif pattern.is_floating_point():
-        visible = pattern > -1e30
-        added = torch.where(visible, pattern.float(), torch.zeros((), dtype=torch.float32))
-    else:
-        return f"a {pattern.dtype} mask"
-    if not bool(visible.any(-1).all()):
-        return "a query sees no key"
-    sq, sk = shape[-2:]
-    causal_rows = torch.ones(sq, sk, dtype=torch.bool).tril()
-    keys = visible[-1]  # the last query sees all the keys the mask lets any query see
-    for causal in (False, True):
-        expected = keys.expand(sq, sk) & causal_rows if causal else keys.expand(sq, sk)
-        if bool((visible == expected).all()) and bool((added == added[-1]).all()):
-            bias = torch.where(keys, added[-1], torch.tensor(-np.inf)).numpy().astype(np.float32)
-            return causal, (None if bool(keys.all()) and not bool(added.any()) else bias)
-    return "the mask is neither a key mask nor the causal triangle"
-
-
 def _repeat_heads_if_grouped(node: fx.Node, bb, q, k, v):
     if _arg(node, 7, "enable_gqa", False):
         heads = _shape(q)[-3]
@@ -560,7 +524,8 @@ def _attention_call(node: fx.Node, importer, q, k, v, scale: float, causal: bool
         value = constant_value(attn_mask)
         if value is None:
             return "the mask is computed from the inputs (a per-batch padding mask, say)"
-        form = attention_mask_form(value, [b, h, sq, sk])
+        form = attention_op.mask_form(value.numpy() if value.dtype == torch.bool else value.float().numpy(),
+                                      [b, h, sq, sk])
         if isinstance(form, str):
             return form
         mask_causal, bias = form
@@ -581,7 +546,7 @@ def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
     as one ``tvm_evt.attention`` call with its arguments: the scale, ``is_causal``, the dropout rate
     (its seed and site filled in by `LowerDropout`), k and v repeated over the query heads for
     ``enable_gqa``, and a mask computed from constants only (`constant_value`) when
-    `attention_mask_form` finds it a key mask and/or the causal triangle.  Whether a kernel takes
+    ``attention_op.mask_form`` finds it a key mask and/or the causal triangle.  Whether a kernel takes
     the call is decided on the CUDA route (``OffloadAttention``: the op decomposes where not).
 
     Any other SDPA (a mask computed from the inputs, a learned one, not 4-D) is written out::

@@ -133,6 +133,45 @@ def attention_backward(q, k, v, o, lse, do, seed, scale: float, causal: bool = F
     return relax.Call(tvm.ir.Op.get(BACKWARD), args)
 
 
+MASKED_BELOW = -1e30  # an additive mask entry at or below this masks its score (torch.finfo(dtype).min does)
+
+
+def mask_form(mask: np.ndarray, shape) -> tuple[bool, np.ndarray | None] | str:
+    """What a constant attention mask over scores of `shape` [B, H, Sq, Sk] is in this op's terms:
+    ``(causal, bias)`` with ``bias`` float32 [Sk] or None, when every (batch, head) sees one pattern
+    that is a key mask (one row for all queries), the causal triangle (key j visible to query i iff
+    j <= i), or both, and every query sees a key; else the reason it is not (a str).  A bool mask
+    marks the visible scores; a float mask is added to them: entries at or below ``MASKED_BELOW``
+    (-inf, torch.finfo(dtype).min) mask, any other value is a bias that must be the same for every
+    query."""
+    mask = np.asarray(mask)
+    try:
+        full = np.broadcast_to(mask, tuple(shape))
+    except ValueError:
+        return f"mask {list(mask.shape)} does not broadcast to the scores {list(shape)}"
+    flat = full.reshape(-1, *shape[-2:])
+    if not (flat == flat[:1]).all():
+        return "the mask differs between batch rows or heads"
+    pattern = flat[0]
+    if pattern.dtype == np.bool_:
+        visible, added = pattern, np.zeros(pattern.shape, np.float32)
+    elif np.issubdtype(pattern.dtype, np.floating):
+        visible = pattern > MASKED_BELOW
+        added = np.where(visible, pattern, 0).astype(np.float32)
+    else:
+        return f"a {pattern.dtype} mask"
+    if not visible.any(-1).all():
+        return "a query sees no key"
+    sq, sk = shape[-2:]
+    keys = visible[-1]  # under the causal triangle too, the last query sees every key any query sees
+    for causal in (False, True):
+        expected = np.broadcast_to(keys, (sq, sk)) & (np.tri(sq, sk, dtype=bool) if causal else True)
+        if (visible == expected).all() and (added == added[-1]).all():
+            unbiased = keys.all() and not added.any()
+            return causal, None if unbiased else np.where(keys, added[-1], -np.inf).astype(np.float32)
+    return "the mask is neither a key mask nor the causal triangle"
+
+
 def no_seed() -> relax.Expr:
     """The seed operand of an attention without dropout (not read)."""
     return relax.const(np.zeros(2, "uint32"))

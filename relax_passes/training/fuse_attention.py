@@ -6,7 +6,9 @@ Runs before ``Gradient`` on the float32 graph as the torch importer and `LowerDr
     S  = reshape(matmul(reshape(broadcast_to(q)), reshape(broadcast_to(permute_dims(k, [0, 1, 3, 2])))))
     x  = S / c   (or S * c; c a positive scalar constant; several such steps multiply)
     x  = where(M, -inf, x)      optional: M evaluates at compile time to the strict upper triangle
-    x  = x + bias               optional: bias [Sk] float32 computed from constants only, after the scaling
+    x  = x + bias               optional: bias computed from constants only, after the scaling: a key
+                                bias [Sk], or a mask that ``attention_op.mask_form`` reads as the
+                                causal triangle and/or a key mask (transformers' eager attention)
     P  = softmax(x, axis=-1)
     Pd = where(keep, P, 0) * float32(1 / (1 - p))     optional: keep = call_tir(dropout_keep_.., (seed, site))
     O  = reshape(matmul(reshape(broadcast_to(Pd)), reshape(broadcast_to(v))))
@@ -208,13 +210,18 @@ def _scores_chain(g: _Graph, x: relax.Var, shape: tuple, inner: list):
             if not g.causal_mask(value, y, shape):
                 return None
             causal = True
-        elif value.op == ADD and bias is None and not seen_scale:
+        elif value.op == ADD and bias is None and not causal and not seen_scale:
+            # an additive mask or bias computed from constants (the op hands its bias no gradient):
+            # a key bias [Sk], or a [.., Sq, Sk] mask that attention_op.mask_form reads as the
+            # causal triangle and/or a key mask (transformers' eager attention adds one)
             a, b = value.args
-            y, bias = (a, b) if static_shape(a) == shape else (b, a)
-            # a constant: the op hands no gradient to its bias
-            if static_shape(y) != shape or static_shape(bias) != shape[-1:] or str(bias.ty.dtype) != "float32" \
-                    or g.fold(bias) is None:
+            y, addend = (a, b) if static_shape(a) == shape and g.fold(a) is None else (b, a)
+            folded = g.fold(addend) if static_shape(y) == shape else None
+            form = attention_op.mask_form(folded, shape) if folded is not None else "not a constant"
+            if isinstance(form, str):
                 return None
+            causal, key_bias = form
+            bias = relax.const(key_bias) if key_bias is not None else None
         else:
             break
         if g.only_reader(y) is None or not isinstance(y, relax.Var):
