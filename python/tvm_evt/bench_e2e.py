@@ -23,7 +23,9 @@ Conventions (stated in the report):
   convolutions NHWC (``ConvertConvLayout``), so neither side transposes them.
 * Peak memory: ``torch.cuda.max_memory_allocated`` for torch systems; for every system also the
   device memory in use (``cudaMemGetInfo``) after the steps minus before the model was built —
-  the only number that sees TVM's pooled allocator.
+  the only number that sees TVM's pooled allocator.  ``--memory``: each tvm_evt row also gets its
+  step's memory plan (``TrainingStep.memory_report``: planned peak, parameters, gradients,
+  optimizer state, saved activations, temporaries) in a table of its own.
 * Compile time: torch: the first step (tracing + compilation); TVM: ``compile_training``.
 """
 from __future__ import annotations

@@ -87,7 +87,9 @@ def planning_passes(target: tvm.target.Target) -> list:
 
 
 def memory_plan(mod: tvm.IRModule, target: tvm.target.Target) -> relax.Function:
-    """``train_step`` of the training module `mod` as `target`'s build plans its memory."""
+    """``train_step`` of the training module `mod` as `target`'s build plans its memory.  The build
+    runs again (``main_adjoint`` left out): the partitioner's solutions come from its cache, and on
+    CUDA the kernels the step's compile built from the object cache."""
     from .logs import quiet_known_warnings
 
     kept = {gv: f for gv, f in mod.functions_items()
