@@ -78,6 +78,19 @@ def test_sgd_without_momentum_keeps_no_state_and_an_inplace_step_allocates_no_ne
     assert cats["step_outputs"] == F32
 
 
+def test_a_single_parameter_is_told_from_the_forward_call_that_reads_it():
+    """Linear(8, 4, bias=False): the forward's first call reads the one parameter too, but only the
+    update reads it with its gradient and the new step count."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(IN, OUT, bias=False)
+    inputs = (torch.randn(BATCH, IN), torch.randn(BATCH, OUT))
+    step = compile_training(model, inputs, loss_fn=torch.nn.functional.mse_loss, target="llvm")
+    report = step.memory_report()
+    assert report["categories"]["gradients"] == report["categories"]["parameters"] == F32 * IN * OUT
+    assert [p["op"] for p in report["timeline"] if p["phase"] == "update"] == ["optimizer_update"]
+    assert not any("no optimizer update" in note for note in report["notes"])
+
+
 def test_mlp_saves_what_a_hand_count_says(adamw_mlp):
     """Linear(8, 16) -> GELU -> Linear(16, 4) -> MSE: live across the loss are the GELU's output (the
     second linear's input, for its weight gradient), the GELU's derivative (the graph passes compute it

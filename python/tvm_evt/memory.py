@@ -250,11 +250,14 @@ def _argument_categories(layout, num_args: int) -> list[str]:
 
 
 def _update_call(walk: _Walk, num_args: int, layout):
-    """The optimizer update: the call whose first arguments are the parameters (``emit_update``)."""
-    params = list(range(layout.num_inputs, layout.num_inputs + layout.num_params))
-    for index, (_, _, read, written) in enumerate(walk.calls):
-        args = read + written
-        if args[: len(params)] == params:
+    """The optimizer update: the call that reads the parameters, their gradients, the optimizer slots
+    and the new step count, in that order (``emit_update``)."""
+    n_p, n_s = layout.num_params, layout.num_slot_tensors
+    params = list(range(layout.num_inputs, layout.num_inputs + n_p))
+    first_slot = layout.num_inputs + n_p + layout.num_rest
+    slots = list(range(first_slot, first_slot + n_s))
+    for index, (_, _, read, _) in enumerate(walk.calls):
+        if len(read) > 2 * n_p + n_s and read[:n_p] == params and read[2 * n_p: 2 * n_p + n_s] == slots:
             return index, read
     return None, []
 
