@@ -256,3 +256,19 @@ def test_speedups_keep_a_significant_digit():
     assert bench_e2e._fmt(2.751, "x") == "2.75×"
     assert bench_e2e._fmt(15.63 / 70226.84, "x") == "0.0002×"
     assert bench_e2e._fmt(None, "x") == "–"
+
+
+def test_memory_rows_get_a_memory_plan_table(tmp_path):
+    data = fake_results()
+    plan = {"planned_peak": 900.0, "parameters": 100.0, "gradients": 100.0, "optimizer_state": 200.0,
+            "saved_activations": 300.0, "temporaries": 150.5}
+    data["rows"][1]["memory_plan"] = plan
+    assert bench_e2e.parse_args(["--memory"]).memory and not bench_e2e.parse_args([]).memory
+    md = bench_e2e.markdown(data)
+    assert "## Memory plan (MiB; --memory)" in md
+    assert "| BERT-Large layer | tvm_evt | 900.0 | 100.0 | 100.0 | 200.0 | 300.0 | 150.5 |" in md
+    assert "Memory plan" not in bench_e2e.markdown(fake_results())  # no --memory row: no table
+    report = {"planned_peak_bytes": 3 * 2**20, "categories": {"parameters": 2**20, "gradients": 2**20,
+              "optimizer_state": 2**21, "saved_activations": 2**19, "temporaries": 0, "inputs": 5}}
+    assert bench_e2e.memory_columns(report) == {"planned_peak": 3.0, "parameters": 1.0, "gradients": 1.0,
+                                                "optimizer_state": 2.0, "saved_activations": 0.5, "temporaries": 0.0}

@@ -23,7 +23,9 @@ Conventions (stated in the report):
   convolutions NHWC (``ConvertConvLayout``), so neither side transposes them.
 * Peak memory: ``torch.cuda.max_memory_allocated`` for torch systems; for every system also the
   device memory in use (``cudaMemGetInfo``) after the steps minus before the model was built —
-  the only number that sees TVM's pooled allocator.
+  the only number that sees TVM's pooled allocator.  ``--memory``: each tvm_evt row also gets its
+  step's memory plan (``TrainingStep.memory_report``: planned peak, parameters, gradients,
+  optimizer state, saved activations, temporaries) in a table of its own.
 * Compile time: torch: the first step (tracing + compilation); TVM: ``compile_training``.
 """
 from __future__ import annotations
@@ -103,6 +105,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", action="store_true", help="also list the top kernels of each measurement")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per measurement with --profile")
     ap.add_argument("--fresh", action="store_true", help="drop earlier results in --out instead of skipping them")
+    ap.add_argument("--memory", action="store_true",
+                    help="also report each tvm_evt system's memory plan (TrainingStep.memory_report): planned peak, "
+                         "activations saved for the backward, gradients, optimizer state")
     ap.add_argument("--replot", action="store_true", help="only rewrite the table and chart from --out's JSON")
     return ap
 
@@ -223,7 +228,7 @@ def run_measurement(args, model: str, system: str) -> dict:
     """One measurement in a subprocess (a crash or hang loses only this row)."""
     job = {"model": model, "system": system, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
            "tuning_dir": str(Path(args.tuning_dir) / model) if args.tuning_dir else None,
-           "profile": args.profile, "top": args.top, "timeout_s": args.timeout}
+           "profile": args.profile, "top": args.top, "timeout_s": args.timeout, "memory": args.memory}
     cmd = [sys.executable, "-m", "tvm_evt.bench_e2e", "--measure", json.dumps(job)]
     start = time.monotonic()
     try:
@@ -289,6 +294,8 @@ def measure(job: dict) -> dict:
             row["rewrites"] = [n for n in rewrites_in_effect() if n != "cuda_graph" or system != "tvm_evt_launched"]
             row["attention"] = attention_summary(ts)
         _log(f"{model} / {system}: compiled in {compile_s:.1f} s")
+        if job.get("memory") and system != "tvm_default":  # (tvm_default builds with TVM's pipeline, not ours)
+            row["memory_plan"] = memory_columns(ts.memory_report())
     else:
         step, compile_s = _torch_step(entry, inputs, system, channels_last=model in CHANNELS_LAST)
     start = time.perf_counter()
@@ -333,6 +340,15 @@ def measure(job: dict) -> dict:
         row["launches"] = round(sum(k["calls_per_step"] for k in kernels), 1)
         row["kernels"] = kernels[:job.get("top", 15)]
     return row
+
+
+MEMORY_COLUMNS = ("planned_peak", "parameters", "gradients", "optimizer_state", "saved_activations", "temporaries")
+
+
+def memory_columns(report: dict) -> dict:
+    """`TrainingStep.memory_report`'s figures a --memory row keeps, in MiB."""
+    figures = {"planned_peak": report["planned_peak_bytes"], **report["categories"]}
+    return {name: round(figures[name] / 2**20, 1) for name in MEMORY_COLUMNS}
 
 
 def _timed(times: list[float], free0: int) -> dict:
@@ -593,6 +609,18 @@ def markdown(data: dict) -> str:
                      _fmt(torch_mb, "0"), _fmt(r.get("device_used_mb"), "0")]
             lines.append("| " + " | ".join(cells) + " |" + (f" {note} |" if note else " |"))
     lines += _runs(data)
+    planned = [r for r in data["rows"] if r.get("memory_plan")]
+    if planned:
+        lines += ["", "## Memory plan (MiB; --memory)", "",
+                  "From train_step's memory plan (TrainingStep.memory_report): the planned peak counts the "
+                  "arguments and the plan's live storages; kernel workspaces are outside it. Compare with "
+                  "the eager row's torch peak MB.", "",
+                  "| model | system | " + " | ".join(c.replace("_", " ") for c in MEMORY_COLUMNS) + " |",
+                  "|---|---|" + "---:|" * len(MEMORY_COLUMNS)]
+        for r in planned:
+            label = MODELS.get(r["model"], (None, None, None, r["model"]))[3]
+            lines.append(f"| {label} | {r['system']} | "
+                         + " | ".join(_fmt(r["memory_plan"][c], "1") for c in MEMORY_COLUMNS) + " |")
     prof = [r for r in data["rows"] if r.get("kernels")]
     for r in prof:
         lines += ["", f"## Top kernels: {r['model']} / {r['system']} ({r['step_ms']:.2f} ms/step)", ""]

@@ -276,6 +276,7 @@ class TrainingStep:
         zeros = lambda p: tvm.runtime.tensor(np.zeros(p.shape, dtype=p.dtype), self.device)
         self._slots = [zeros(self._params[i]) for _ in layout.slots for i in range(layout.num_params)]
         self._step = self._scalar(0.0)
+        self._ran = False  # train_step or main_adjoint has run (memory_report measures a first run)
         self._scaler = []
         if loss_scale is not None:
             self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
@@ -304,6 +305,7 @@ class TrainingStep:
         args = self._check_inputs(inputs) + self._params + self._rest()
         args += self._slots + [self._step] + self._scaler
         out = self._train(*args)
+        self._ran = True
         lay = self.layout
         i = 1
         self._params = [out[i + k] for k in range(lay.num_params)]
@@ -324,6 +326,7 @@ class TrainingStep:
         if self.layout.loss_scaling:
             args.append(self._scalar(1.0))
         out = self._adjoint(*args)
+        self._ran = True
         loss, grads = out[0][0], out[1]
         names = self.imported.param_names
         return _to_torch(loss), {n: _to_torch(grads[k]) for k, n in enumerate(names)}
@@ -376,6 +379,40 @@ class TrainingStep:
         from .report import draw, partitioned
 
         return draw(partitioned(self.graph.mod, target=self.target), path)
+
+    def memory_report(self, *inputs) -> dict:
+        """Bytes by category (parameters, gradients, optimizer state, activations saved for the
+        backward, ...) and live bytes over the step, from ``train_step``'s memory plan as this step's
+        target builds it (see `tvm_evt.memory`).  Given `inputs` on CUDA, a step that has not run yet
+        runs once on them and ``measured_peak_bytes`` is what the device then holds for it: the
+        arguments plus the growth of the device memory in use over that run (TVM's pooled allocator
+        keeps what it allocated; the CUTLASS and attention kernels' own workspaces, freed after
+        their launch, are not in it)."""
+        from .memory import device_used_bytes, memory_plan, memory_report
+
+        func = memory_plan(runtime_module(self.graph.mod), self.target)
+        notes = ["workspaces are not in the plan: the CUTLASS kernels allocate theirs around each launch "
+                 "(cudaMallocAsync) or keep one per kernel, the flash-attention backward allocates its own"]
+        measured = None
+        if inputs and not self._ran:
+            before = device_used_bytes(self.device)
+            if before is not None:  # the state the step holds already; the run copies the inputs in
+                state = self._params + self._rest() + self._slots + [self._step] + self._scaler
+                held = sum(int(np.prod(a.shape, dtype=np.int64)) * tvm.runtime.DataType(a.dtype).itemsize
+                           for a in state)
+                self(*inputs)
+                self.device.sync()
+                measured = held + device_used_bytes(self.device) - before
+            else:
+                notes.append(f"no measured peak: TVM reports no memory use for {self.device}")
+        return memory_report(func, self.layout, measured, notes)
+
+    def memory_report_png(self, path: str, *inputs) -> str:
+        """Draw `memory_report` (bytes by category, live bytes over the step) into the PNG ``path``
+        (needs matplotlib)."""
+        from .memory import draw
+
+        return draw(self.memory_report(*inputs), path)
 
     @property
     def step_count(self) -> int:
