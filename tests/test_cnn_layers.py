@@ -85,3 +85,22 @@ def test_cnn_layers_match_torch(name, channels_last):
     for n, p in params.items():
         err = float((grads[n] - p.grad).norm()) / largest
         assert err <= GRAD_TOL, f"{n}: {err:.2e}"
+
+
+def test_stem_gemms_reach_cutlass_on_the_cuda_route():
+    """A 7x7/2 stem on 3 channels, which the implicit-GEMM kernels refuse (C = 3), and a 10-class
+    head, partitioned for sm_90a in bf16: every matmul is a CUTLASS partition (the head's N = 10
+    through PadUnalignedMatmuls; without it, the one left to TVM), and the refusal is reported
+    with its reason."""
+    import tvm
+
+    from tvm_evt.report import training_report
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    imported = tvm_evt.from_torch(MODELS["resnet_stem"](), (x, torch.randint(0, 10, (8,))), F.cross_entropy)
+    graph = tvm_evt.build_training_module(imported, None, "bf16")
+    report = training_report(graph.mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
+    refused = [c for c in report["convolutions"] if not c["kernel"]]
+    assert refused and all("C=3" in c["reason"] for c in refused), report["convolutions"]
