@@ -132,18 +132,25 @@ def _reference(optimizer, target=None, precision="fp32"):
     return losses, {k: v.detach().cpu().clone() for k, v in step.parameters().items()}
 
 
+def _assert_ranks_match_one_process(results, reference, rtol: float, atol: float, loss_atol: float | None = None):
+    """Two ranks' mean losses and rank 0's parameters against one process on the whole batch
+    (`reference`: its losses and parameters), and the ranks' parameters bitwise equal."""
+    ref_losses, ref_params = reference
+    r0, r1 = results
+    mean_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+    assert mean_losses == pytest.approx(ref_losses, rel=rtol, abs=atol if loss_atol is None else loss_atol)
+    for name, want in ref_params.items():
+        torch.testing.assert_close(r0["params"][name], want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(r0["params"][name], r1["params"][name]), f"{name}: the ranks' parameters differ"
+
+
 @pytest.mark.parametrize("zero,optimizer", [(False, "sgd"), (True, "sgd"), (True, "adamw")],
                          ids=["allreduce-sgd", "zero1-sgd", "zero1-adamw"])
 def test_two_gloo_ranks_match_one_process_on_the_whole_batch(tmp_path, zero, optimizer):
     results = _run_ranks(_train_worker, 2, tmp_path, zero, optimizer, "llvm", "fp32", "gloo")
-    ref_losses, ref_params = _reference(optimizer, "llvm")
     r0, r1 = results
     assert r0["segments"] > 1 and r0["buckets"] > 1  # the backward really was cut, buckets really launched apart
-    mean_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
-    assert mean_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    for name, want in ref_params.items():
-        torch.testing.assert_close(r0["params"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        assert torch.equal(r0["params"][name], r1["params"][name]), f"{name}: the ranks' parameters differ"
+    _assert_ranks_match_one_process(results, _reference(optimizer, "llvm"), rtol=1e-5, atol=1e-6)
     # the saved state resumes exactly: the fresh step's losses and parameters are the original's
     for r in results:
         assert r["again"] == r["more"]
@@ -247,13 +254,7 @@ def test_two_nccl_ranks_match_one_gpu_on_the_whole_batch_in_bf16(tmp_path, zero,
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
     results = _run_ranks(_train_worker, 2, tmp_path, zero, optimizer, None, "bf16", "nccl", timeout=580)
-    ref_losses, ref_params = _reference(optimizer, None, "bf16")
-    r0, r1 = results
-    mean_losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
-    assert mean_losses == pytest.approx(ref_losses, rel=2e-2, abs=1e-2)
-    for name, want in ref_params.items():
-        torch.testing.assert_close(r0["params"][name], want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
-        assert torch.equal(r0["params"][name], r1["params"][name]), f"{name}: the ranks' parameters differ"
+    _assert_ranks_match_one_process(results, _reference(optimizer, None, "bf16"), rtol=2e-2, atol=2e-2, loss_atol=1e-2)
     for r in results:
         assert r["again"] == r["more"]
 

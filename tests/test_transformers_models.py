@@ -170,12 +170,22 @@ def test_sdpa_forms_match_torch():
     _matches_torch(model, (x, pad, torch.randn(2, 12, 32)), F.mse_loss)
 
 
+def _step_ops(graph) -> list[str]:
+    """The op names ``train_step`` calls, in post order."""
+    from tvm import relax
+
+    ops = []
+    relax.analysis.post_order_visit(
+        graph.mod["train_step"].body,
+        lambda e: ops.append(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None)
+    return ops
+
+
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_sdpa_layers_reach_the_attention_op(family):
     """In a bf16 step, SDPA as BertLayer and GPT2Block call it (GPT-2: causal) becomes one
     tvm_evt.attention call with its gradient, which the CUDA route hands to the flash kernels."""
     import transformers as T
-    from tvm import relax
 
     from tvm_evt.relax_passes.ops import attention_op
 
@@ -192,10 +202,7 @@ def test_sdpa_layers_reach_the_attention_op(family):
     x, target = torch.randn(2, 32, 128), torch.randn(2, 32, 128)
     imported = tvm_evt.from_torch(_FirstOutput(layer), (x, target), F.mse_loss)
     graph = tvm_evt.build_training_module(imported, None, "bf16")
-    ops = []
-    relax.analysis.post_order_visit(
-        graph.mod["train_step"].body,
-        lambda e: ops.append(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None)
+    ops = _step_ops(graph)
     assert ops.count(attention_op.FORWARD) == 1 and ops.count(attention_op.BACKWARD) == 1
     assert "relax.nn.softmax" not in ops
 
@@ -251,8 +258,6 @@ def test_whole_models_reach_the_attention_op(family, attention):
     """Whole library LMs, whose attention masks are tensors built from ``arange`` (SDPA's
     ``attn_mask``; added to the scores by the eager form): in a bf16 step every layer's attention
     is one tvm_evt.attention call with its gradient, no softmax left over."""
-    from tvm import relax
-
     from tvm_evt import models
     from tvm_evt.relax_passes.ops import attention_op
 
@@ -262,9 +267,6 @@ def test_whole_models_reach_the_attention_op(family, attention):
                   **({} if family == "llama" else {"dropout": 0.0}))
     imported = tvm_evt.from_torch(entry.training_module(), entry.example_inputs())
     graph = tvm_evt.build_training_module(imported, None, "bf16")
-    ops = []
-    relax.analysis.post_order_visit(
-        graph.mod["train_step"].body,
-        lambda e: ops.append(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None)
+    ops = _step_ops(graph)
     assert ops.count(attention_op.FORWARD) == 2 and ops.count(attention_op.BACKWARD) == 2
     assert "relax.nn.softmax" not in ops
