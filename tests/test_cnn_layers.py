@@ -104,3 +104,21 @@ def test_stem_gemms_reach_cutlass_on_the_cuda_route():
     assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
     refused = [c for c in report["convolutions"] if not c["kernel"]]
     assert refused and all("C=3" in c["reason"] for c in refused), report["convolutions"]
+
+
+def test_depthwise_convolutions_left_to_tvm_are_reported():
+    """A depthwise block partitioned for sm_90a in bf16: its grouped convolution and their
+    gradients stay TVM ops, and report()["convolutions"] lists each with the reason."""
+    import tvm
+
+    from tvm_evt.report import training_report
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    imported = tvm_evt.from_torch(MODELS["mobilenet_v2_blocks"](), (x, torch.randint(0, 10, (4,))), F.cross_entropy)
+    graph = tvm_evt.build_training_module(imported, None, "bf16")
+    report = training_report(graph.mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    tvm_rows = [c for c in report["convolutions"] if c.get("groups", 1) != 1]
+    assert tvm_rows and not any(c["kernel"] for c in tvm_rows)
+    assert all("groups=" in c["reason"] for c in tvm_rows), tvm_rows
+    assert {c["op"] for c in tvm_rows} >= {"conv2d"}

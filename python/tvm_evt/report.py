@@ -15,7 +15,8 @@ returns::
 where ``attention`` lists the fused attention calls (SDPA as imported, ``FuseAttention``'s) and whether the CUDA
 route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops, and
 ``convolutions`` the ``tvm_evt.conv2d*`` calls (``implicit_conv``) and whether it runs each as an
-implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``).
+implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``), and the convolutions
+left as TVM's own ops (grouped, depthwise, and their gradients), which run as TVM kernels.
 
 ``draw(mod, path)`` writes a PNG (matplotlib): one row per kernel in execution order, GEMM + EVT
 partitions as labelled boxes, the ops TVM keeps as grey dots, data edges between them.
@@ -79,6 +80,26 @@ def conv_calls(func: relax.Function) -> list[dict]:
             if phases:
                 row["stride_phase_of"] = [int(d) for d in whole.args[3].values]
             rows.append({**row, "kernel": reason is None, "reason": reason})
+    return rows + tvm_conv_calls(func)
+
+
+TVM_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv2d_transpose")
+
+
+def tvm_conv_calls(func: relax.Function) -> list[dict]:
+    """The convolutions of `func` left as TVM's own ops (grouped and depthwise ones, and their
+    gradients): they run as TVM kernels, not as implicit-GEMM or CUTLASS ones; a row each saying so."""
+    calls = []
+    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in TVM_CONVS else None)
+    rows = []
+    for call in calls:
+        groups = int(call.attrs.groups)
+        why = f"groups={groups}, which the implicit-GEMM kernels do not take" if groups != 1 else \
+            "left a convolution by Conv2dToMatmul (its layout or window)"
+        rows.append({"op": call.op.name.rsplit(".", 1)[-1], "dtype": str(call.args[0].ty.dtype),
+                     "x": [int(d) for d in call.args[0].ty.shape], "w": [int(d) for d in call.args[1].ty.shape],
+                     "groups": groups, "kernel": False, "reason": f"a TVM kernel: {why}"})
     return rows
 
 
