@@ -247,9 +247,6 @@ def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
 # ---------------------------------------------------------------------------- runtime
 
 
-_to_tvm, _to_torch = to_tvm, to_torch  # the names this module's callers know
-
-
 class TrainingStep:
     """A compiled training step.  ``step(*inputs)`` runs forward, backward and the update
     and returns the loss; see `loss_and_grads`, `parameters`, `load_parameters`."""
@@ -287,7 +284,7 @@ class TrainingStep:
 
     def _tensor(self, t):
         # an in-place step writes over its parameters: they must be its own, not views of the caller's
-        return _to_tvm(t.detach().clone() if self.graph.inplace else t.detach(), self.device)
+        return to_tvm(t.detach().clone() if self.graph.inplace else t.detach(), self.device)
 
     def _check_inputs(self, inputs: Sequence) -> list:
         return input_arguments(self.imported, inputs, self.device)
@@ -318,7 +315,7 @@ class TrainingStep:
         self._scaler = [out[i + 1 + k] for k in range(len(self._scaler))]
         if lay.advances_seed:
             self._rng = out[len(out) - 1]
-        return _to_torch(out[0])
+        return to_torch(out[0])
 
     def loss_and_grads(self, *inputs):
         """(loss, {param_name: grad}) without updating anything."""
@@ -329,14 +326,14 @@ class TrainingStep:
         self._ran = True
         loss, grads = out[0][0], out[1]
         names = self.imported.param_names
-        return _to_torch(loss), {n: _to_torch(grads[k]) for k, n in enumerate(names)}
+        return to_torch(loss), {n: to_torch(grads[k]) for k, n in enumerate(names)}
 
     def parameters(self) -> dict:
         """{name: tensor} of the current parameters (and buffers, e.g. BatchNorm statistics): torch
         views of the step's tensors, which an in-place step (``inplace``/``cuda_graph``) goes on
         writing over; ``.clone()`` them to keep a snapshot."""
-        params = {n: _to_torch(v) for n, v in zip(self.imported.param_names, self._params)}
-        params.update({n: _to_torch(v) for n, v in self._buffers.items()})
+        params = {n: to_torch(v) for n, v in zip(self.imported.param_names, self._params)}
+        params.update({n: to_torch(v) for n, v in self._buffers.items()})
         return params
 
     def load_parameters(self, state_dict: dict) -> None:
@@ -359,7 +356,7 @@ class TrainingStep:
         """``store[key] = value``; an in-place step copies `value` into the tensor it has instead
         (a captured CUDA graph reads that tensor's memory, whatever tensor the step is given)."""
         if self.graph.inplace:
-            store[key].copyfrom(_to_tvm(value.detach(), self.device))  # the copy is the step's own
+            store[key].copyfrom(to_tvm(value.detach(), self.device))  # the copy is the step's own
         else:
             store[key] = self._tensor(value)
 
