@@ -1,5 +1,9 @@
 """Errors tvm_evt raises at compile and call time."""
 
+import re
+
+import tvm_ffi
+
 
 class UnsupportedOpError(NotImplementedError):
     """An op tvm_evt cannot import or differentiate, with where it came from in the model."""
@@ -17,3 +21,23 @@ class InputMismatchError(ValueError):
 class DataParallelMismatchError(InputMismatchError):
     """Data-parallel ranks compiled different steps (model, shapes, optimizer), or were given
     different state: raised on every rank at the first step, naming what differs where."""
+
+
+
+@tvm_ffi.register_error
+class MemoryBudgetError(ValueError):
+    """``compile_training(..., memory_budget=B)``: no rematerialisation plan brings the step's
+    estimated peak under B.  ``budget`` and ``smallest`` (the peak of the plan that recomputes all it
+    can: the smallest budget that can be met) are bytes.  Registered with the FFI, so raised inside
+    the build it reaches the caller as this class (rebuilt from its message)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        found = re.search(r"memory_budget=(\d+) .* the smallest budget that can be met is (\d+)", message, re.S)
+        self.budget, self.smallest = (int(found[1]), int(found[2])) if found else (None, None)
+
+    @classmethod
+    def of(cls, budget: int, smallest: int) -> "MemoryBudgetError":
+        return cls(f"memory_budget={budget} bytes ({budget / 2**20:.1f} MiB) cannot be met: recomputing every forward "
+                   f"value that can be recomputed still needs {smallest} bytes ({smallest / 2**20:.1f} MiB) at the "
+                   f"peak; the smallest budget that can be met is {smallest}")

@@ -26,6 +26,8 @@ What ``phases(target)`` runs after the training phase, in order:
     AbsorbPartitionInputCasts  a cast (or a ReLU mask's compare) that only feeds a partition's
                        epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
+    Rematerialize      (partition) under ``compile_training(..., memory_budget=)``: forward values
+                       recomputed in the backward instead of kept, chosen by an integer program
     -- CUDA (lower) --
     OffloadAttention   (first) fused attention calls as flash-attention kernels (relax.ext.evt_attention;
                        heads split from activations read in place, CancelTransposes), or plain ops the
@@ -86,6 +88,7 @@ from .relax_passes.partition.absorb_partition_input_casts import AbsorbPartition
 from .relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.partition.inline_partitions import InlineEVTPartitions
 from .relax_passes.partition.pad_unaligned_matmuls import PadUnalignedMatmuls
+from .relax_passes.partition.rematerialize import Rematerialize
 from .relax_passes.partition.partition_evt import DEFAULT_TIME_LIMIT, PartitionEVT
 
 PIPELINE_NAME = "evt"
@@ -113,7 +116,8 @@ PHASES = (
            "AccumulateInFloat32", "FuseColumnMoments", "SaveSoftmaxLowPrecision", "EliminateMaskedFillGradient",
            "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout")),
     Phase("partition", "relax_passes.partition",
-          ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "InlineEVTPartitions")),
+          ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "Rematerialize",
+           "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "RecomputeElementwise",
@@ -244,6 +248,8 @@ def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
                      row_kernels=row_kernels, row_kernel_epilogue=row_kernels and enabled("ln_epilogue")),
         *([AbsorbPartitionInputCasts()] if enabled("input_casts") else []),  # casts done in epilogues
         DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
+        # forward values recomputed in the backward where train_step has a memory budget
+        Rematerialize(),
     ]
 
 

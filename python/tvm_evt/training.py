@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from typing import Sequence
@@ -34,6 +35,8 @@ from .frontend import ImportedModel, from_torch
 from .logs import quiet_known_warnings
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
 from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
+from .relax_passes.partition.rematerialize import BUDGET_ATTR
+from .relax_passes.partition.rematerialize import REPORT_ATTR as REMAT_REPORT_ATTR
 from .relax_passes.training.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.training.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
 from .relax_passes.training.cancel_transposes import CancelTransposes
@@ -402,7 +405,10 @@ class TrainingStep:
                 measured = held + device_used_bytes(self.device) - before
             else:
                 notes.append(f"no measured peak: TVM reports no memory use for {self.device}")
-        return memory_report(func, self.layout, measured, notes)
+        report = memory_report(func, self.layout, measured, notes)
+        decided = func.attrs.get(REMAT_REPORT_ATTR) if func.attrs else None
+        report["rematerialized"] = json.loads(str(decided)) if decided is not None else None
+        return report
 
     def memory_report_png(self, path: str, *inputs) -> str:
         """Draw `memory_report` (bytes by category, live bytes over the step) into the PNG ``path``
@@ -446,6 +452,7 @@ def compile_training(
     zero: bool = False,
     bucket_mb: float = 25.0,
     process_group=None,
+    memory_budget: int | str | None = None,
 ):
     """Compile forward + backward + optimizer update of `model` into one training step.
 
@@ -467,17 +474,30 @@ def compile_training(
     has produced it, before the update. `zero`: ZeRO-1, each rank keeps and updates the optimizer
     state of its shard of the parameters (reduce-scatter, update, all-gather).  fp32 and bf16, not
     ``inplace`` or ``cuda_graph`` (off by default with data_parallel).
+
+    `memory_budget`: bytes the step may hold at its peak (arguments, saved activations,
+    temporaries), or ``"auto"`` (90 % of the device memory free now); forward values are then
+    recomputed in the backward instead of kept where the estimated peak would exceed it
+    (``relax_passes/partition/rematerialize.py``; ``step.memory_report()["rematerialized"]`` says
+    which).  A budget no plan meets raises `MemoryBudgetError` naming the smallest one that can be.
+    fp32 and bf16 steps, not data-parallel.
     """
     start = time.perf_counter()
     tgt = as_target(target)
     if zero and not data_parallel:
         raise ValueError("zero=True shards the optimizer state across data-parallel ranks: it needs data_parallel=True")
+    if data_parallel and memory_budget is not None:
+        raise ValueError("memory_budget is not supported with data_parallel=True yet: the data-parallel step is "
+                         "split into functions the rematerialisation does not plan across")
     if data_parallel:
         return _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, precision, seed, tuning_dir,
                                       inplace, cuda_graph, zero, bucket_mb, process_group, start)
     graphs = captures_graphs(tgt, precision, cuda_graph)
+    budget = resolve_memory_budget(memory_budget, tgt, precision)
     imported = from_torch(model, example_inputs, loss_fn)
     graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
+    if budget is not None:
+        graph.mod["train_step"] = graph.mod["train_step"].with_attr(BUDGET_ATTR, budget)
     with graph_capture() if graphs else contextlib.nullcontext(), quiet_known_warnings():
         if tuning_dir is None:
             executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
@@ -486,6 +506,31 @@ def compile_training(
 
             executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
     return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
+
+
+def resolve_memory_budget(memory_budget, target: tvm.target.Target, precision: str) -> int | None:
+    """`compile_training`'s `memory_budget` in bytes (None: no budget)."""
+    if memory_budget is None:
+        return None
+    if precision == "fp16":
+        raise ValueError("memory_budget with precision='fp16': the loss is unscaled after the backward, so the step has "
+                         "no forward/backward boundary the rematerialisation can read; use bf16 or fp32")
+    if memory_budget == "auto":
+        return int(0.9 * free_device_bytes(target))
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes or 'auto', got {memory_budget!r}")
+    return int(memory_budget)
+
+
+def free_device_bytes(target: tvm.target.Target) -> int:
+    """Memory free now on `target`'s device: the GPU's (cudaMemGetInfo) or the host's available RAM."""
+    if target.kind.name == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, precision, seed, tuning_dir, inplace,

@@ -1,0 +1,492 @@
+"""Rematerialize: keep fewer forward values for the backward, recomputing the rest there, so the
+training step fits a memory budget.
+
+``compile_training(..., memory_budget=B)`` marks ``train_step`` with ``BUDGET_ATTR``; this pass
+runs after the partitioner (its units are the partitioned step's calls: a GEMM partition with its
+epilogue, an attention call, a TVM op) and nothing after it eliminates common subexpressions, so
+the copies it makes stay copies.  A function without the attribute is left as it is.
+
+The step is one graph: bindings up to the loss's are the forward, the rest the backward and the
+update.  A forward value read after the loss is *saved*: it stays alive from where it is computed
+to its last reader, and at the loss all saved values are alive at once — the activations that make
+a training step's peak.  Each forward value ``u`` gets two 0/1 choices, ``keep[u]`` (alive at the
+loss) and ``recompute[u]`` (computed again in the backward, just before its first backward reader,
+from kept or recomputed operands), and the integer program (Checkmate, MLSys'20, with its peak
+constraint taken at the loss only) is
+
+    minimise   sum_u recompute[u] * cost(u)
+    subject to keep[u] + recompute[u] >= 1                 for every saved u
+               keep[a] + recompute[a] >= recompute[u]      for every forward operand a of u
+               sum_u keep[u] * bytes(u) <= B_saved
+
+with ``cost`` from the roofline of what the call does (GEMM and attention FLOPs, else bytes moved;
+``recompute_seconds``) and ``bytes`` its output's size (a tuple's: all its tensors, which a kept
+tuple keeps).  A call that is impure, or whose value is not a call, a tuple or a projection of one,
+is never recomputed.
+
+``B_saved`` starts as the saved bytes less the overshoot of the estimated peak over the budget.
+Every plan is validated on the rewritten function by ``estimate_peak`` (each tensor alive from its
+binding to its last reader, the arguments all the step), and ``B_saved`` is lowered by what is
+still over until the estimate fits.  The solve has a time limit (``TIME_LIMIT``); without a
+solution by then a greedy plan (cheapest recompute seconds per byte first, operands recomputed with
+what needs them) stands in.  A budget the plan that recomputes everything it can still misses
+raises ``MemoryBudgetError`` naming that plan's peak: the smallest budget this pass can meet.
+
+The estimate counts every Relax tensor as allocated; the build's fused kernels keep fewer
+intermediates (``TrainingStep.memory_report`` reads the real plan), so the estimate errs high.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ...errors import MemoryBudgetError
+from .._rewrite import flat_bindings, op_name
+from .evt_cost import static_shape, tensor_bytes
+
+BUDGET_ATTR = "tvm_evt.memory_budget"  # bytes, set on train_step by compile_training
+REPORT_ATTR = "tvm_evt.rematerialized"  # JSON: what this pass decided (TrainingStep.memory_report)
+TIME_LIMIT = 20.0  # seconds for one integer program
+MAX_ROUNDS = 8  # plans validated against the estimate before giving up
+
+# a roofline good enough to rank recomputations (H100 SXM, dense bf16 / HBM3)
+FLOPS_PER_S = 6.0e14
+BYTES_PER_S = 3.0e12
+LAUNCH_S = 4e-6  # a kernel launch and its gap: what a recomputed cheap op still costs
+VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # share their operand's memory
+GEMM_OPS = frozenset({"relax.matmul"})
+ATTENTION_OPS = frozenset({"tvm_evt.attention"})  # q [B, H, Sq, D], k [B, H, Sk, D]
+
+
+# ------------------------------------------------------------------------------ the step's graph
+
+
+@dataclasses.dataclass
+class _Node:
+    """A forward binding."""
+
+    var: relax.Var
+    value: relax.Expr
+    index: int
+    bytes: int  # kept: what stays alive (a projection of a call's tuple: its one tensor)
+    copy_bytes: int  # recomputed: what its copy allocates (a projection: nothing, its tuple's copy does)
+    seconds: float  # to recompute it
+    operands: list  # forward vars it reads
+    recomputable: bool
+
+
+@dataclasses.dataclass
+class StepGraph:
+    """`func`'s forward bindings and which of them the backward reads."""
+
+    func: relax.Function
+    boundary: int  # index of the loss's binding
+    nodes: dict  # var -> _Node, the forward bindings of the loss's block
+    saved: list  # forward vars read after the boundary, in binding order
+    pinned: set  # saved vars some reader outside the loss's block needs as they are
+    first_read: dict  # saved var -> index of its first reader after the boundary
+    last_read: dict  # saved var -> index of its last reader (the result: len(bindings))
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.nodes[v].bytes for v in self.saved)
+
+
+def _loss_var(func: relax.Function, bindings: list) -> relax.Var:
+    """The step's loss: the first field of the tuple ``train_step`` returns."""
+    bound = {b.var: b.value for b in bindings}
+    result = func.body.body
+    while isinstance(result, relax.Var) and isinstance(bound.get(result), relax.Var):
+        result = bound[result]
+    result = bound.get(result, result) if isinstance(result, relax.Var) else result
+    if not isinstance(result, relax.Tuple) or not isinstance(result.fields[0], relax.Var):
+        raise ValueError("Rematerialize: train_step must return a tuple whose first field is the loss")
+    return result.fields[0]
+
+
+def _function_flops(func: relax.Function) -> float:
+    flops = 0.0
+
+    def visit(e):
+        nonlocal flops
+        flops += _call_flops(e)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return flops
+
+
+def _call_flops(call) -> float:
+    """FLOPs of a GEMM or an attention call (0 for anything else)."""
+    name = op_name(call)
+    if name in GEMM_OPS:
+        a = static_shape(call.args[0])
+        out = static_shape(call)
+        return 2.0 * math.prod(out) * a[-1] if a and out else 0.0
+    if name in ATTENTION_OPS:
+        q, k = static_shape(call.args[0]), static_shape(call.args[1])
+        if q and k:  # Q K^T and P V: two GEMMs of B*H*Sq*Sk*D multiply-adds
+            return 4.0 * math.prod(q) * k[-2]
+    return 0.0
+
+
+def recompute_seconds(mod: tvm.IRModule, value: relax.Expr) -> float:
+    """What computing `value` again costs: its FLOPs at ``FLOPS_PER_S`` or its bytes at
+    ``BYTES_PER_S``, whichever is longer, plus a launch; a projection, view or tuple costs nothing."""
+    if not isinstance(value, relax.Call) or op_name(value) in VIEWS:
+        return 0.0
+    moved = tensor_bytes(value) + sum(tensor_bytes(a) for a in _tensor_args(value))
+    flops = _call_flops(value)
+    if isinstance(value.op, relax.GlobalVar) and isinstance(mod[value.op], relax.Function):
+        flops += _function_flops(mod[value.op])
+    return LAUNCH_S + max(flops / FLOPS_PER_S, moved / BYTES_PER_S)
+
+
+def _tensor_args(call: relax.Call) -> list:
+    out = []
+    for a in call.args:
+        out.extend(a.fields if isinstance(a, relax.Tuple) else [a])
+    return [a for a in out if isinstance(a, relax.Var)]
+
+
+def _recomputable(value: relax.Expr) -> bool:
+    if isinstance(value, (relax.TupleGetItem, relax.Tuple, relax.Var, tvm.ir.expr.Constant)):
+        return True
+    return isinstance(value, relax.Call) and not relax.analysis.contains_impure_call(value)
+
+
+def step_graph(mod: tvm.IRModule, func: relax.Function) -> StepGraph:
+    bindings, block_of = flat_bindings(func)
+    loss = _loss_var(func, bindings)
+    index = {b.var: i for i, b in enumerate(bindings)}
+    if loss not in index:
+        raise ValueError("Rematerialize: the loss is not bound in train_step")
+    boundary, block = index[loss], block_of.get(loss)
+    nodes = {}
+    for i, b in enumerate(bindings[: boundary + 1]):
+        if block_of.get(b.var) != block:
+            continue
+        operands = [v for v in relax.analysis.free_vars(b.value) if v in index and index[v] <= boundary]
+        own = tensor_bytes(b.var) if op_name(b.value) not in VIEWS else 0
+        projection = isinstance(b.value, (relax.TupleGetItem, relax.Tuple, relax.Var))
+        nodes[b.var] = _Node(b.var, b.value, i, own, 0 if projection else own,
+                             recompute_seconds(mod, b.value), operands,
+                             _recomputable(b.value) and all(v in nodes for v in operands))
+    saved, pinned, first_read, last_read = [], {loss}, {}, {}
+    readers_after = {}
+    for i, b in enumerate(bindings[boundary + 1:], boundary + 1):
+        for v in relax.analysis.free_vars(b.value):
+            if v in index and index[v] <= boundary:
+                readers_after.setdefault(v, []).append(block_of.get(b.var) == block and block is not None)
+                first_read.setdefault(v, i)
+                last_read[v] = i
+    for v in relax.analysis.free_vars(func.body.body):  # the result, if not bound in the block
+        if v in index and index[v] <= boundary:
+            readers_after.setdefault(v, []).append(False)
+            first_read.setdefault(v, len(bindings))
+            last_read[v] = len(bindings)
+    for v in [b.var for b in bindings[: boundary + 1]]:
+        if v in readers_after:
+            if v not in nodes:
+                continue  # bound in another block: kept, outside the plan
+            saved.append(v)
+            if not all(readers_after[v]):
+                pinned.add(v)
+    return StepGraph(func, boundary, nodes, saved, pinned, first_read, last_read)
+
+
+# ------------------------------------------------------------------------------ the estimate
+
+
+def estimate_peak(func: relax.Function) -> int:
+    """Most bytes alive at once in `func` (`live_bytes`)."""
+    return max(live_bytes(func))
+
+
+def live_bytes(func: relax.Function) -> list:
+    """Bytes alive at each binding of `func` (and at its result): its arguments throughout, every
+    other tensor from its binding to its last reader (views and projections share their operand's
+    memory; a tuple's tensors live as long as the tuple or a projection of them is read)."""
+    bindings, _ = flat_bindings(func)
+    args = sum(tensor_bytes(p) for p in func.params)
+    index = {b.var: i for i, b in enumerate(bindings)}
+    end = len(bindings)
+    last = {}  # var -> last index reading it
+    for i, b in enumerate(bindings):
+        for v in relax.analysis.free_vars(b.value):
+            last[v] = i
+    for v in relax.analysis.free_vars(func.body.body):
+        last[v] = end
+    # the owner of each var's memory: a projection or view belongs to what it reads
+    owner = {}
+    for b in bindings:
+        v, value = b.var, b.value
+        if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
+            owner[v] = owner.get(value.tuple_value, value.tuple_value)
+        elif isinstance(value, relax.Var) or op_name(value) in VIEWS and isinstance(value.args[0], relax.Var):
+            src = value if isinstance(value, relax.Var) else value.args[0]
+            owner[v] = owner.get(src, src)
+        elif isinstance(value, relax.Tuple):
+            owner[v] = v  # a tuple of existing tensors allocates nothing
+    until = {}  # allocating var -> last index its memory is read through anything it owns
+    for v, i in last.items():
+        o = owner.get(v, v)
+        until[o] = max(until.get(o, -1), i)
+    delta = [0] * (end + 2)
+    for b in bindings:
+        v, value = b.var, b.value
+        if owner.get(v, v) is not v or isinstance(value, relax.Tuple):
+            continue
+        start = index[v]
+        stop = until.get(v, start)
+        n = tensor_bytes(v)
+        delta[start] += n
+        delta[stop + 1] -= n
+    profile, live = [], args
+    for d in delta[: end + 1]:
+        live += d
+        profile.append(live)
+    return profile
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def _closure_seconds(graph: StepGraph, v, recompute: set, keep: set, extra: dict) -> None:
+    """Add to `extra` what recomputing `v` needs that is neither kept nor recomputed yet."""
+    stack = [v]
+    while stack:
+        u = stack.pop()
+        if u in recompute or u in extra:
+            continue
+        extra[u] = graph.nodes[u].seconds
+        for a in graph.nodes[u].operands:
+            if a not in keep and a not in recompute:
+                stack.append(a)
+
+
+def greedy_plan(graph: StepGraph, saved_budget: int) -> set | None:
+    """Recompute saved values, cheapest seconds per byte first, until what stays fits."""
+    recompute: set = set()
+    keep = set(graph.saved)
+    kept = graph.saved_bytes
+    order = []
+    for v in graph.saved:
+        node = graph.nodes[v]
+        if v in graph.pinned or not node.recomputable or node.bytes == 0:
+            continue
+        extra: dict = {}
+        _closure_seconds(graph, v, recompute, keep - {v}, extra)
+        if all(graph.nodes[u].recomputable for u in extra):
+            order.append((sum(extra.values()) / node.bytes, node.index, v))
+    for _, _, v in sorted(order, key=lambda t: (t[0], t[1])):
+        if kept <= saved_budget:
+            break
+        extra = {}
+        _closure_seconds(graph, v, recompute, keep - {v}, extra)
+        if not all(graph.nodes[u].recomputable for u in extra):
+            continue
+        recompute |= set(extra)
+        keep.discard(v)
+        kept -= graph.nodes[v].bytes
+    return recompute if kept <= saved_budget else None
+
+
+MAX_POINTS = 48  # points after the loss the integer program bounds the live bytes at, besides the loss's
+
+
+def _need(graph: StepGraph) -> tuple[dict, dict]:
+    """(var -> first index after the loss a copy of it may be needed at, var -> last index it is
+    needed at) for every forward var: its own readers after the loss, and through a forward reader
+    it feeds, that reader's (a value that is not saved is only ever recomputed, so its need is its
+    readers'; a saved reader is recomputed at its own first reader)."""
+    end = max(graph.last_read.values(), default=graph.boundary)
+    start_of, end_of = {}, {}
+    readers: dict = {}
+    for node in graph.nodes.values():
+        for a in node.operands:
+            readers.setdefault(a, []).append(node.var)
+    for node in sorted(graph.nodes.values(), key=lambda n: -n.index):  # readers first
+        v = node.var
+        first, last = graph.first_read.get(v, end + 1), graph.last_read.get(v, graph.boundary)
+        for w in readers.get(v, ()):
+            if w in graph.pinned or not graph.nodes[w].recomputable:
+                continue  # never recomputed: it needs v only where it is computed, in the forward
+            first = min(first, graph.first_read[w] if w in graph.first_read else start_of[w])
+            last = max(last, end_of[w])
+        start_of[v], end_of[v] = first, last
+    return start_of, end_of
+
+
+def ilp_plan(graph: StepGraph, room: dict, time_limit: float = TIME_LIMIT, lowest_peak: bool = False) -> set | None:
+    """The integer program of the module docstring, the live bytes bounded at each point of `room`
+    ({binding index: bytes the forward values may take there}): the recomputed vars, or None
+    (infeasible, or no solution in `time_limit`).  `lowest_peak`: minimise the largest overshoot
+    of `room` instead (the plan that needs the smallest budget), recompute time second."""
+    import mip
+
+    nodes = list(graph.nodes.values())
+    start_of, end_of = _need(graph)
+    m = mip.Model(sense=mip.MINIMIZE, solver_name="CBC")
+    m.verbose, m.threads, m.seed = 0, 1, 0
+    keep = {n.var: m.add_var(var_type=mip.BINARY) for n in nodes}
+    rec = {n.var: m.add_var(var_type=mip.BINARY, ub=1 if n.recomputable else 0) for n in nodes}
+    seconds = mip.xsum((n.seconds * 1e6 + 1e-3) * rec[n.var] for n in nodes)
+    over = m.add_var(lb=0.0) if lowest_peak else 0
+    m.objective = mip.minimize(over * 1e3 + seconds if lowest_peak else seconds)  # a byte over > a microsecond
+    saved = set(graph.saved)
+    for n in nodes:
+        if n.var in saved:
+            m += keep[n.var] + rec[n.var] >= 1
+            if n.var in graph.pinned:
+                m += keep[n.var] >= 1
+        for a in n.operands:
+            m += keep[a] + rec[a] >= rec[n.var]
+    for p, bytes_left in room.items():
+        alive = [n.bytes * keep[n.var] for n in nodes if n.bytes and p <= end_of[n.var]]
+        alive += [n.copy_bytes * rec[n.var] for n in nodes if n.copy_bytes and start_of[n.var] <= p <= end_of[n.var]]
+        m += mip.xsum(alive) <= bytes_left + over
+    status = m.optimize(max_seconds=time_limit)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        return None
+    return {n.var for n in nodes if rec[n.var].x is not None and rec[n.var].x > 0.5}
+
+
+def room_at(graph: StepGraph, budget: int, slack: int) -> dict:
+    """{point: bytes the forward values kept or recomputed may take there}: the budget, less what
+    else is alive there in the step as it is (arguments, gradients, backward temporaries) and
+    `slack`; at the loss, where each saved value's need starts, and at the ``MAX_POINTS`` other
+    points after the loss with the least room."""
+    live = live_bytes(graph.func)
+    start_of, _ = _need(graph)
+    ends = sorted(graph.last_read[v] for v in graph.saved)
+    by_end = {}
+    for v in graph.saved:
+        by_end[graph.last_read[v]] = by_end.get(graph.last_read[v], 0) + graph.nodes[v].bytes
+    room, saved_alive = {}, graph.saved_bytes
+    for p in range(graph.boundary, len(live)):
+        room[p] = budget - (live[p] - saved_alive) - slack
+        saved_alive -= by_end.get(p, 0)  # dead after its last reader
+    starts = {graph.boundary} | {start_of[v] for v in graph.saved if start_of[v] in room}
+    tight = sorted(set(room) - starts, key=lambda p: (room[p], p))[:MAX_POINTS]
+    return {p: room[p] for p in sorted(starts | set(tight))}
+
+
+# ------------------------------------------------------------------------------ the rewrite
+
+
+@mutator
+class _Rematerializer(PyExprMutator):
+    """Bind a copy of each recomputed value just before its first reader after the loss."""
+
+    def __init__(self, mod: tvm.IRModule, graph: StepGraph, recompute: set):
+        super().__init__(mod)
+        self.graph, self.recompute = graph, recompute
+        self.position = 0
+        self.copies: dict = {}
+
+    def _copy(self, v: relax.Var) -> None:
+        if v in self.copies:
+            return
+        for a in self.graph.nodes[v].operands:
+            if a in self.recompute:
+                self._copy(a)
+        value = self.visit_expr(self.graph.nodes[v].value)  # its operands already remapped to copies
+        copy = self.builder_.emit(value, name_hint=f"{v.name}_remat")
+        self.copies[v] = copy
+        self.set_var_remap(v, copy)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        position, self.position = self.position, self.position + 1
+        if position > self.graph.boundary:
+            for v in relax.analysis.free_vars(binding.value):
+                if v in self.recompute and v not in self.copies:
+                    self._copy(v)
+        super().visit_var_binding_(binding)
+
+
+def rewrite(mod: tvm.IRModule, graph: StepGraph, recompute: set) -> relax.Function:
+    return _Rematerializer(mod, graph, recompute).visit_expr(graph.func)
+
+
+# ------------------------------------------------------------------------------ the pass
+
+
+def rematerialize(mod: tvm.IRModule, func: relax.Function, budget: int,
+                  time_limit: float = TIME_LIMIT) -> tuple[relax.Function, dict]:
+    """(`func` recomputing enough of its saved values that `estimate_peak` fits `budget`, the
+    report of what was decided)."""
+    start = time.perf_counter()
+    before = estimate_peak(func)
+    graph = step_graph(mod, func)
+    report = {"budget_bytes": budget, "estimated_peak_before": before, "saved_bytes_before": graph.saved_bytes,
+              "recomputed": [], "method": "none", "rounds": 0}
+    if before <= budget:
+        report.update(estimated_peak=before, solve_s=round(time.perf_counter() - start, 3))
+        return func, report
+    slack = 0
+    for rounds in range(1, MAX_ROUNDS + 1):
+        room = room_at(graph, budget, slack)
+        left = max(0.5, time_limit - (time.perf_counter() - start))
+        plan, method = ilp_plan(graph, room, left), "ilp"
+        if plan is None:
+            plan, method = greedy_plan(graph, room[graph.boundary]), "greedy"
+        if plan is None:
+            break
+        new = rewrite(mod, graph, plan)
+        peak = estimate_peak(new)
+        if peak <= budget:
+            kept = [v for v in graph.saved if v not in plan]
+            report.update(
+                method=method, rounds=rounds, estimated_peak=peak, solve_s=round(time.perf_counter() - start, 3),
+                saved_bytes_after=sum(graph.nodes[v].bytes for v in kept),
+                recompute_seconds=sum(graph.nodes[v].seconds for v in plan),
+                recomputed=_listed(graph, plan))
+            return new, report
+        slack += peak - budget
+    plan = ilp_plan(graph, room_at(graph, 0, 0), time_limit, lowest_peak=True)
+    new = rewrite(mod, graph, plan) if plan is not None else func
+    peak = estimate_peak(new)
+    if peak <= budget:  # the plan with the smallest peak fits where the others' estimates missed
+        report.update(method="ilp_lowest_peak", rounds=MAX_ROUNDS, estimated_peak=peak,
+                      solve_s=round(time.perf_counter() - start, 3), recomputed=_listed(graph, plan))
+        return new, report
+    raise MemoryBudgetError.of(budget, min(peak, before))
+
+
+def _listed(graph: StepGraph, plan: set) -> list:
+    return [{"name": v.name, "op": _describe(graph.nodes[v].value), "bytes": graph.nodes[v].bytes}
+            for v in sorted(plan, key=lambda v: graph.nodes[v].index)]
+
+
+def _describe(value: relax.Expr) -> str:
+    if isinstance(value, relax.Call):
+        return value.op.name_hint if isinstance(value.op, relax.GlobalVar) else str(getattr(value.op, "name", value.op))
+    return type(value).__name__
+
+
+@tvm.transform.module_pass(opt_level=0, name="Rematerialize")
+class Rematerialize:
+    """Recompute forward values in the backward where a function's ``BUDGET_ATTR`` asks for it
+    (module docstring); the decision is left on the function as ``REPORT_ATTR``."""
+
+    def __init__(self, time_limit: float = TIME_LIMIT):
+        self.time_limit = time_limit
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or not func.attrs or BUDGET_ATTR not in func.attrs:
+                continue
+            new, report = rematerialize(mod, func, int(func.attrs[BUDGET_ATTR]), self.time_limit)
+            new = new.with_attr(REPORT_ATTR, json.dumps(report))
+            updates[gv] = new
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod

@@ -1,0 +1,128 @@
+"""Rematerialize (compile_training(..., memory_budget=)): forward values recomputed in the backward
+so the step's estimated peak fits a budget, with the same loss and parameters as the step that
+keeps them (fp32, CPU)."""
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import relax as R
+
+from tvm_evt import compile_training, models
+from tvm_evt.errors import MemoryBudgetError
+from tvm_evt.relax_passes.partition.rematerialize import BUDGET_ATTR, REPORT_ATTR, Rematerialize, estimate_peak
+from tvm_evt.relax_passes.training.optimizers import SGD
+
+UNLIMITED = 10**15
+
+
+def _mlp_entry():
+    # activations, not weights, make this step's peak: 512 rows through four 128-wide layers
+    torch.manual_seed(0)
+    return models.ZOO["mlp"](batch=512, in_features=32, hidden=128, out_features=8, layers=4, dropout=0.1)
+
+
+def _compile(entry, budget):
+    return compile_training(entry.training_module(), entry.example_inputs(), optimizer=SGD(lr=1e-2), target="llvm",
+                            memory_budget=budget)
+
+
+@pytest.fixture(scope="module")
+def mlp_steps():
+    entry = _mlp_entry()
+    kept = _compile(entry, UNLIMITED)
+    before = kept.memory_report()
+    budget = int(0.75 * before["rematerialized"]["estimated_peak_before"])
+    return entry, kept, before, _compile(entry, budget), budget
+
+
+def test_an_unlimited_budget_recomputes_nothing(mlp_steps):
+    _, _, before, _, _ = mlp_steps
+    decided = before["rematerialized"]
+    assert decided["method"] == "none" and decided["recomputed"] == []
+    assert decided["estimated_peak"] == decided["estimated_peak_before"]
+
+
+def test_a_tight_budget_recomputes_and_keeps_less(mlp_steps):
+    _, _, before, step, budget = mlp_steps
+    after = step.memory_report()
+    decided = after["rematerialized"]
+    assert decided["recomputed"], decided
+    assert decided["estimated_peak"] <= budget < decided["estimated_peak_before"]
+    assert decided["saved_bytes_after"] < decided["saved_bytes_before"]
+    # the build's own memory plan agrees: fewer saved activations, a lower planned peak
+    assert after["categories"]["saved_activations"] < before["categories"]["saved_activations"]
+    assert after["planned_peak_bytes"] < before["planned_peak_bytes"]
+    assert sum(after["categories"].values()) == after["unplanned_total_bytes"]
+
+
+def test_recomputing_changes_no_number(mlp_steps):
+    entry, kept, _, step, _ = mlp_steps
+    inputs = entry.example_inputs()
+    for _ in range(3):  # dropout masks recomputed from the same seed and site: the same masks
+        np.testing.assert_array_equal(float(kept(*inputs)), float(step(*inputs)))
+    a, b = kept.parameters(), step.parameters()
+    for name in a:
+        np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_a_budget_no_plan_meets_names_the_smallest_that_can_be(mlp_steps):
+    entry, _, before, _, _ = mlp_steps
+    estimated = before["rematerialized"]["estimated_peak_before"]
+    with pytest.raises(MemoryBudgetError, match="smallest budget that can be met is") as info:
+        _compile(entry, estimated // 10)
+    assert estimated // 10 < info.value.smallest <= estimated
+
+
+def test_bad_budgets_are_refused():
+    entry = _mlp_entry()
+    with pytest.raises(ValueError, match="memory_budget must be a positive number"):
+        _compile(entry, -1)
+    with pytest.raises(ValueError, match="fp16"):
+        compile_training(entry.training_module(), entry.example_inputs(), target="llvm", precision="fp16",
+                         memory_budget=1 << 30)
+
+
+def _step_module(budget):
+    """x -> a -> b -> c (4 MiB each) -> loss; the backward reads c, then b, then a, as backprop does."""
+    @R.function
+    def train_step(x: R.Tensor((1024, 1024), "float32")):
+        with R.dataflow():
+            a = R.exp(x)
+            b = R.sin(a)
+            c = R.exp(b)
+            loss = R.sum(c)
+            g3 = R.sum(c, axis=[0])
+            g2 = R.sum(b, axis=[0])
+            g1 = R.sum(a, axis=[0])
+            out = (loss, g1, g2, g3)
+            R.output(out)
+        return out
+
+    return tvm.IRModule({"train_step": train_step.with_attr(BUDGET_ATTR, budget)})
+
+
+def _run(mod, x):
+    mod = tvm.IRModule({"train_step": mod["train_step"].without_attr(BUDGET_ATTR).without_attr(REPORT_ATTR)})
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    return [o.numpy() for o in vm["train_step"](tvm.runtime.tensor(x))]
+
+
+def test_copies_are_bound_after_the_loss_and_compute_the_same():
+    mod = _step_module(UNLIMITED)
+    before = estimate_peak(mod["train_step"])  # x, a, b, c at the loss: 16 MiB
+    budget = before - (4 << 20)
+    after = Rematerialize()(_step_module(budget))
+    names = [b.var.name for b in after["train_step"].body.blocks[0].bindings]
+    copies = [i for i, n in enumerate(names) if n.endswith("_remat")]
+    assert copies and min(copies) > names.index("loss"), names
+    for i in copies:  # each copy just before a reader of it (or before the copy that reads it)
+        assert names[i + 1] not in ("out",) and any(
+            v.name == names[i] for v in relax.analysis.free_vars(after["train_step"].body.blocks[0].bindings[i + 1].value))
+    assert estimate_peak(after["train_step"]) <= budget
+    assert '"recomputed": [{' in str(after["train_step"].attrs[REPORT_ATTR])
+    x = np.random.default_rng(0).standard_normal((1024, 1024)).astype("float32") * 0.1
+    for want, got in zip(_run(mod, x), _run(after, x)):
+        np.testing.assert_array_equal(want, got)
+    unchanged = Rematerialize()(mod)["train_step"]
+    assert [b.var.name for b in unchanged.body.blocks[0].bindings] == ["a", "b", "c", "loss", "g3", "g2", "g1", "out"]
