@@ -1,4 +1,5 @@
-"""ColumnReduction: sums over a non-innermost axis, a 16-byte vector of columns a thread."""
+"""ColumnReduction: sums, maxima and minima over a non-innermost axis, a 16-byte vector of columns
+a thread."""
 import shutil
 
 import pytest
@@ -37,6 +38,14 @@ def _kernels():
         # the column read transposed
         "transposed": ([x2, te.compute((96,), lambda m: te.sum(x2[k96, m].astype("float32"), axis=k96),
                                        name="y")], 0),
+        # a max or min down the columns takes the sums' schedule
+        "column_max": ([x2, te.compute((16384,), lambda n: te.max(x2[k96, n].astype("float32"), axis=k96),
+                                       name="y")], 4),
+        "column_min": ([xf, te.compute((16384,), lambda n: te.min(xf[k64, n], axis=k64), name="y")], 4),
+        # DLight's Reduction takes no max: one thread block is better than Fallback's thread a column
+        "few_columns_max": ([xl, te.compute((128,), lambda n: te.max(xl[kl, n], axis=kl), name="y")], 4),
+        "transposed_max": ([x2, te.compute((96,), lambda m: te.max(x2[k96, m].astype("float32"), axis=k96),
+                                           name="y")], 0),
     }
 
 
@@ -45,7 +54,7 @@ def _schedule(tensors):
 
 
 @pytest.mark.parametrize("name", list(_kernels()))
-def test_takes_column_sums_and_declines_the_rest(name):
+def test_takes_column_reductions_and_declines_the_rest(name):
     tensors, lanes = _kernels()[name]
     out = _schedule(tensors)["main"]
     assert (bool(out.attrs) and "tirx.is_scheduled" in out.attrs) == bool(lanes)
@@ -63,8 +72,8 @@ def test_row_groups_are_the_threads_along_y(row_groups):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32"])
-def test_column_sums_compile_with_nvcc(name):
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "column_max", "column_min"])
+def test_column_reductions_compile_with_nvcc(name):
     tensors, _ = _kernels()[name]
     src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
     assert "float4" in src  # the accumulator (and fp32 loads) as 16-byte vectors
@@ -77,3 +86,11 @@ def test_column_sums_compile_with_nvcc(name):
 def test_column_sums_on_gpu_match_llvm(name):
     tensors, _ = _kernels()[name]
     assert_matches_llvm_on_gpu(_schedule(tensors), tensors, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["column_max", "column_min", "few_columns_max"])
+def test_column_maxima_on_gpu_match_llvm_exactly(name):
+    """A max or min in any order is the same value: bit for bit."""
+    tensors, _ = _kernels()[name]
+    assert_matches_llvm_on_gpu(_schedule(tensors), tensors)

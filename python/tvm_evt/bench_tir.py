@@ -5,9 +5,13 @@ partitions and flash-attention calls left out, no nvcc), each compiled alone and
 random inputs: CUDA events around `LAUNCHES` back-to-back launches (the GPU never waits on the
 host), the median of `ITERS` such pairs.  Inputs small enough for the L2 cache (50 MB on H100)
 stay there between launches, so the rates of small kernels are above what the step sees; compare
-schedules by it, not against HBM.
+schedules by it, not against HBM.  ``--dlight`` times each kernel under DLight's rules alone too
+(``ScheduleTIRForGPU`` without ours, as the ``tvm_default`` baseline schedules it): what a kernel
+our rules do not take would get, e.g. a cross-entropy's max over the vocabulary before
+``RowReduction`` took maxima (``Fallback``: one thread a row).
 
     python scripts/bench_tir.py bert_large --match sum --column-rows 2,4,8
+    python scripts/bench_tir.py hf_llama --match max --dlight
 """
 
 from __future__ import annotations
@@ -22,26 +26,33 @@ from .training import hopper_target
 
 LAUNCHES = 20
 ITERS = 15
+DLIGHT = "dlight"  # the variant scheduled by DLight's rules alone
 
 
 def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int | None] = (None,),
-                      match: str = "") -> dict:
-    """``{column_rows: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match
-    `match`, scheduled with each ``ColumnReduction`` row-group count (None: its default)."""
+                      match: str = "", dlight: bool = False, quick: bool = False) -> dict:
+    """``{variant: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match `match`
+    (at --quick's size with `quick`), scheduled with each ``ColumnReduction`` row-group count
+    (variant: the count, None for its default) and, with `dlight`, by DLight's rules alone
+    (variant ``DLIGHT``)."""
     from . import bench_e2e, optim, tuning
     from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 
-    entry = bench_e2e.build_entry(model, False)
+    entry = bench_e2e.build_entry(model, quick)
     target = hopper_target()
     _, graph = tuning.training_graph(entry, precision, optim.AdamW(lr=1e-4), target)  # as scripts/bench.py
     before, schedule = tuning.until_scheduling(target)
+    variants = {rows: ScheduleTIRForGPU(vectorize=schedule.vectorize, column_rows=rows)
+                for rows in column_rows}
+    if dlight:
+        variants[DLIGHT] = ScheduleTIRForGPU()
     with target:
         fused = tvm.transform.Sequential(before)(graph.mod)
         out = {}
-        for rows in column_rows:
-            mod = ScheduleTIRForGPU(vectorize=schedule.vectorize, column_rows=rows)(fused)
-            out[rows] = {gv.name_hint: f for gv, f in mod.functions_items()
-                         if isinstance(f, tvm.tirx.PrimFunc) and re.search(match, gv.name_hint)}
+        for variant, scheduler in variants.items():
+            mod = scheduler(fused)
+            out[variant] = {gv.name_hint: f for gv, f in mod.functions_items()
+                            if isinstance(f, tvm.tirx.PrimFunc) and re.search(match, gv.name_hint)}
     return out
 
 
@@ -76,6 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--match", default="", help="regular expression the kernel names must contain")
     ap.add_argument("--column-rows", default="",
                     help="comma-separated ColumnReduction row-group counts to compare (default: its own)")
+    ap.add_argument("--dlight", action="store_true",
+                    help="also time each kernel as DLight's rules alone schedule it (without ours)")
+    ap.add_argument("--quick", action="store_true", help="the model at scripts/bench.py --quick's size")
     args = ap.parse_args(argv)
     import torch
 
@@ -83,14 +97,15 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     rows = [int(r) for r in args.column_rows.split(",") if r] or [None]
     target = hopper_target()
-    kernels = scheduled_kernels(args.model, args.precision, rows, args.match)
+    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick)
     print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
     for name in sorted(set().union(*kernels.values())):
         cells = []
-        for r in rows:
-            if name in kernels[r]:
-                ms, nbytes = time_kernel(kernels[r][name], target)
-                cells.append(f"rows={r}: {ms * 1e3:7.1f} us ({nbytes / ms / 1e9:4.2f})")
+        for variant, funcs in kernels.items():
+            if name in funcs:
+                ms, nbytes = time_kernel(funcs[name], target)
+                label = variant if variant == DLIGHT else f"rows={variant}"
+                cells.append(f"{label}: {ms * 1e3:7.1f} us ({nbytes / ms / 1e9:4.2f})")
         print(f"{name[:72]:72s} " + "  ".join(cells))
     return 0
 

@@ -1,5 +1,5 @@
-"""ColumnReduction: a DLight GPU rule for sums over a non-innermost axis (column sums), each
-thread a 16-byte vector of columns.
+"""ColumnReduction: a DLight GPU rule for sums (and maxima, minima, products) over a
+non-innermost axis (column reductions), each thread a 16-byte vector of columns.
 
 Batch-norm statistics and gradients, bias gradients and split reductions are column sums: an
 ``[..., R, N]`` input (after inlining its elementwise producers) summed over ``R`` into
@@ -15,11 +15,15 @@ This rule gives each thread ``v`` consecutive columns (16 bytes of the widest ty
    float registers, the ``v`` loads one vector;
 2. the ``TY`` partial sums of each column are added across ``threadIdx.y`` and written once.
 
+A max, min or product takes the same schedule, its partial results starting from the reducer's
+identity (``REDUCERS``).
+
 It takes a function that is, after inlining, one block with spatial iterators ``[..., n]`` and
-one reduction iterator ``r``, summing into ``out[..., n]``, where every load uses ``n`` only in
-its last index, as ``n`` itself (or not at all: a per-column vector such as a batch-norm mean),
-and ``r`` never in the last index, with at least ``MIN_BLOCKS`` thread blocks.  Anything else is
-declined and goes to the next rule.
+one reduction iterator ``r``, reducing into ``out[..., n]`` with one of ``REDUCERS``, where every
+load uses ``n`` only in its last index, as ``n`` itself (or not at all: a per-column vector such
+as a batch-norm mean), and ``r`` never in the last index; a sum with at least ``MIN_BLOCKS``
+thread blocks (fewer go to DLight's ``Reduction``, which takes no other reducer: those are taken
+at any count).  Anything else is declined and goes to the next rule.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
 from .vectorized_elementwise import VECTOR_BYTES, _accesses, _uses_var, inlined_blocks
 
+# The combiners the reduction rules take: the binary ones of TVM 0.27's reducer registry, for
+# which ``rfactor`` and the cross-thread reduction find the identity (0, 1, the type's lowest and
+# highest value) and a block's init must be that identity (a max from -inf is refused by rfactor,
+# and the rule passes the function on).  DLight's ``Reduction`` takes only sums, so a max (a
+# cross-entropy's over the vocabulary) had no rule but ``Fallback``'s: one thread a row.
+REDUCERS = (tirx.Add, tirx.Max, tirx.Min, tirx.Mul)
 TX = 32  # column vectors a block
 # Row groups a block.  H100, BERT-Large's column sums (`scripts/bench_tir.py bert_large --match sum
 # --column-rows 2,4,8`): 4 against 8 took the bias gradients 13.0 -> 8.3 us, the layer-norm weight
@@ -44,11 +54,12 @@ TY = 4
 MIN_BLOCKS = 66
 
 
-def single_sum_block(rule: GPUScheduleRule, func, target):
+def single_reduction_block(rule: GPUScheduleRule, func, target):
     """(schedule, block, its loops) where `func` is a PrimFunc for a target `rule` takes and is,
     after inlining its elementwise producers, one block of spatial iterators and then one
-    reduction iterator that adds into its output, one loop per iterator; else None.  What the
-    sum rules (``ColumnReduction``, ``RowReduction``) start from."""
+    reduction iterator that combines into its output with one of ``REDUCERS``, one loop per
+    iterator; else None.  What the reduction rules (``ColumnReduction``, ``RowReduction``) start
+    from."""
     found = inlined_blocks(rule, func, target, try_inline_contiguous_spatial)
     if found is None or len(found[1]) != 1:
         return None
@@ -59,7 +70,7 @@ def single_sum_block(rule: GPUScheduleRule, func, target):
     if len(loops) != len(kinds) or not kinds or kinds[-1] != tirx.IterVar.CommReduce or \
             any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
         return None
-    if not isinstance(block.body, tirx.BufferStore) or not isinstance(block.body.value, tirx.Add):
+    if not isinstance(block.body, tirx.BufferStore) or not isinstance(block.body.value, REDUCERS):
         return None
     return sch, block_rv, loops
 
@@ -75,7 +86,7 @@ def fit_lanes(widest_bits: int, extent, threads: int) -> int:
 
 
 def column_lanes(block) -> int:
-    """The columns a thread takes in `block`, a `single_sum_block` (1: the rule does not apply)."""
+    """The columns a thread takes in `block`, a `single_reduction_block` (1: the rule does not apply)."""
     if len(block.iter_vars) < 2:
         return 1
     n, r = block.iter_vars[-2].var, block.iter_vars[-1].var
@@ -97,14 +108,14 @@ def column_lanes(block) -> int:
 
 
 class ColumnReduction(GPUScheduleRule):
-    """Column sums, ``v`` columns a thread and `row_groups` (``TY``) row groups a block (module
-    docstring)."""
+    """Column reductions, ``v`` columns a thread and `row_groups` (``TY``) row groups a block
+    (module docstring)."""
 
     def __init__(self, row_groups: int = TY):
         self.row_groups = row_groups
 
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
-        found = single_sum_block(self, func, target)
+        found = single_reduction_block(self, func, target)
         if found is None:
             return None
         sch, block_rv, loops = found
@@ -113,13 +124,13 @@ class ColumnReduction(GPUScheduleRule):
             return None
         extents = [int(sch.get(lp).extent) for lp in loops]
         blocks = math.prod(extents[:-1]) // (TX * lanes)
-        if blocks < MIN_BLOCKS:
+        if blocks < MIN_BLOCKS and isinstance(sch.get(block_rv).body.value, tirx.Add):
             return None  # too few blocks: DLight's rule spreads a few columns' rows over more
         *outer, n, r = loops
         ro, ry = sch.split(r, [None, self.row_groups])
         nb, nx, nv = sch.split(n, [None, TX, lanes])
         sch.reorder(*outer, nb, nx, ry, ro, nv)
-        rf = sch.rfactor(ry, 0)  # [TY, ..., N] partial sums, summed over ro
+        rf = sch.rfactor(ry, 0)  # [TY, ..., N] partial results, each over its rows ro
         *rf_outer, rf_nb, rf_nx, rf_ry, rf_ro, rf_nv = sch.get_loops(rf)
         bx = sch.fuse(*rf_outer, rf_nb)
         sch.bind(bx, "blockIdx.x")
@@ -129,7 +140,7 @@ class ColumnReduction(GPUScheduleRule):
         sch.vectorize(rf_nv)  # before the init is split off: a vectorized loop needs a reduction block
         sch.decompose_reduction(rf, rf_ro)
 
-        # the TY partial sums of each column, added across threadIdx.y
+        # the TY partial results of each column, combined across threadIdx.y
         sch.reverse_compute_at(block_rv, bx, preserve_unit_loops=True)
         _, w_ry, *_, w_n = sch.get_loops(block_rv)  # the block's iterators: ry, then [..., n]
         w_nx, w_nv = sch.split(w_n, [TX, lanes])

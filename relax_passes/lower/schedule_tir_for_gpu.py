@@ -5,8 +5,9 @@ Philox draw; the optimizer update, one kernel for every parameter; a batch norm'
 one pass over its input; an in-place step's write-back of its small state, one kernel) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
 element to a thread), those that read an operand transposed to ``TiledTranspose`` (through
-shared-memory tiles), column sums to ``ColumnReduction`` (a vector of columns a thread) and row
-sums to ``RowReduction`` (a block a row, vector loads).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
+shared-memory tiles), column sums, maxima and minima to ``ColumnReduction`` (a vector of columns a
+thread) and row ones to ``RowReduction`` (a block a row, vector loads; DLight's rules take no max,
+which ``Fallback`` gave one thread a row).  ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction,
 Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's Reduction rule
 trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled
 PrimFunc is tried with each rule in that order, alone; a rule that raises or declines hands the
