@@ -17,8 +17,9 @@ from . import optim
 from .codegen import patterns as _patterns
 from .codegen import relax_ext as _relax_ext
 from .codegen.patterns import partition_for_evt
-from .errors import DataParallelMismatchError, InputMismatchError, UnsupportedOpError
+from .errors import DataParallelMismatchError, InputMismatchError, MemoryBudgetError, UnsupportedOpError
 from .frontend import from_torch
+from .memory import estimate_step_peak, max_batch
 from .training import TrainingStep, build_training_module, compile_training, cpu_target, default_target
 
 _relax_ext.register()
@@ -35,5 +36,8 @@ __all__ = [
     "UnsupportedOpError",
     "InputMismatchError",
     "DataParallelMismatchError",
+    "MemoryBudgetError",
+    "max_batch",
+    "estimate_step_peak",
     "optim",
 ]
