@@ -72,6 +72,10 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_can_be(mlp_steps):
     with pytest.raises(MemoryBudgetError, match="smallest budget that can be met is") as info:
         _compile(entry, estimated // 10)
     assert estimated // 10 < info.value.smallest <= estimated
+    from tvm_evt import estimate_step_peak  # the budget it names is met
+
+    assert estimate_step_peak(entry.training_module(), entry.example_inputs(), optimizer=SGD(lr=1e-2), target="llvm",
+                              memory_budget=info.value.smallest) <= info.value.smallest
 
 
 def test_bad_budgets_are_refused():

@@ -418,6 +418,45 @@ def rewrite(mod: tvm.IRModule, graph: StepGraph, recompute: set) -> relax.Functi
 # ------------------------------------------------------------------------------ the pass
 
 
+def _search(mod: tvm.IRModule, graph: StepGraph, budget: int, deadline: float) -> tuple:
+    """(estimated peak, plan, method, rounds) of the first plan that fits `budget`, else of the
+    plan with the lowest estimated peak of those tried (the step as it is among them)."""
+    best = (estimate_peak(graph.func), set(), "none", 0)
+    slack = 0
+    for rounds in range(1, MAX_ROUNDS + 1):
+        room = room_at(graph, budget, slack)
+        plan, method = ilp_plan(graph, room, max(0.5, deadline - time.perf_counter())), "ilp"
+        if plan is None:
+            plan, method = greedy_plan(graph, room[graph.boundary]), "greedy"
+        if plan is None:
+            break
+        peak = estimate_peak(rewrite(mod, graph, plan))
+        best = min(best, (peak, plan, method, rounds), key=lambda t: t[0])
+        if peak <= budget:
+            return best
+        slack += peak - budget
+    plan = ilp_plan(graph, room_at(graph, 0, 0), max(0.5, deadline - time.perf_counter()), lowest_peak=True)
+    if plan is not None:
+        best = min(best, (estimate_peak(rewrite(mod, graph, plan)), plan, "ilp_lowest_peak", MAX_ROUNDS),
+                   key=lambda t: t[0])
+    return best
+
+
+LADDER = 10  # budgets tried between the step's own peak and a budget missed, to name the smallest met
+
+
+def _smallest_met(mod: tvm.IRModule, graph: StepGraph, missed: int, before: int, time_limit: float) -> int:
+    """The smallest of ``LADDER`` budgets stepping down from `before` (which recomputing nothing
+    meets) towards `missed` that the search meets, stopping at the first it misses."""
+    met = before
+    for k in range(1, LADDER):
+        budget = before - (before - missed) * k // LADDER
+        if _search(mod, graph, budget, time.perf_counter() + time_limit)[0] > budget:
+            break
+        met = budget
+    return met
+
+
 def rematerialize(mod: tvm.IRModule, func: relax.Function, budget: int,
                   time_limit: float = TIME_LIMIT) -> tuple[relax.Function, dict]:
     """(`func` recomputing enough of its saved values that `estimate_peak` fits `budget`, the
@@ -430,34 +469,14 @@ def rematerialize(mod: tvm.IRModule, func: relax.Function, budget: int,
     if before <= budget:
         report.update(estimated_peak=before, solve_s=round(time.perf_counter() - start, 3))
         return func, report
-    slack = 0
-    for rounds in range(1, MAX_ROUNDS + 1):
-        room = room_at(graph, budget, slack)
-        left = max(0.5, time_limit - (time.perf_counter() - start))
-        plan, method = ilp_plan(graph, room, left), "ilp"
-        if plan is None:
-            plan, method = greedy_plan(graph, room[graph.boundary]), "greedy"
-        if plan is None:
-            break
-        new = rewrite(mod, graph, plan)
-        peak = estimate_peak(new)
-        if peak <= budget:
-            kept = [v for v in graph.saved if v not in plan]
-            report.update(
-                method=method, rounds=rounds, estimated_peak=peak, solve_s=round(time.perf_counter() - start, 3),
-                saved_bytes_after=sum(graph.nodes[v].bytes for v in kept),
-                recompute_seconds=sum(graph.nodes[v].seconds for v in plan),
-                recomputed=_listed(graph, plan))
-            return new, report
-        slack += peak - budget
-    plan = ilp_plan(graph, room_at(graph, 0, 0), time_limit, lowest_peak=True)
-    new = rewrite(mod, graph, plan) if plan is not None else func
-    peak = estimate_peak(new)
-    if peak <= budget:  # the plan with the smallest peak fits where the others' estimates missed
-        report.update(method="ilp_lowest_peak", rounds=MAX_ROUNDS, estimated_peak=peak,
-                      solve_s=round(time.perf_counter() - start, 3), recomputed=_listed(graph, plan))
-        return new, report
-    raise MemoryBudgetError.of(budget, min(peak, before))
+    peak, plan, method, rounds = _search(mod, graph, budget, start + time_limit)
+    if peak > budget:
+        raise MemoryBudgetError.of(budget, _smallest_met(mod, graph, budget, before, time_limit))
+    kept = [v for v in graph.saved if v not in plan]
+    report.update(method=method, rounds=rounds, estimated_peak=peak, solve_s=round(time.perf_counter() - start, 3),
+                  saved_bytes_after=sum(graph.nodes[v].bytes for v in kept),
+                  recompute_seconds=sum(graph.nodes[v].seconds for v in plan), recomputed=_listed(graph, plan))
+    return rewrite(mod, graph, plan), report
 
 
 def _listed(graph: StepGraph, plan: set) -> list:
