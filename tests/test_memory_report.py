@@ -148,3 +148,17 @@ def test_memory_report_png(adamw_mlp, tmp_path):
     path = step.memory_report_png(str(tmp_path / "memory.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_reads_the_plan_the_build_made(adamw_mlp, monkeypatch):
+    import tvm_evt.memory
+
+    step, _, report = adamw_mlp
+    assert step.planned_function is not None
+    monkeypatch.setattr(tvm_evt.memory, "memory_plan", lambda *a: pytest.fail("the build's passes ran again"))
+    again = step.memory_report()
+    assert again["planned_peak_bytes"] == report["planned_peak_bytes"]
+    assert again["categories"] == report["categories"]
+    # and it is the plan memory_plan makes from the module
+    assert tvm_evt.memory.memory_report(memory_plan(runtime_module(step.graph.mod), step.target),
+                                        step.layout)["planned_peak_bytes"] == report["planned_peak_bytes"]

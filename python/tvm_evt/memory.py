@@ -102,6 +102,26 @@ def memory_plan(mod: tvm.IRModule, target: tvm.target.Target) -> relax.Function:
     return planned[FUNCTION]
 
 
+@tvm.instrument.pass_instrument
+class PlannedStepKeeper:
+    """A pass instrument that keeps ``train_step`` as the build leaves it after ``PLANNER``: with it
+    around `tvm.compile`, `memory_report` needs no second run of the build's passes."""
+
+    def __init__(self):
+        self.function = None
+
+    def run_after_pass(self, mod, info):
+        if info.name == PLANNER and any(gv.name_hint == FUNCTION for gv in mod.get_global_vars()):
+            self.function = mod[FUNCTION]
+
+    def watching(self) -> tvm.transform.PassContext:
+        """The current PassContext with this instrument added."""
+        cur = tvm.transform.PassContext.current()
+        return tvm.transform.PassContext(opt_level=cur.opt_level, required_pass=list(cur.required_pass),
+                                         disabled_pass=list(cur.disabled_pass),
+                                         instruments=list(cur.instruments) + [self], config=dict(cur.config.items()))
+
+
 # ------------------------------------------------------------------------ the walk
 
 

@@ -33,6 +33,7 @@ from .codegen.frontend.attention_call import HEAD_DIMS as FLASH_HEAD_DIMS
 from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import ImportedModel, from_torch
 from .logs import quiet_known_warnings
+from .memory import PlannedStepKeeper
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
 from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.partition.rematerialize import BUDGET_ATTR
@@ -277,6 +278,7 @@ class TrainingStep:
         self._slots = [zeros(self._params[i]) for _ in layout.slots for i in range(layout.num_params)]
         self._step = self._scalar(0.0)
         self._ran = False  # train_step or main_adjoint has run (memory_report measures a first run)
+        self.planned_function = None  # train_step as the build planned its memory (compile_training keeps it)
         self._scaler = []
         if loss_scale is not None:
             self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
@@ -390,7 +392,9 @@ class TrainingStep:
         their launch, are not in it)."""
         from .memory import device_used_bytes, memory_plan, memory_report
 
-        func = memory_plan(runtime_module(self.graph.mod), self.target)
+        func = self.planned_function  # kept from the build; else the build's passes run again up to the plan
+        if func is None:
+            func = memory_plan(runtime_module(self.graph.mod), self.target)
         notes = ["workspaces are not in the plan: the CUTLASS kernels allocate theirs around each launch "
                  "(cudaMallocAsync) or keep one per kernel, the flash-attention backward allocates its own"]
         measured = None
@@ -498,14 +502,17 @@ def compile_training(
     graph = build_training_module(imported, optimizer, precision, inplace=inplace or graphs)
     if budget is not None:
         graph.mod["train_step"] = graph.mod["train_step"].with_attr(BUDGET_ATTR, budget)
-    with graph_capture() if graphs else contextlib.nullcontext(), quiet_known_warnings():
+    keeper = PlannedStepKeeper()  # the memory plan as the build makes it, for memory_report
+    with graph_capture() if graphs else contextlib.nullcontext(), keeper.watching(), quiet_known_warnings():
         if tuning_dir is None:
             executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
         else:
             from .tuned import compile_tuned
 
             executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
-    return TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
+    step = TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
+    step.planned_function = keeper.function
+    return step
 
 
 def resolve_memory_budget(memory_budget, target: tvm.target.Target, precision: str) -> int | None:
