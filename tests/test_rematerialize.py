@@ -78,7 +78,11 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_can_be(mlp_steps):
                               memory_budget=info.value.smallest) <= info.value.smallest
 
 
-def test_bad_budgets_are_refused():
+def test_bad_budgets_are_refused_and_auto_reads_the_device():
+    from tvm_evt.training import as_target, resolve_memory_budget
+
+    assert 0 < resolve_memory_budget("auto", as_target("llvm"), "fp32")  # 90 % of the host's available RAM
+    assert resolve_memory_budget(None, as_target("llvm"), "fp32") is None
     entry = _mlp_entry()
     with pytest.raises(ValueError, match="memory_budget must be a positive number"):
         _compile(entry, -1)
