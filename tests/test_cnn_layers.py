@@ -122,3 +122,18 @@ def test_depthwise_convolutions_left_to_tvm_are_reported():
     assert tvm_rows and not any(c["kernel"] for c in tvm_rows)
     assert all("groups=" in c["reason"] for c in tvm_rows), tvm_rows
     assert {c["op"] for c in tvm_rows} >= {"conv2d"}
+
+
+@pytest.mark.parametrize("conv,x", [
+    (lambda: torch.nn.ConvTranspose2d(4, 8, 3, stride=2, padding=1), (2, 4, 8, 8)),
+    (lambda: torch.nn.Conv3d(4, 8, 3, padding=1), (2, 4, 6, 6, 6)),
+], ids=["transposed", "3d"])
+def test_convolution_forms_without_a_gradient_rule_are_refused_by_name(conv, x):
+    from tvm_evt.errors import UnsupportedOpError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(conv(), torch.nn.ReLU()), torch.nn.Flatten())
+    inputs = torch.randn(*x)
+    target = torch.randn_like(model(inputs).detach())
+    with pytest.raises(UnsupportedOpError, match=r"aten\.convolution\.default in module '0\.0': no gradient rule"):
+        tvm_evt.compile_training(model, [inputs, target], loss_fn=F.mse_loss, target="llvm")
