@@ -33,6 +33,7 @@ from .errors import InputMismatchError, UnsupportedOpError
 from .frontend import ImportedModel, from_torch
 from .logs import quiet_known_warnings
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
+from .relax_passes._rewrite import sub_expressions
 from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.training.append_optimizer import AppendOptimizer, StepLayout
 from .relax_passes.training.auto_mixed_precision import AutoMixedPrecision, ScaleLoss
@@ -112,9 +113,7 @@ def check_differentiable(imported: ImportedModel) -> None:
     pending = []  # bindings whose origin is the next recorded one
     for binding in bindings:
         value = binding.value
-        uses = []
-        relax.analysis.post_order_visit(value, lambda e: uses.append(e) if isinstance(e, relax.Var) else None)
-        if any(u in tainted for u in uses):
+        if any(isinstance(u, relax.Var) and u in tainted for u in sub_expressions(value)):
             tainted.add(binding.var)
             if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
                 if value.op.get_attr("FPrimalGradient") is None:
