@@ -1,8 +1,9 @@
 """Compile work that must grow linearly with a model's depth (issue #39: BERT-Large's 24 layers did
 not compile in 500 s), counted, not timed: the expressions the passes walk to find who reads a
-var."""
+var, and the optimizer update kernels TVM compiles."""
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ from tvm import relax
 
 from tvm_evt import models, optim
 from tvm_evt.relax_passes._rewrite import binding_uses, flat_bindings, has_call, sub_expressions
+from tvm_evt.relax_passes.training import optimizer_update
 from tvm_evt.training import hopper_target
 from tvm_evt.tuning import training_graph
 
@@ -88,3 +90,19 @@ def test_reading_an_n_tuple_is_linear_in_n(helper):
         func = _tuple_reader(n)
         per_binding[n] = _python_calls(helper, func) / len(flat_bindings(func)[0])
     assert per_binding[400] <= 1.05 * per_binding[100], per_binding
+
+
+def test_update_kernels_do_not_grow_with_depth(steps):
+    """One update call a layer, and the same three PrimFuncs (embeddings, a layer, the last norm and
+    the head) at 5 and 10 layers, none over MAX_KERNEL_PARAMS parameters: TVM took 101 s to compile
+    the one kernel of BERT-Large's 24 layers, quadratic in their number of parameters."""
+    inplace = tvm.ir.Op.get("relax.call_tir_inplace")
+    kernels = {}
+    for layers, mod in steps.items():
+        calls = [e for e in sub_expressions(mod["train_step"].body) if isinstance(e, relax.Call) and e.op == inplace
+                 and optimizer_update.OPTIMIZER_ATTR in mod[e.args[0]].attrs]
+        assert len(calls) == layers + 2
+        specs = {str(mod[e.args[0]].attrs[optimizer_update.PARAMS_ATTR]) for e in calls}
+        assert all(len(json.loads(s)) <= optimizer_update.MAX_KERNEL_PARAMS for s in specs)
+        kernels[layers] = sorted(specs)
+    assert kernels[5] == kernels[10] and len(kernels[10]) == 3
