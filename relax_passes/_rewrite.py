@@ -1,9 +1,10 @@
-"""Helpers shared by the passes: static shapes, scalar constants, adding a generated function once,
-mutating every Relax function of a module, and rewriting a function's bindings and then its
-returned fields."""
+"""Helpers shared by the passes: static shapes, scalar constants, the expressions of a function and
+who reads each var, adding a generated function once, mutating every Relax function of a module,
+and rewriting a function's bindings and then its returned fields."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import tvm
@@ -17,6 +18,41 @@ def op_name(value) -> str | None:
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
         return value.op.name
     return None
+
+
+_CHILDREN = {  # the sub-expressions ``relax.analysis.post_order_visit`` visits before a node, in order
+    relax.Call: lambda e: (e.op, *e.args),
+    relax.Tuple: lambda e: tuple(e.fields),
+    relax.TupleGetItem: lambda e: (e.tuple_value,),
+    relax.SeqExpr: lambda e: (*(b.value for block in e.blocks for b in block.bindings), e.body),
+    relax.Function: lambda e: (e.body,),
+    relax.If: lambda e: (e.cond, e.true_branch, e.false_branch),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _children_of(kind: type):
+    return next((_CHILDREN[cls] for cls in kind.__mro__ if cls in _CHILDREN), None)
+
+
+def sub_expressions(expr: relax.Expr) -> list:
+    """The Relax expressions in `expr` (itself last) in ``relax.analysis.post_order_visit``'s order:
+    a call's operator and arguments, tuple fields, a tuple item's tuple, a sequence's bound values
+    and result, a function's body, an ``If``'s condition and branches.  Unlike post_order_visit,
+    not the expressions inside type annotations (shapes), nor the PrimExprs of a shape: that one
+    visits every field's shape of a tuple-typed var at each reference to it, so a function reading
+    the N items of an N-tuple (an optimizer step's outputs) cost it N^2 Python calls."""
+    out, stack = [], [(expr, False)]
+    while stack:
+        e, expanded = stack.pop()
+        if expanded:
+            out.append(e)
+            continue
+        stack.append((e, True))
+        children = _children_of(type(e))
+        if children is not None:
+            stack.extend((c, False) for c in reversed(children(e)))
+    return out
 
 
 def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -89,11 +125,8 @@ _KERNEL_CALLS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("call_tir", "c
 def kernel_inputs(bindings) -> frozenset:
     """The vars some ``call_tir`` / ``call_dps_packed`` of `bindings` reads: values a kernel of its
     own reads, which ``FuseOps`` cannot fuse into it, so they are written to memory."""
-    out = set()
-    for b in bindings:
-        if isinstance(b.value, relax.Call) and b.value.op in _KERNEL_CALLS:
-            relax.analysis.post_order_visit(b.value, lambda e: out.add(e) if isinstance(e, relax.Var) else None)
-    return frozenset(out)
+    return frozenset(e for b in bindings if isinstance(b.value, relax.Call) and b.value.op in _KERNEL_CALLS
+                     for e in sub_expressions(b.value) if isinstance(e, relax.Var))
 
 
 def stored(bound: dict, var, kernel_read: frozenset = frozenset()) -> bool:
@@ -114,9 +147,9 @@ def binding_uses(func: relax.Function) -> dict:
     uses: dict = {}
     bindings = flat_bindings(func)[0]
     for i, b in enumerate([*bindings, None]):
-        expr = func.body.body if b is None else b.value
-        relax.analysis.post_order_visit(
-            expr, lambda e, i=i: uses.setdefault(e, []).append(i) if isinstance(e, relax.Var) else None)
+        for e in sub_expressions(func.body.body if b is None else b.value):
+            if isinstance(e, relax.Var):
+                uses.setdefault(e, []).append(i)
     return uses
 
 
@@ -154,14 +187,8 @@ def has_call(expr: relax.Expr, op) -> bool:
     """Does `expr` (a function body, say) call `op` (an ``Op``, or any of a collection of them)
     anywhere?"""
     ops = [op] if isinstance(op, tvm.ir.Op) else list(op)
-    found = []
-
-    def note(e) -> None:
-        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and any(e.op.same_as(o) for o in ops):
-            found.append(e)
-
-    relax.analysis.post_order_visit(expr, note)
-    return bool(found)
+    return any(isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and any(e.op.same_as(o) for o in ops)
+               for e in sub_expressions(expr))
 
 
 def producer(mutator, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
@@ -208,15 +235,8 @@ def drop_unreferenced(mod: tvm.IRModule, droppable: Callable[[tvm.ir.BaseFunc], 
     generated kernels do: ``RunCodegen`` would leave an uncalled partition to the VM lowering
     (with its local Composite function it stops the build there), and an unused kernel would be
     compiled for nothing."""
-    referenced = set()
-
-    def note(expr) -> None:
-        if isinstance(expr, tvm.ir.GlobalVar):
-            referenced.add(expr)
-
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function) and not droppable(func):
-            relax.analysis.post_order_visit(func.body, note)
+    referenced = {e for _, func in mod.functions_items() if isinstance(func, relax.Function) and not droppable(func)
+                  for e in sub_expressions(func.body) if isinstance(e, tvm.ir.GlobalVar)}
     dead = [gv for gv, func in mod.functions_items() if droppable(func) and gv not in referenced]
     if not dead:
         return mod

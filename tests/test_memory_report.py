@@ -91,6 +91,22 @@ def test_a_single_parameter_is_told_from_the_forward_call_that_reads_it():
     assert not any("no optimizer update" in note for note in report["notes"])
 
 
+def test_a_deep_models_update_calls_each_read_their_gradients():
+    """70 parameters: the update is one call a repeat of layers (``optimizer_update.kernel_groups``);
+    every gradient is still told by the update call that reads it."""
+    from tvm_evt.relax_passes.training import optimizer_update
+
+    torch.manual_seed(0)
+    entry = models.ZOO["mlp"](batch=BATCH, in_features=IN, hidden=IN, out_features=OUT, layers=34, dropout=0.0)
+    step = compile_training(entry.training_module(), entry.example_inputs(), optimizer=AdamW(lr=1e-3), target="llvm")
+    report = step.memory_report()
+    params = _param_bytes(step)
+    assert len(step.imported.param_names) > optimizer_update.MAX_KERNEL_PARAMS
+    assert report["categories"]["gradients"] == params and report["categories"]["optimizer_state"] == 2 * params
+    update = [p["op"] for p in report["timeline"] if p["phase"] == "update"]
+    assert len(update) > 1 and all(op.startswith("optimizer_update") for op in update)
+
+
 def test_mlp_saves_what_a_hand_count_says(adamw_mlp):
     """Linear(8, 16) -> GELU -> Linear(16, 4) -> MSE: live across the loss are the GELU's output (the
     second linear's input, for its weight gradient), the GELU's derivative (the graph passes compute it

@@ -1,5 +1,6 @@
 """optimizer_update: every parameter's update in one PrimFunc (portable form on llvm, one-kernel
-form on CUDA), against torch.optim on the same tensors; AppendOptimizer emits one call of it."""
+form on CUDA), against torch.optim on the same tensors; AppendOptimizer emits one call of it, or,
+for a deep model, one a repeat of its layers (``kernel_groups``) that computes the same bits."""
 from __future__ import annotations
 
 import numpy as np
@@ -174,6 +175,86 @@ def test_append_optimizer_emits_one_update_call():
     # opaque to FuseOps (BERT's transposed weight gradients were fused into it, dropping its attributes)
     annotated = relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(mod))
     assert int(annotated["optimizer_update"].attrs["op_pattern"]) == optimizer_update.OPAQUE
+
+
+# one layer: weight, bias, norm weight, norm bias, then a wider one (12 parameters, as kernel_groups sees them)
+LAYER = [((64, 64),), ((64,),)] * 4 + [((256, 64),), ((256,),), ((64, 256),), ((64,),)]
+
+
+@pytest.mark.parametrize("layers,want", [
+    (5, [(0, 2 + 5 * 12 + 1)]),  # 63 parameters: one kernel, as ever
+    # 24 layers between an embedding and a head: a kernel a layer, one before and one after
+    (24, [(0, 2)] + [(2 + 12 * k, 14 + 12 * k) for k in range(24)] + [(290, 291)]),
+])
+def test_kernel_groups_are_the_layers_of_a_deep_model(layers, want):
+    keys = [((1000, 64),), ((512, 64),)] + LAYER * layers + [((1000,),)]
+    assert optimizer_update.kernel_groups(keys) == want
+
+
+def test_kernel_groups_of_parameters_that_never_repeat_are_bounded():
+    keys = [((k + 1,),) for k in range(150)]
+    groups = optimizer_update.kernel_groups(keys)
+    assert groups == [(0, 50), (50, 100), (100, 150)]
+
+
+def test_kernel_groups_take_repeats_of_at_least_a_few_parameters():
+    """Equal parameters in a row repeat with any period: not one kernel each, but the shortest
+    period of at least MIN_REPEAT_PARAMS that covers them all."""
+    groups = optimizer_update.kernel_groups([((8, 8),)] * 100)
+    assert groups == [(10 * k, 10 * k + 10) for k in range(10)]
+
+
+class _Deep(torch.nn.Module):
+    """Layers of Linear + LayerNorm: 4 parameters a layer."""
+
+    def __init__(self, layers: int, width: int = 8):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[m for _ in range(layers)
+                                            for m in (torch.nn.Linear(width, width), torch.nn.LayerNorm(width))])
+
+    def forward(self, x):
+        return self.layers(x).square().mean()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_deep_models_update_kernels_compute_what_one_kernel_does(inplace, monkeypatch):
+    """80 parameters: one update kernel per two layers (the shortest repeat of at least
+    MIN_REPEAT_PARAMS), all the same PrimFunc; three AdamW steps leave the parameters bit for bit
+    where the one kernel over all of them leaves them."""
+    import copy
+
+    import tvm_evt
+    from tvm_evt import optim
+
+    torch.manual_seed(0)
+    model = _Deep(20)
+    x = torch.randn(4, 8)
+
+    def trained():
+        step = tvm_evt.compile_training(copy.deepcopy(model), [x], optimizer=optim.AdamW(lr=1e-2, weight_decay=0.1),
+                                        target={"kind": "llvm"}, inplace=inplace)
+        for _ in range(3):
+            step(x)
+        updates = [e.args[0] for e in _calls(step.graph.mod["train_step"])
+                   if optimizer_update.OPTIMIZER_ATTR in step.graph.mod[e.args[0]].attrs]
+        return {n: p.numpy().copy() for n, p in step.parameters().items()}, updates
+
+    params, updates = trained()
+    assert len(updates) == 10 and len(set(updates)) == 1
+    monkeypatch.setattr(optimizer_update, "MAX_KERNEL_PARAMS", 1000)
+    one_params, one_update = trained()
+    assert len(one_update) == 1
+    for name, value in one_params.items():
+        np.testing.assert_array_equal(params[name], value, err_msg=name)
+
+
+def _calls(func) -> list:
+    """The call_tir / call_tir_inplace calls in `func`."""
+    kernels = (tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_tir_inplace"))
+    found = []
+    relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call)
+                                    and e.op in kernels else None)
+    return found
 
 
 def test_cuda_tuning_leaves_the_update_to_its_own_form():

@@ -21,8 +21,8 @@ category, so the categories add up to ``unplanned_total_bytes``.  How each is de
   (``optimizer_state``), the step count and loss scaler (``counters``);
 * ``step_outputs``: tensors the step returns (the loss, new parameters and slots, the step count)
   that it allocates, which an in-place step does not;
-* ``gradients``: the tensors the optimizer update reads as gradients (its call takes the
-  parameters, then their gradients: ``optimizer_update.emit_update``);
+* ``gradients``: the tensors the optimizer update reads as gradients (each of its calls takes a
+  run of parameters, then their gradients: ``optimizer_update.emit_update``);
 * ``saved_activations``: tensors written before the loss (the call that produces it, or the scaled
   loss of an fp16 step) and read after it: what the forward keeps for the backward.  Derivatives
   the graph passes compute in the forward (a GELU's, the loss's own gradient after
@@ -269,17 +269,24 @@ def _argument_categories(layout, num_args: int) -> list[str]:
     return cats
 
 
-def _update_call(walk: _Walk, num_args: int, layout):
-    """The optimizer update: the call that reads the parameters, their gradients, the optimizer slots
-    and the new step count, in that order (``emit_update``)."""
-    n_p, n_s = layout.num_params, layout.num_slot_tensors
-    params = list(range(layout.num_inputs, layout.num_inputs + n_p))
-    first_slot = layout.num_inputs + n_p + layout.num_rest
-    slots = list(range(first_slot, first_slot + n_s))
+def _update_calls(walk: _Walk, num_args: int, layout):
+    """(index of the first, the gradients they read) of the optimizer update's calls: each reads a
+    run of parameters, their gradients, their optimizer slots and the new step count, in that order
+    (``emit_update``, one call a group of ``kernel_groups``); (None, []) where there are none."""
+    n_p, n_slots = layout.num_params, len(layout.slots)
+    first_param, first_slot = layout.num_inputs, layout.num_inputs + n_p + layout.num_rest
+    first, grads = None, []
     for index, (_, _, read, _) in enumerate(walk.calls):
-        if len(read) > 2 * n_p + n_s and read[:n_p] == params and read[2 * n_p: 2 * n_p + n_s] == slots:
-            return index, read
-    return None, []
+        if not read or not first_param <= read[0] < first_param + n_p:
+            continue
+        start = read[0] - first_param
+        run = min(n_p - start, len(read))
+        n = next((k for k in range(run) if read[k] != first_param + start + k), run)
+        slots = [first_slot + s * n_p + start + k for s in range(n_slots) for k in range(n)]
+        if len(read) > 2 * n + len(slots) and read[2 * n: 2 * n + len(slots)] == slots:
+            first = index if first is None else first
+            grads += read[n: 2 * n]
+    return first, grads
 
 
 def _boundary(walk: _Walk, layout) -> int:
@@ -303,13 +310,12 @@ def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None 
     num_args = len(func.params)
     category = _argument_categories(layout, num_args) + [None] * (len(walk.tensors) - num_args)
     boundary = _boundary(walk, layout)
-    update, update_reads = _update_call(walk, num_args, layout)
+    update, update_grads = _update_calls(walk, num_args, layout)
     notes = list(notes)
     if update is None:
         notes.append("no optimizer update call found (its first arguments the parameters): gradients counted as "
                      "temporaries")
-    n_p = layout.num_params
-    grads = set(update_reads[n_p: 2 * n_p]) if update is not None else set()
+    grads = set(update_grads)
     returned = set(walk._flat(walk.result))
     for t, tensor in enumerate(walk.tensors):
         if category[t] is not None:

@@ -35,6 +35,7 @@ from .frontend import ImportedModel, from_torch
 from .logs import quiet_known_warnings
 from .memory import PlannedStepKeeper
 from .pipeline import PIPELINE_NAME, enabled, graph_capture  # registers relax_pipeline="evt"
+from .relax_passes._rewrite import sub_expressions
 from .relax_passes.training import gradient_rules  # noqa: F401  (registers the gradient rules)
 from .relax_passes.partition.rematerialize import BUDGET_ATTR
 from .relax_passes.partition.rematerialize import REPORT_ATTR as REMAT_REPORT_ATTR
@@ -116,9 +117,7 @@ def check_differentiable(imported: ImportedModel) -> None:
     pending = []  # bindings whose origin is the next recorded one
     for binding in bindings:
         value = binding.value
-        uses = []
-        relax.analysis.post_order_visit(value, lambda e: uses.append(e) if isinstance(e, relax.Var) else None)
-        if any(u in tainted for u in uses):
+        if any(isinstance(u, relax.Var) and u in tainted for u in sub_expressions(value)):
             tainted.add(binding.var)
             if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
                 if value.op.get_attr("FPrimalGradient") is None:

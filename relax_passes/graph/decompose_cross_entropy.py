@@ -25,7 +25,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import mutate_relax_functions, static_shape as _shape
+from .._rewrite import mutate_relax_functions, static_shape as _shape, sub_expressions
 
 LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
@@ -36,13 +36,10 @@ ZERO_FILLS = frozenset(tvm.ir.Op.get(name) for name in ("relax.zeros_like", "rel
 def _log_softmax_sites(func: relax.Function) -> set[tuple[relax.Expr, int]]:
     """(input, axis) of every log_softmax in `func`, axis normalized."""
     sites = set()
-
-    def visit(expr):
+    for expr in sub_expressions(func.body):
         if isinstance(expr, relax.Call) and expr.op == LOG_SOFTMAX:
             x = expr.args[0]
             sites.add((x, int(expr.attrs.axis) % x.ty.ndim))
-
-    relax.analysis.post_order_visit(func.body, visit)
     return sites
 
 

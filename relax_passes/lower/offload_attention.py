@@ -45,7 +45,7 @@ from ...codegen.frontend.attention_call import (
     heads_transposed,
 )
 from ..ops import attention_op
-from .._rewrite import has_call, op_name
+from .._rewrite import has_call, op_name, sub_expressions
 from ..training.cancel_transposes import CancelTransposes, bound_value
 
 CODEGEN = "evt_attention"
@@ -163,15 +163,12 @@ class _Offloader(PyExprMutator):
 
 def _backward_sites(func: relax.Function) -> set:
     sites = set()
-
-    def visit(expr):
+    for expr in sub_expressions(func.body):
         if op_name(expr) == BACKWARD_OP:
             try:
                 sites.add(_dropout_site(attention_of_call(expr)))
             except Unsupported:
                 pass
-
-    relax.analysis.post_order_visit(func.body, visit)
     return sites
 
 

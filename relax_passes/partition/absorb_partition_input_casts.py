@@ -25,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .._rewrite import binding_uses, drop_uncalled, flat_bindings, local_composite, op_name, substitute
+from .._rewrite import binding_uses, drop_uncalled, flat_bindings, local_composite, op_name, sub_expressions, substitute
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 MASKS = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("less", "greater", "less_equal", "greater_equal"))
@@ -71,8 +71,7 @@ def _with_cast_params(outer: relax.Function, casts: dict) -> relax.Function:
         vmap[old] = cast
     bindings = []
     for b in flat_bindings(inner)[0]:
-        reads = []
-        relax.analysis.post_order_visit(b.value, lambda e: reads.append(e) if isinstance(e, relax.Var) else None)
+        reads = [e for e in sub_expressions(b.value) if isinstance(e, relax.Var)]
         for old in [p for p in pending if any(p.same_as(r) for r in reads)]:
             bindings.append(pending.pop(old))
         bindings.append(relax.VarBinding(b.var, substitute(b.value, vmap)))

@@ -8,7 +8,7 @@ the later buckets are still in flight.  This pass adds, for each group of tensor
     update{b}(*params, *grads, *slots (slot-major), step) -> (*new_params, *new_slots (slot-major))
 
 with each gradient in its parameter's dtype (``AutoMixedPrecision`` hands fp32 gradients to the
-fp32 master weights), each the one fused kernel of ``optimizer_update.emit_update``; and
+fp32 master weights), each the fused kernel(s) of ``optimizer_update.emit_update``; and
 
     advance(step[, rng_seed]) -> (step + 1[, rng_seed + (0, 1)])
 

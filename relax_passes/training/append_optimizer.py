@@ -15,10 +15,10 @@ counts updates (fp32 scalar), and ``scale``/``tracker`` are the dynamic loss sca
 A graph with dropout (`LowerDropout`'s ``rng_seed = (seed, counter)``) also returns the next
 step's seed, counter + 1: the state stays on the device, so a step never waits on a host copy.
 The adjoint is inlined, so forward, backward and update form one dataflow graph; the update of
-every parameter is one kernel (``optimizer_update``).  With ``inplace`` that kernel writes over
-the parameters and slots it is given, one ``write_back`` kernel copies the new step counter,
-buffers (``overwrites``: the argument after the params each overwrites) and seed over theirs, and
-every state result is the tensor it replaces.
+every parameter is one kernel (``optimizer_update``; a deep model's, one a repeat of its layers).
+With ``inplace`` that kernel writes over the parameters and slots it is given, one ``write_back``
+kernel copies the new step counter, buffers (``overwrites``: the argument after the params each
+overwrites) and seed over theirs, and every state result is the tensor it replaces.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ops import attention_op
-from .._rewrite import bind_as, binding_uses, drop_unreferenced, flat_bindings, scalar_value, static_shape, substitute
+from .._rewrite import (bind_as, binding_uses, drop_unreferenced, flat_bindings, scalar_value, static_shape,
+                        sub_expressions, substitute)
 from .philox import KEEP_RATE_ATTR
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
@@ -161,9 +162,11 @@ class _Graph:
             if e not in self.bound or isinstance(self.bound[e], relax.Function):
                 return None  # a parameter
             needed.add(e)
-            relax.analysis.post_order_visit(
-                self.bound[e], lambda n: stack.append(n) if isinstance(n, relax.Var)
-                else outside.append(n) if isinstance(n, tvm.ir.GlobalVar) else None)
+            for n in sub_expressions(self.bound[e]):
+                if isinstance(n, relax.Var):
+                    stack.append(n)
+                elif isinstance(n, tvm.ir.GlobalVar):
+                    outside.append(n)
         if outside:
             return None  # calls into the module
         bb = relax.BlockBuilder()

@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import add_function_once, has_call
+from .._rewrite import add_function_once, has_call, sub_expressions
 from .philox import dropout_keep_primfunc
 
 SEED_PARAM = "rng_seed"
@@ -39,9 +39,7 @@ def _attention_dropout(expr: relax.Expr) -> bool:
 
 
 def _has_dropout(body: relax.Expr) -> bool:
-    found = []
-    relax.analysis.post_order_visit(body, lambda e: found.append(e) if _attention_dropout(e) else None)
-    return bool(found) or has_call(body, DROPOUT)
+    return any(_attention_dropout(e) for e in sub_expressions(body)) or has_call(body, DROPOUT)
 
 
 def keep_mask_function(builder: relax.BlockBuilder, shape, rate: float) -> relax.GlobalVar:

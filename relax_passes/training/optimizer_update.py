@@ -18,6 +18,16 @@ GPU sat idle between those small kernels while the host launched the next one.
 The PrimFunc's attributes carry the optimizer and the shapes, so the GPU form is rebuilt from the
 portable one (``gpu_variant``) as ``philox.gpu_variant`` does for the dropout masks.
 
+A model of more than ``MAX_KERNEL_PARAMS`` parameters gets one kernel a repeat of its layers
+instead (``kernel_groups``): TVM compiles one kernel over n parameters in time quadratic in n (TIR's
+``CommonSubexprElim`` and ``LowerIntrin`` over its body, LLVM over the host function that unpacks
+its 4n + 1 buffers): an in-place AdamW update of BERT-Large's 24 layers (384 parameters) took 101 s
+to build on 2 cores, against 2 s for the step's other 71 TVM kernels.  Equal groups are
+structurally equal PrimFuncs, which ``BlockBuilder.add_func`` adds once: BERT-Large's step holds
+three update kernels (embeddings, a layer, the last norm and the head) whatever its depth, and
+launches 26 (one a layer), each still a whole layer's parameters (not yet timed on a GPU against
+the one kernel).
+
 ``emit_update(..., inplace=True)`` emits a ``call_tir_inplace`` instead: the kernel writes the new
 parameters and slots over the old ones (each element's old values are bound to variables before
 any new one is stored: SGD's momentum reads the parameter), so a step keeps its state in the same
@@ -42,6 +52,8 @@ THREADS = 256
 PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
 ELEMS_PER_BLOCK = THREADS * PER_THREAD
 FLOAT32 = "float32"
+MAX_KERNEL_PARAMS = 64  # an update of more parameters is split (``kernel_groups``)
+MIN_REPEAT_PARAMS = 8  # parameters of the shortest repeat ``kernel_groups`` makes a kernel of
 
 
 def _to_attr(optimizer) -> str:
@@ -158,7 +170,7 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
 
             element_loops(numels, lambda i, e: update(i, params[i][1], numels[i], e), gpu=gpu, idx=idx,
                           per_thread=PER_THREAD)
-    func = ib.get()
+    func = ib.get().without_attr("global_symbol")  # the module names it: a deep model's has several
     return func if gpu else _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, inplace)
 
 
@@ -203,10 +215,50 @@ def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc:
                          [gd for _, _, gd in specs], gpu=True, inplace=INPLACE_ATTR in func.attrs)
 
 
+def kernel_groups(keys: list) -> list[tuple[int, int]]:
+    """The [start, stop) runs of parameters (`keys`: one hashable description a parameter, its
+    shape and dtypes) that each get a kernel of their own: all of them while there are at most
+    ``MAX_KERNEL_PARAMS``; else the longest run that repeats (a layer, or several: at least
+    ``MIN_REPEAT_PARAMS`` parameters) one group a repeat, and what comes before and after it grouped
+    the same way (a part where nothing repeats in runs of at most ``MAX_KERNEL_PARAMS``)."""
+    n = len(keys)
+    if n <= MAX_KERNEL_PARAMS:
+        return [(0, n)] if n else []
+    start, period, count = _longest_repeat(keys)
+    if count < 2:  # nothing repeats: runs of at most MAX_KERNEL_PARAMS
+        parts = -(-n // MAX_KERNEL_PARAMS)
+        cuts = [n * k // parts for k in range(parts + 1)]
+        return list(zip(cuts, cuts[1:]))
+    stop = start + period * count
+    shift = lambda groups, by: [(a + by, b + by) for a, b in groups]
+    return (kernel_groups(keys[:start]) + [(start + k * period, start + (k + 1) * period) for k in range(count)]
+            + shift(kernel_groups(keys[stop:]), stop))
+
+
+def _longest_repeat(keys: list) -> tuple[int, int, int]:
+    """(start, period, count) of the run ``keys[start : start + period * count]`` made of `count`
+    copies of its first `period` keys that covers the most keys (`period` at least
+    ``MIN_REPEAT_PARAMS``; the shortest period on a tie, then the first start); count 1 where none
+    repeats."""
+    best, covered = (0, len(keys), 1), 0
+    for period in range(MIN_REPEAT_PARAMS, len(keys) // 2 + 1):
+        run = 0  # keys[i - run : i] each equal the key `period` after them
+        for i in range(len(keys) - period + 1):
+            if i < len(keys) - period and keys[i] == keys[i + period]:
+                run += 1
+                continue
+            count = (run + period) // period  # the periodic stretch ending before i + period
+            if count >= 2 and count * period > covered:
+                best, covered = (i - run, period, count), count * period
+            run = 0
+    return best
+
+
 def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step,
                 inplace: bool = False) -> tuple[list, dict]:
-    """Emit the update of every parameter as one ``call_tir`` (`inplace`: ``call_tir_inplace``
-    over the parameters and slots): (new params, {slot: new tensors})."""
+    """Emit the update of every parameter as one ``call_tir`` a group of ``kernel_groups``
+    (`inplace`: ``call_tir_inplace`` over the parameters and slots): (new params, {slot: new
+    tensors})."""
     slots = optimizer.slots()
     if not params:
         return [], {s: [] for s in slots}
@@ -217,15 +269,21 @@ def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, s
             raise ValueError(f"optimizer update: the gradient of {p.name} has shape {g.ty}, its parameter {p.ty}")
         specs.append((shape, str(p.ty.dtype)))
     grad_dtypes = [str(g.ty.dtype) for g in grads]
-    func = (loop_primfunc(optimizer, specs, grad_dtypes, gpu=False, inplace=True) if inplace
-            else update_primfunc(optimizer, specs, grad_dtypes))
-    gv = bb.add_func(func, "optimizer_update")
-    out_ty = [p.ty for p in params] * (1 + len(slots))
-    args = list(params) + list(grads) + [t for s in slots for t in state[s]] + [step]
-    n = len(params)
-    if inplace:  # the outputs are p and the slots: arguments 0..n-1 and 2n..
-        indices = list(range(n)) + list(range(2 * n, 2 * n + n * len(slots)))
-        outs = emit_call_tir_inplace(bb, gv, args, indices, out_ty)
-    else:
-        outs = emit_call_tir(bb, gv, args, out_ty)
-    return outs[:n], {s: outs[n * (1 + k): n * (2 + k)] for k, s in enumerate(slots)}
+    new_params, new_state = [], {s: [] for s in slots}
+    for start, stop in kernel_groups([(*spec, gd) for spec, gd in zip(specs, grad_dtypes)]):
+        group = slice(start, stop)
+        func = (loop_primfunc(optimizer, specs[group], grad_dtypes[group], gpu=False, inplace=True) if inplace
+                else update_primfunc(optimizer, specs[group], grad_dtypes[group]))
+        gv = bb.add_func(func, "optimizer_update")  # a group equal to one added before: that one's var
+        out_ty = [p.ty for p in params[group]] * (1 + len(slots))
+        args = list(params[group]) + list(grads[group]) + [t for s in slots for t in state[s][group]] + [step]
+        n = stop - start
+        if inplace:  # the outputs are p and the slots: arguments 0..n-1 and 2n..
+            indices = list(range(n)) + list(range(2 * n, 2 * n + n * len(slots)))
+            outs = emit_call_tir_inplace(bb, gv, args, indices, out_ty)
+        else:
+            outs = emit_call_tir(bb, gv, args, out_ty)
+        new_params += outs[:n]
+        for k, s in enumerate(slots):
+            new_state[s] += outs[n * (1 + k): n * (2 + k)]
+    return new_params, new_state
