@@ -19,7 +19,7 @@ from .codegen import relax_ext as _relax_ext
 from .codegen.patterns import partition_for_evt
 from .errors import DataParallelMismatchError, InputMismatchError, MemoryBudgetError, UnsupportedOpError
 from .frontend import from_torch
-from .memory import estimate_step_peak, max_batch
+from .budget import estimate_step_peak, max_batch
 from .training import TrainingStep, build_training_module, compile_training, cpu_target, default_target
 
 _relax_ext.register()
