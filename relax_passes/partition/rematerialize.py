@@ -39,6 +39,7 @@ intermediates (``TrainingStep.memory_report`` reads the real plan), so the estim
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -48,7 +49,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...errors import MemoryBudgetError
-from .._rewrite import flat_bindings, op_name
+from .._rewrite import flat_bindings, op_name, sub_expressions
+from ..ops.attention_op import FORWARD as ATTENTION
 from .evt_cost import static_shape, tensor_bytes
 
 BUDGET_ATTR = "tvm_evt.memory_budget"  # bytes, set on train_step by compile_training
@@ -62,7 +64,7 @@ BYTES_PER_S = 3.0e12
 LAUNCH_S = 4e-6  # a kernel launch and its gap: what a recomputed cheap op still costs
 VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # share their operand's memory
 GEMM_OPS = frozenset({"relax.matmul"})
-ATTENTION_OPS = frozenset({"tvm_evt.attention"})  # q [B, H, Sq, D], k [B, H, Sk, D]
+ATTENTION_OPS = frozenset({ATTENTION})  # q [B, H, Sq, D], k [B, H, Sk, D]
 
 
 # ------------------------------------------------------------------------------ the step's graph
@@ -98,6 +100,16 @@ class StepGraph:
     def saved_bytes(self) -> int:
         return sum(self.nodes[v].bytes for v in self.saved)
 
+    @functools.cached_property
+    def live(self) -> list:
+        """`live_bytes` of the step as it is."""
+        return live_bytes(self.func)
+
+    @functools.cached_property
+    def need(self) -> tuple[dict, dict]:
+        """`_need` of the step."""
+        return _need(self)
+
 
 def _loss_var(func: relax.Function, bindings: list) -> relax.Var:
     """The step's loss: the first field of the tuple ``train_step`` returns."""
@@ -112,14 +124,7 @@ def _loss_var(func: relax.Function, bindings: list) -> relax.Var:
 
 
 def _function_flops(func: relax.Function) -> float:
-    flops = 0.0
-
-    def visit(e):
-        nonlocal flops
-        flops += _call_flops(e)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return flops
+    return sum(_call_flops(e) for e in sub_expressions(func.body))
 
 
 def _call_flops(call) -> float:
@@ -332,7 +337,7 @@ def ilp_plan(graph: StepGraph, room: dict, time_limit: float = TIME_LIMIT, lowes
     import mip
 
     nodes = list(graph.nodes.values())
-    start_of, end_of = _need(graph)
+    start_of, end_of = graph.need
     m = mip.Model(sense=mip.MINIMIZE, solver_name="CBC")
     m.verbose, m.threads, m.seed = 0, 1, 0
     keep = {n.var: m.add_var(var_type=mip.BINARY) for n in nodes}
@@ -363,9 +368,8 @@ def room_at(graph: StepGraph, budget: int, slack: int) -> dict:
     else is alive there in the step as it is (arguments, gradients, backward temporaries) and
     `slack`; at the loss, where each saved value's need starts, and at the ``MAX_POINTS`` other
     points after the loss with the least room."""
-    live = live_bytes(graph.func)
-    start_of, _ = _need(graph)
-    ends = sorted(graph.last_read[v] for v in graph.saved)
+    live = graph.live
+    start_of, _ = graph.need
     by_end = {}
     for v in graph.saved:
         by_end[graph.last_read[v]] = by_end.get(graph.last_read[v], 0) + graph.nodes[v].bytes
@@ -421,7 +425,7 @@ def rewrite(mod: tvm.IRModule, graph: StepGraph, recompute: set) -> relax.Functi
 def _search(mod: tvm.IRModule, graph: StepGraph, budget: int, deadline: float) -> tuple:
     """(estimated peak, plan, method, rounds) of the first plan that fits `budget`, else of the
     plan with the lowest estimated peak of those tried (the step as it is among them)."""
-    best = (estimate_peak(graph.func), set(), "none", 0)
+    best = (max(graph.live), set(), "none", 0)
     slack = 0
     for rounds in range(1, MAX_ROUNDS + 1):
         room = room_at(graph, budget, slack)
@@ -462,8 +466,8 @@ def rematerialize(mod: tvm.IRModule, func: relax.Function, budget: int,
     """(`func` recomputing enough of its saved values that `estimate_peak` fits `budget`, the
     report of what was decided)."""
     start = time.perf_counter()
-    before = estimate_peak(func)
     graph = step_graph(mod, func)
+    before = max(graph.live)
     report = {"budget_bytes": budget, "estimated_peak_before": before, "saved_bytes_before": graph.saved_bytes,
               "recomputed": [], "method": "none", "rounds": 0}
     if before <= budget:
