@@ -821,6 +821,21 @@ def timm_model(name: str = "vit_base_patch16_224", batch: int = 2, image: int = 
                     num_targets=1)
 
 
+def torchvision_model(name: str = "resnet50", batch: int = 2, image: int = 224, classes: int = 1000,
+                      **kwargs) -> ZooEntry:
+    """A torchvision classification model by name (``torchvision.models.get_model(name, weights=None,
+    num_classes=classes, **kwargs)``), trained with cross-entropy on random images and labels."""
+    import torchvision
+
+    model = torchvision.models.get_model(name, weights=None, num_classes=classes, **kwargs)
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch, 3, image, image), torch.randint(0, classes, (batch,))
+
+    return ZooEntry(model, make, F.cross_entropy,
+                    f"torchvision {name}, {classes} classes, {image}x{image}, batch {batch}", num_targets=1)
+
+
 PRESETS: dict[str, Callable[..., ZooEntry]] = {
     "bert_base_layer": partial(bert_layer, batch=32, seq=128, hidden=768, heads=12, ffn=3072),
     "bert_large_layer": partial(bert_layer, batch=32, seq=128, hidden=1024, heads=16, ffn=4096),
@@ -858,4 +873,8 @@ PRESETS.update({  # the same sizes as the libraries build them (the bench's thir
     "hf_gpt2_medium_lm": partial(hf_gpt2_lm, layers=24, hidden=1024, heads=16, vocab=50257),
     "hf_llama_4x4096": partial(hf_llama_lm, layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000),
     "timm_vit_b16": partial(timm_model, "vit_base_patch16_224"),
+    "tv_resnet18": partial(torchvision_model, "resnet18"),
+    "tv_resnet50": partial(torchvision_model, "resnet50"),
+    "tv_mobilenet_v2": partial(torchvision_model, "mobilenet_v2"),
+    "timm_efficientnet_b0": partial(timm_model, "efficientnet_b0"),
 })
