@@ -32,7 +32,11 @@ def mlp_steps():
     entry = _mlp_entry()
     kept = _compile(entry, UNLIMITED)
     before = kept.memory_report()
-    budget = int(0.75 * before["rematerialized"]["estimated_peak_before"])
+    # halfway from the peak down to the smallest budget recomputing can meet
+    peak = before["rematerialized"]["estimated_peak_before"]
+    with pytest.raises(MemoryBudgetError) as floor:
+        _compile(entry, peak // 4)
+    budget = (peak + floor.value.smallest) // 2
     return entry, kept, before, _compile(entry, budget), budget
 
 

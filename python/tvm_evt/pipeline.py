@@ -19,6 +19,8 @@ tvm-evt runs in five phases, each one folder (``PHASES``; the order a training s
 What ``phases(target)`` runs after the training phase, in order:
 
     EVTGraphPasses     (graph) ``evt_graph_passes``
+    FactorPointwiseAdjoints  (graph) a backward linear in dy through a pointwise chain as dy * J,
+                       J from forward values (one tensor kept instead of the chain's intermediates)
     PadUnalignedMatmuls  (partition; CUDA only) matmuls whose contiguous extents TMA cannot stride
                        over (a vocabulary of 50257, 100 classes, K = 147) zero-padded to 16 bytes
                        (and the output sliced back), so the partitioner gives them to CUTLASS
@@ -73,6 +75,7 @@ import tvm
 from tvm import relax
 
 from .relax_passes.graph.fuse_column_moments import LAYER_NORM, FuseColumnMoments
+from .relax_passes.graph.factor_pointwise_adjoints import FactorPointwiseAdjoints
 from .relax_passes.graph.graph_passes import evt_graph_passes
 from .relax_passes.lower.bounded_fuse_ops import BoundedFuseOps
 from .relax_passes.lower.fuse_column_sums import FuseColumnSums
@@ -187,6 +190,10 @@ OPTIONAL = {
                            "not a multiple of 16 bytes (GPT-2's vocabulary of 50257: its LM head and gradients) "
                            "zero-padded to one, the output sliced back, so they run on CUTLASS instead of TVM's "
                            "generic kernels (not yet timed on a GPU)"),
+    "factor_adjoints": Rewrite("FactorPointwiseAdjoints: a backward linear in its incoming gradient dy through a "
+                               "pointwise chain (a GELU or SiLU gate written out as ops) as dy * J, J computed from "
+                               "forward values, so the forward keeps J instead of the chain's intermediates (GPT-2's "
+                               "explicit tanh GELU: 5 kept tensors -> 1; not yet timed on a GPU)"),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
@@ -232,7 +239,11 @@ def graph_passes() -> list:
 
 def pre_partition_passes() -> list:
     """The graph passes up to (not including) the partitioner."""
-    return graph_passes() + [relax.transform.CanonicalizeBindings()]  # var-to-var bindings hide producers
+    return graph_passes() + [
+        # linear backward regions through pointwise chains as dy * J (after the graph passes' CSE)
+        *([FactorPointwiseAdjoints()] if enabled("factor_adjoints") else []),
+        relax.transform.CanonicalizeBindings(),  # var-to-var bindings hide producers
+    ]
 
 
 def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,

@@ -111,14 +111,16 @@ class StepGraph:
         return _need(self)
 
 
-def _loss_var(func: relax.Function, bindings: list) -> relax.Var:
-    """The step's loss: the first field of the tuple ``train_step`` returns."""
+def loss_var(func: relax.Function, bindings: list) -> relax.Var:
+    """The step's loss: the first field of the tuple ``train_step`` returns (its first leaf)."""
     bound = {b.var: b.value for b in bindings}
     result = func.body.body
     while isinstance(result, relax.Var) and isinstance(bound.get(result), relax.Var):
         result = bound[result]
     result = bound.get(result, result) if isinstance(result, relax.Var) else result
-    if not isinstance(result, relax.Tuple) or not isinstance(result.fields[0], relax.Var):
+    while isinstance(result, relax.Tuple) and result.fields and isinstance(result.fields[0], relax.Tuple):
+        result = result.fields[0]  # main_adjoint: ((loss,), (gradients...))
+    if not isinstance(result, relax.Tuple) or not result.fields or not isinstance(result.fields[0], relax.Var):
         raise ValueError("Rematerialize: train_step must return a tuple whose first field is the loss")
     return result.fields[0]
 
@@ -168,7 +170,7 @@ def _recomputable(value: relax.Expr) -> bool:
 
 def step_graph(mod: tvm.IRModule, func: relax.Function) -> StepGraph:
     bindings, block_of = flat_bindings(func)
-    loss = _loss_var(func, bindings)
+    loss = loss_var(func, bindings)
     index = {b.var: i for i, b in enumerate(bindings)}
     if loss not in index:
         raise ValueError("Rematerialize: the loss is not bound in train_step")

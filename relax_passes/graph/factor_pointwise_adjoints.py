@@ -1,0 +1,220 @@
+"""FactorPointwiseAdjoints: the gradient through a pointwise chain as ``dy * J``, with ``J`` computed
+from forward values only.
+
+A pointwise function written out as ops — transformers' GPT-2 GELU
+``0.5 x (1 + tanh(0.798 (x + 0.0447 x^3)))``, a SiLU gate ``g * sigmoid(g) * up`` — gets from
+autodiff a backward that multiplies the incoming gradient ``dy`` by each intermediate in turn
+(``x``, ``x * x``, the tanh, ``1 + tanh``, ``0.5 x``), so each is kept for the backward: a tensor
+as large as ``x`` that the forward GEMM's epilogue stores and a backward epilogue loads (GPT-2
+medium on an H200: the FFN1 epilogue stored six [16384, 4096] tensors, 0.59 ms a call).  But
+that backward is linear in ``dy``: its result is ``dy * J`` where ``J``, the chain's derivative,
+is the same ops with ``dy`` set to 1 — a pointwise function of forward values the forward's
+epilogue computes and stores as one tensor.
+
+A backward value ``g`` is rewritten when
+
+* ``g`` ends a region of pointwise ops (``POINTWISE``: the code generator's elementwise ops and
+  ``where``) bound after the loss (something other than a pointwise op reads it, or the function
+  returns it);
+* the region reads one backward tensor ``dy`` (else forward values — bound up to the loss, or
+  parameters — and constants) and is linear in it: ``dy`` reaches ``g`` only through sums of
+  linear terms, products and quotients with a ``dy``-free factor, negation, and ``where`` with a
+  ``dy``-free condition and linear or zero branches;
+* ``dy``, ``g`` and every value of the region have one dtype (``J`` then rounds as the region
+  did), and
+* the forward tensors of ``g``'s size that the region reads take more bytes than ``J`` (one
+  tensor kept instead of several; not two boolean masks, a ReLU's and a dropout's, for a float
+  ``J``).
+
+``J``, a copy of the region with a constant 1 for ``dy``, is bound in the forward right after the
+last forward value it reads, and ``g`` becomes ``dy * J``: the backward reads ``J`` instead of the
+values it is made of, and the partitioner computes it in the epilogue that makes them.  The factored form rounds
+differently from the original (a product's order changes), not by more than one rounding a term.
+Runs after the graph passes' common-subexpression elimination.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ...codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
+from .._rewrite import binding_uses, flat_bindings, op_name, static_shape
+from ..partition.evt_cost import tensor_bytes
+from ..partition.rematerialize import loss_var
+
+POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
+LINEAR_SUM = frozenset({"relax.add", "relax.subtract"})
+
+CONST, LINEAR, ZERO = "const", "linear", "zero"  # how a region's value depends on dy
+
+
+def _dtype(expr) -> str | None:
+    ty = getattr(expr, "ty", None)
+    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
+
+
+def _is_zero(expr) -> bool:
+    return isinstance(expr, tvm.ir.GenericConst) and not expr.value.numpy().any()
+
+
+class _Region:
+    """The pointwise region ending at one backward value, and how it depends on its one `dy`."""
+
+    def __init__(self, bound: dict, forward: set, root: relax.Var):
+        self.bound, self.forward = bound, forward
+        self.dtype = _dtype(root)
+        self.size = math.prod(static_shape(root) or (0,))
+        self.dy = None
+        self.forward_reads: set = set()  # forward tensors of the root's size
+        self.reads: set = set()  # every forward value read
+        self.kinds: dict = {}
+        self.ok = True
+
+    def kind(self, expr) -> str | None:
+        """CONST, LINEAR or ZERO for `expr` in the region, None where the rewrite does not apply."""
+        if isinstance(expr, tvm.ir.GenericConst):
+            return ZERO if _is_zero(expr) else CONST
+        if not isinstance(expr, relax.Var):
+            return None
+        if expr in self.kinds:
+            return self.kinds[expr]
+        if expr in self.forward or expr not in self.bound:  # a forward value or a parameter
+            self.reads.add(expr)
+            shape = static_shape(expr)
+            if shape is not None and math.prod(shape) == self.size:
+                self.forward_reads.add(expr)
+            return CONST
+        value = self.bound[expr]
+        if op_name(value) in POINTWISE and _dtype(expr) == self.dtype:
+            found = self._call(value)
+        elif self.dy is None or self.dy.same_as(expr):  # the region's one backward input
+            self.dy, found = expr, (LINEAR if _dtype(expr) == self.dtype else None)
+        else:
+            found = None
+        self.kinds[expr] = found
+        return found
+
+    def _call(self, call: relax.Call) -> str | None:
+        kinds = [self.kind(a) for a in call.args]
+        if None in kinds:
+            return None
+        name = op_name(call)
+        free = all(k in (CONST, ZERO) for k in kinds)
+        if free:
+            return CONST
+        if name in LINEAR_SUM:
+            return LINEAR if all(k in (LINEAR, ZERO) for k in kinds) else None
+        if name == "relax.multiply":
+            return ZERO if ZERO in kinds else LINEAR if kinds.count(LINEAR) == 1 else None
+        if name == "relax.divide":
+            return LINEAR if kinds[0] == LINEAR and kinds[1] == CONST else None
+        if name == "relax.negative":
+            return LINEAR
+        if name == "relax.where":
+            return LINEAR if kinds[0] != LINEAR and all(k in (LINEAR, ZERO) for k in kinds[1:]) else None
+        return None  # a nonlinear op of dy
+
+
+def _is_one(expr) -> bool:
+    return isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1 and float(expr.value.numpy()) == 1
+
+
+def _identity(name: str, args: list):
+    """The operand a product by 1 (or a quotient by 1) is, else None: J's copy would otherwise
+    store ``1 * g``, a second copy of ``g``."""
+    if name == "relax.multiply":
+        if _is_one(args[0]):
+            return args[1]
+        if _is_one(args[1]):
+            return args[0]
+    if name == "relax.divide" and _is_one(args[1]):
+        return args[0]
+    return None
+
+
+@mutator
+class _Factor(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, roots: dict, forward: set, ready: dict):
+        super().__init__(mod)
+        self.roots = roots  # root var -> (dy, bound map)
+        self.forward = forward
+        self.ready = ready  # forward var -> the roots whose J can be bound right after it
+        self.factors: dict = {}  # root -> J
+
+    def _copy(self, expr, dy, bound: dict, memo: dict):
+        """`expr` with dy as 1, its region's bindings emitted again (forward values as they are)."""
+        if isinstance(expr, relax.Var) and expr.same_as(dy):
+            return relax.const(1, _dtype(dy))
+        if not isinstance(expr, relax.Var) or expr not in bound or op_name(bound[expr]) not in POINTWISE \
+                or expr in self.forward:
+            return self.visit_expr(expr)
+        if expr not in memo:
+            call = bound[expr]
+            args = [self._copy(a, dy, bound, memo) for a in call.args]
+            kept = _identity(op_name(call), args)
+            memo[expr] = kept if kept is not None else self.builder_.emit(
+                relax.Call(call.op, args, call.attrs, call.ty_args), name_hint=f"{expr.name}_d")
+        return memo[expr]
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.roots:
+            value = relax.op.multiply(self.visit_expr(self.roots[binding.var][0]), self.factors[binding.var])
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+        else:
+            super().visit_var_binding_(binding)
+        for root in self.ready.get(binding.var, ()):  # J in the forward, once its operands exist
+            dy, bound = self.roots[root]
+            self.factors[root] = self._copy(root, dy, bound, {})
+
+
+def factor_roots(func: relax.Function) -> tuple[dict, set, dict]:
+    """{g: (dy, bound)} for the backward values of `func` to rewrite (module docstring), the
+    forward vars, and {forward var: the roots whose J is bound right after it}."""
+    bindings, _ = flat_bindings(func)
+    try:
+        loss = loss_var(func, bindings)
+    except ValueError:
+        return {}, set(), {}
+    index = {b.var: i for i, b in enumerate(bindings)}
+    if loss not in index:
+        return {}, set(), {}
+    boundary = index[loss]
+    forward = {b.var for b in bindings[: boundary + 1]}
+    bound = {b.var: b.value for b in bindings}
+    uses = binding_uses(func)
+    returned = set(relax.analysis.free_vars(func.body.body))
+    roots, ready = {}, {}
+    for b in bindings[boundary + 1:]:
+        if op_name(b.value) not in POINTWISE or static_shape(b.var) is None:
+            continue
+        readers = [bindings[i].value if i < len(bindings) else None for i in uses.get(b.var, ())]
+        if b.var not in returned and readers and all(op_name(r) in POINTWISE for r in readers):
+            continue  # not the end of its region
+        region = _Region(bound, forward, b.var)
+        if region.kind(b.var) == LINEAR and region.dy is not None \
+                and sum(map(tensor_bytes, region.forward_reads)) > tensor_bytes(b.var):
+            roots[b.var] = (region.dy, bound)
+            last = max((v for v in region.reads if v in index), key=index.get, default=loss)
+            ready.setdefault(last, []).append(b.var)
+    return roots, forward, ready
+
+
+@tvm.transform.module_pass(opt_level=0, name="FactorPointwiseAdjoints")
+class FactorPointwiseAdjoints:
+    """Rewrite each linear pointwise backward region as ``dy * J`` (module docstring)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                continue
+            roots, forward, ready = factor_roots(func)
+            if roots:
+                updates[gv] = _Factor(mod, roots, forward, ready).visit_expr(func)
+        for gv, func in updates.items():
+            mod[gv] = func
+        return relax.transform.DeadCodeElimination()(mod) if updates else mod
