@@ -191,9 +191,9 @@ OPTIONAL = {
                            "zero-padded to one, the output sliced back, so they run on CUTLASS instead of TVM's "
                            "generic kernels (not yet timed on a GPU)"),
     "factor_adjoints": Rewrite("FactorPointwiseAdjoints: a backward linear in its incoming gradient dy through a "
-                               "pointwise chain (a GELU or SiLU gate written out as ops) as dy * J, J computed from "
-                               "forward values, so the forward keeps J instead of the chain's intermediates (GPT-2's "
-                               "explicit tanh GELU: 5 kept tensors -> 1; not yet timed on a GPU)"),
+                               "pointwise chain of at most 8 ops (a SiLU gate written out as ops) as dy * J, J "
+                               "computed in the forward, which keeps J instead of the chain's intermediates "
+                               "(H200 bf16: LlamaForCausalLM 4x4096 95.78 -> 90.98 ms per step)"),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "

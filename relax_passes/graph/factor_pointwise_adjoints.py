@@ -1,12 +1,12 @@
 """FactorPointwiseAdjoints: the gradient through a pointwise chain as ``dy * J``, with ``J`` computed
 from forward values only.
 
-A pointwise function written out as ops — transformers' GPT-2 GELU
-``0.5 x (1 + tanh(0.798 (x + 0.0447 x^3)))``, a SiLU gate ``g * sigmoid(g) * up`` — gets from
-autodiff a backward that multiplies the incoming gradient ``dy`` by each intermediate in turn
-(``x``, ``x * x``, the tanh, ``1 + tanh``, ``0.5 x``), so each is kept for the backward: a tensor
-as large as ``x`` that the forward GEMM's epilogue stores and a backward epilogue loads (GPT-2
-medium on an H200: the FFN1 epilogue stored six [16384, 4096] tensors, 0.59 ms a call).  But
+A pointwise function written out as ops — a SiLU gate ``g * sigmoid(g) * up`` (transformers'
+Llama), GPT-2's GELU ``0.5 x (1 + tanh(0.798 (x + 0.0447 x^3)))`` — gets from autodiff a backward
+that multiplies the incoming gradient ``dy`` by each intermediate in turn (``sigmoid(g)``,
+``1 - sigmoid(g)``, ``g``, ``up``), so each is kept for the backward: a tensor as large as ``g``
+that the forward GEMM's epilogue stores and a backward epilogue loads (Llama's gate GEMM stored
+four [8192, 11008] tensors, its down projection's dX loaded five).  But
 that backward is linear in ``dy``: its result is ``dy * J`` where ``J``, the chain's derivative,
 is the same ops with ``dy`` set to 1 — a pointwise function of forward values the forward's
 epilogue computes and stores as one tensor.
@@ -21,7 +21,7 @@ A backward value ``g`` is rewritten when
   linear terms, products and quotients with a ``dy``-free factor, negation, and ``where`` with a
   ``dy``-free condition and linear or zero branches;
 * ``dy``, ``g`` and every value of the region have one dtype (``J`` then rounds as the region
-  did), and
+  did), the region has at most ``MAX_OPS`` ops (``J`` is that many epilogue nodes), and
 * the forward tensors of ``g``'s size that the region reads take more bytes than ``J`` (one
   tensor kept instead of several; not two boolean masks, a ReLU's and a dropout's, for a float
   ``J``).
@@ -50,6 +50,11 @@ POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
 LINEAR_SUM = frozenset({"relax.add", "relax.subtract"})
 
 CONST, LINEAR, ZERO = "const", "linear", "zero"  # how a region's value depends on dy
+# the most ops a J may take: each is a node of the forward epilogue that computes it, and a long
+# tree of 16-bit nodes runs slowly there (H200, bf16, 2026-11-28: Llama's SiLU gate, J of 7 ops,
+# 95.78 -> 90.98 ms a step; GPT-2 medium's tanh GELU, J of 15 ops: its FFN1 epilogue went from
+# 0.59 to 0.98 ms a call, the FFN2 dX from 0.40 to 0.19, the step 116.66 -> 118.67 ms)
+MAX_OPS = 8
 
 
 def _dtype(expr) -> str | None:
@@ -71,6 +76,7 @@ class _Region:
         self.dy = None
         self.forward_reads: set = set()  # forward tensors of the root's size
         self.reads: set = set()  # every forward value read
+        self.ops = 0  # the region's pointwise bindings: J's ops
         self.kinds: dict = {}
         self.ok = True
 
@@ -90,6 +96,7 @@ class _Region:
             return CONST
         value = self.bound[expr]
         if op_name(value) in POINTWISE and _dtype(expr) == self.dtype:
+            self.ops += 1
             found = self._call(value)
         elif self.dy is None or self.dy.same_as(expr):  # the region's one backward input
             self.dy, found = expr, (LINEAR if _dtype(expr) == self.dtype else None)
@@ -195,7 +202,7 @@ def factor_roots(func: relax.Function) -> tuple[dict, set, dict]:
         if b.var not in returned and readers and all(op_name(r) in POINTWISE for r in readers):
             continue  # not the end of its region
         region = _Region(bound, forward, b.var)
-        if region.kind(b.var) == LINEAR and region.dy is not None \
+        if region.kind(b.var) == LINEAR and region.dy is not None and region.ops <= MAX_OPS \
                 and sum(map(tensor_bytes, region.forward_reads)) > tensor_bytes(b.var):
             roots[b.var] = (region.dy, bound)
             last = max((v for v in region.reads if v in index), key=index.get, default=loss)
