@@ -11,6 +11,7 @@ import tvm
 from tvm import relax
 
 OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the PrimFunc
+VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # results that share their operand's memory
 
 
 def op_name(value) -> str | None:

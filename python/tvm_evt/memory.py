@@ -47,7 +47,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .pipeline import phases
+from .pipeline import pass_context, phases
+from .relax_passes._rewrite import VIEWS
 
 FUNCTION = "train_step"
 
@@ -68,7 +69,6 @@ PLANNER = "StaticPlanBlockMemory"
 ALLOC_STORAGE = "relax.memory.alloc_storage"
 ALLOC_TENSOR = "relax.memory.alloc_tensor"  # a tensor placed in a storage of the plan
 BUILTIN_ALLOC = "relax.builtin.alloc_tensor"  # a tensor the plan left to the runtime
-VIEWS = ("relax.reshape", "relax.memory.view")  # results that share their argument's memory
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "buffers", "counters", "gradients",
               "saved_activations", "temporaries", "step_outputs")
@@ -116,10 +116,7 @@ class PlannedStepKeeper:
 
     def watching(self) -> tvm.transform.PassContext:
         """The current PassContext with this instrument added."""
-        cur = tvm.transform.PassContext.current()
-        return tvm.transform.PassContext(opt_level=cur.opt_level, required_pass=list(cur.required_pass),
-                                         disabled_pass=list(cur.disabled_pass),
-                                         instruments=list(cur.instruments) + [self], config=dict(cur.config.items()))
+        return pass_context(instruments=[self])
 
 
 # ------------------------------------------------------------------------ the walk

@@ -117,7 +117,7 @@ PHASES = (
           ("EliminateLoss", "DecomposeCrossEntropy", "DecomposeLayerNorm", "DecomposeBatchNorm",
            "DecomposeMatmulBias", "EliminateReduction", "EliminateSoftmaxBackwardReduction",
            "AccumulateInFloat32", "FuseColumnMoments", "SaveSoftmaxLowPrecision", "EliminateMaskedFillGradient",
-           "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout")),
+           "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout", "FactorPointwiseAdjoints")),
     Phase("partition", "relax_passes.partition",
           ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "Rematerialize",
            "InlineEVTPartitions")),
@@ -213,13 +213,20 @@ def _switched(env: str) -> set[str]:
 CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"  # what TVM's RewriteCUDAGraph reads
 
 
-def graph_capture() -> tvm.transform.PassContext:
-    """The current PassContext with TVM's CUDA-graph rewrite switched on (a build inside it lifts
-    the static regions of each function into captured CUDA graphs)."""
+def pass_context(config: dict | None = None, instruments: list | None = None) -> tvm.transform.PassContext:
+    """The current PassContext with `config` added to its configuration and `instruments` to its
+    instruments (a context entered inside another replaces it rather than adding to it)."""
     cur = tvm.transform.PassContext.current()
     return tvm.transform.PassContext(opt_level=cur.opt_level, required_pass=list(cur.required_pass),
                                      disabled_pass=list(cur.disabled_pass),
-                                     config={**dict(cur.config.items()), CUDA_GRAPH_CONFIG: True})
+                                     instruments=list(cur.instruments) + list(instruments or ()),
+                                     config={**dict(cur.config.items()), **(config or {})})
+
+
+def graph_capture() -> tvm.transform.PassContext:
+    """The current PassContext with TVM's CUDA-graph rewrite switched on (a build inside it lifts
+    the static regions of each function into captured CUDA graphs)."""
+    return pass_context(config={CUDA_GRAPH_CONFIG: True})
 
 
 def enabled(name: str) -> bool:

@@ -49,7 +49,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...errors import MemoryBudgetError
-from .._rewrite import flat_bindings, op_name, sub_expressions
+from .._rewrite import VIEWS, flat_bindings, op_name, sub_expressions
 from ..ops.attention_op import FORWARD as ATTENTION
 from .evt_cost import static_shape, tensor_bytes
 
@@ -62,7 +62,6 @@ MAX_ROUNDS = 8  # plans validated against the estimate before giving up
 FLOPS_PER_S = 6.0e14
 BYTES_PER_S = 3.0e12
 LAUNCH_S = 4e-6  # a kernel launch and its gap: what a recomputed cheap op still costs
-VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # share their operand's memory
 GEMM_OPS = frozenset({"relax.matmul"})
 ATTENTION_OPS = frozenset({ATTENTION})  # q [B, H, Sq, D], k [B, H, Sk, D]
 
