@@ -133,3 +133,37 @@ def test_a_unit_of_one_kernel_is_the_kernel_as_before():
     objects, of kernels that share no type are those of emitting them one by one."""
     src = emit_conv(dataclasses.replace(_conv("solo"), dtype="float16"))
     assert translation_units({"solo": src}) == [(["solo"], src)]
+
+
+@pytest.mark.slow
+def test_nvcc_builds_a_unit_whose_entries_each_check_their_arguments(tmp_path, monkeypatch, request):
+    """A minute or two of nvcc, no GPU: two convolutions of one type are one object (one CUTLASS
+    kernel), linked and exported with both entries, each checking its own shapes."""
+    if "slow" not in (request.config.option.markexpr or ""):
+        pytest.skip("minutes of nvcc: run with -m slow")
+    import shutil
+    import subprocess
+
+    import numpy as np
+
+    from tvm_evt.codegen.build import kernel_entries, toolchain
+
+    if toolchain.find_nvcc() is None or shutil.which("ld") is None:
+        pytest.skip("nvcc absent")
+    import tvm_ffi
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = [_conv("unit_a", size=28), _conv("unit_b", size=14)]
+    lib = relax_ext.build_conv(calls)
+    kernels = [o for o in (tmp_path / "tvm_evt").rglob("*.o") if kernel_entries(o) and "module-" not in o.name]
+    assert len(kernels) == 1 and len(kernel_entries(kernels[0])) == 1  # one unit, one CUTLASS kernel
+    assert set(relax_ext.kernel_partitions(kernel_entries(kernels[0])[0])) >= {"unit_a", "unit_b"}
+    so = tmp_path / "unit.so"
+    lib.export_library(str(so))
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
+    assert "__tvm_ffi_unit_a" in syms and "__tvm_ffi_unit_b" in syms
+    module = tvm_ffi.load_module(str(so))
+    for c in calls:
+        x = tvm_ffi.from_dlpack(np.zeros(c.x, np.float32))
+        with pytest.raises(ValueError, match=f"{c.symbol}.*x must be on cuda"):
+            module[c.symbol](x, x, x)
