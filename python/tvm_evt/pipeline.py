@@ -114,7 +114,7 @@ PHASES = (
           ("EliminateLoss", "DecomposeCrossEntropy", "DecomposeLayerNorm", "DecomposeBatchNorm",
            "DecomposeMatmulBias", "EliminateReduction", "EliminateSoftmaxBackwardReduction",
            "AccumulateInFloat32", "FuseColumnMoments", "SaveSoftmaxLowPrecision", "EliminateMaskedFillGradient",
-           "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout")),
+           "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout", "FoldConstants")),
     Phase("partition", "relax_passes.partition",
           ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "Rematerialize",
            "InlineEVTPartitions")),
