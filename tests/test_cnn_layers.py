@@ -12,8 +12,8 @@ import tvm_evt
 GRAD_TOL = 1e-4  # of the largest gradient's norm
 
 
-def _stem() -> nn.Module:  # torchvision.models.resnet: conv1, bn1, relu, maxpool
-    return nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+def _stem(width: int = 16) -> nn.Module:  # torchvision.models.resnet: conv1, bn1, relu, maxpool
+    return nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
                          nn.MaxPool2d(3, 2, 1))
 
 
@@ -31,6 +31,56 @@ class _BasicBlock(nn.Module):  # torchvision.models.resnet.BasicBlock with a 1x1
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class _Bottleneck(nn.Module):  # torchvision.models.resnet.Bottleneck (v1.5: the stride on the 3x3)
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int = 1):
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+def resnet(block: str, layers: tuple[int, ...], classes: int = 1000, width: int = 64) -> nn.Module:
+    """torchvision.models.resnet.ResNet: the stem, four stages of `layers` blocks (widths `width`,
+    2x, 4x, 8x; the first block of stages 2-4 strided), global average pooling and the head.
+    ``resnet("basic", (2, 2, 2, 2))`` is resnet18, ``resnet("bottleneck", (3, 4, 6, 3))`` resnet50."""
+    stages, cin = [], width
+    for i, n in enumerate(layers):
+        planes = width * 2**i
+        blocks = []
+        for j in range(n):
+            stride = 2 if i > 0 and j == 0 else 1
+            if block == "basic":
+                blocks.append(_BasicBlock(cin, planes, stride))
+                cin = planes
+            else:
+                blocks.append(_Bottleneck(cin, planes, stride))
+                cin = planes * _Bottleneck.expansion
+        stages.append(nn.Sequential(*blocks))
+    return _classifier(nn.Sequential(_stem(width), *stages), cin, classes)
+
+
+def resnet18(classes: int = 1000) -> nn.Module:
+    return resnet("basic", (2, 2, 2, 2), classes)
+
+
+def resnet50(classes: int = 1000) -> nn.Module:
+    return resnet("bottleneck", (3, 4, 6, 3), classes)
 
 
 class _InvertedResidual(nn.Module):  # torchvision.models.mobilenetv2.InvertedResidual

@@ -130,3 +130,48 @@ def test_entry_rejects_wrong_shapes_and_dtypes(tmp_path):
         fprop(*ffi(x[..., :32].contiguous(), w, y))
     with pytest.raises(TypeError, match="dtype"):
         fprop(*ffi(x.half(), w, y))
+
+
+def test_kernels_of_one_type_in_one_unit_compute_what_each_alone_does(tmp_path):
+    """Calls of one kernel type (fprop and wgrad of 128 channels at five geometries, two split over
+    the batch) built as one nvcc translation unit, and each built alone: the same bits out of
+    every entry (issue #40: the unit compiles the CUTLASS type once)."""
+    import dataclasses
+
+    import torch
+    import tvm
+
+    from tvm_evt.codegen.build import build_many
+    from tvm_evt.codegen.build.units import translation_units
+    from tvm_evt.codegen.relax_ext import build_conv, conv_sources
+
+    geometries = [("g28", (4, 28, 28, 128), (1, 1, 1, 1), (1, 1)), ("g14", (2, 14, 14, 128), (1, 1, 1, 1), (1, 1)),
+                  ("g16s2", (2, 16, 16, 128), (1, 1, 1, 1), (2, 2)), ("g56", (8, 56, 56, 128), (1, 1, 1, 1), (1, 1)),
+                  ("g48", (8, 48, 48, 128), (1, 1, 1, 1), (1, 1))]
+    calls = [c for name, x, pad, stride in geometries
+             for c in _calls(name, x, (128, 3, 3), pad, stride, (1, 1), ("fprop", "wgrad") if stride != (1, 1)
+                             else ("fprop", "dgrad", "wgrad"), "bfloat16").values() if c.kind != "dgrad"]
+    units = translation_units(conv_sources(calls))
+    assert len(units) < len(calls), [names for names, _ in units]
+
+    def load(lib, name):
+        path = os.path.join(str(tmp_path), f"{name}.so")
+        lib.export_library(path)
+        return tvm.runtime.load_module(path)
+
+    together = load(build_conv(calls), "together")
+    alone = [dataclasses.replace(c, symbol=f"alone_{c.symbol}") for c in calls]
+    build_many({c.symbol: src for c in alone for src in [conv_sources([c])[c.symbol]]})  # in parallel, then cached
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for call, solo in zip(calls, alone):
+        module = load(build_conv([solo]), solo.symbol)
+        tensors = {"x": torch.randn(*call.x, device="cuda", generator=gen).bfloat16(),
+                   "w": torch.randn(*call.w, device="cuda", generator=gen).bfloat16(),
+                   "dy": torch.randn(*call.y, device="cuda", generator=gen).bfloat16()}
+        outs = []
+        for mod, c in ((together, call), (module, solo)):
+            out = torch.full(call.shape(c.outputs[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+            mod[c.symbol](*[tvm.runtime.from_dlpack(t) for t in [tensors[n] for n in c.inputs] + [out]])
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]), call.symbol

@@ -14,8 +14,9 @@ import re
 from ..errors import Unsupported
 from ..frontend.conv_call import supported
 from ..ir.conv import ConvCall
-from .conv_templates import (HEADER, KERNEL, SINGLE_LAUNCH, SPLIT_LAUNCH, SPLIT_PRELUDE, STRIDE_ACTIVATION,
-                             STRIDE_FILTER)
+from .conv_templates import (HEADER, KERNEL, KERNEL_TYPES, SINGLE_LAUNCH, SPLIT_LAUNCH, SPLIT_PRELUDE,
+                             STRIDE_ACTIVATION, STRIDE_FILTER)
+from .kernel_type import type_line
 from .sm90_emitter import CODEGEN_VERSION
 from .templates import PRELUDE
 
@@ -91,7 +92,18 @@ def emit_conv(call: ConvCall) -> str:
     n_mode = f"Shape<_{tn}>" if call.kind == "wgrad" else f"_{tn}"
     m, n, k = call.gemm
     pt, pl, pb, pr = call.pad
+    values = dict(
+        namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, element=ELEMENT[call.dtype],
+        element_d="float" if split > 1 else "Element",
+        operator=OPERATOR[call.kind], tile_shape=f"Shape<_{tm}, {n_mode}, Shape<_{tk}>>",
+        layout_output="cutlass::layout::TensorKCSR" if call.kind == "wgrad" else "cutlass::layout::TensorNHWC",
+        # wgrad stores its small filter gradient straight from registers, as CUTLASS's wgrad tests do
+        epilogue_schedule="cutlass::epilogue::NoSmemWarpSpecialized" if call.kind == "wgrad"
+        else "cutlass::epilogue::TmaWarpSpecialized",
+    )
+    prelude = PRELUDE + (SPLIT_PRELUDE if split > 1 else "")
     header = HEADER.substitute(
+        kernel_type=type_line(prelude + KERNEL_TYPES.substitute(values, namespace="kernel")),
         version=CODEGEN_VERSION, symbol=call.symbol, kind=call.kind, x=_ints(call.x), w=_ints(call.w),
         y=_ints(call.y), pad=_ints(call.pad), stride=_ints(call.stride), dilation=_ints(call.dilation),
         dtype=call.dtype, m=m, n=n, k=k, tile=f"{tm}x{tn}x{tk}" + (f", split {split}" if split > 1 else ""),
@@ -105,17 +117,11 @@ def emit_conv(call: ConvCall) -> str:
         operand_a=a, operand_b=b, operand_d=d,
     )
     kernel = KERNEL.substitute(
-        namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, element=ELEMENT[call.dtype],
-        element_d="float" if split > 1 else "Element",
-        operator=OPERATOR[call.kind], tile_shape=f"Shape<_{tm}, {n_mode}, Shape<_{tk}>>",
-        layout_output="cutlass::layout::TensorKCSR" if call.kind == "wgrad" else "cutlass::layout::TensorNHWC",
-        # wgrad stores its small filter gradient straight from registers, as CUTLASS's wgrad tests do
-        epilogue_schedule="cutlass::epilogue::NoSmemWarpSpecialized" if call.kind == "wgrad"
-        else "cutlass::epilogue::TmaWarpSpecialized",
+        values,
         num_args=len(names), bind=bind, first_tensor=names[0], checks=checks,
         x=_ints(call.x), x_hwc=_ints(call.x[1:]), w=_ints(call.w), pad=_ints(call.pad),
         pad_lower=_ints((pt, pl)), pad_upper=_ints((pb, pr)), stride=_ints(call.stride),
         dilation=_ints(call.dilation),
         stride_d=STRIDE_FILTER if call.kind == "wgrad" else STRIDE_ACTIVATION, launch=launch,
     )
-    return header + PRELUDE + (SPLIT_PRELUDE if split > 1 else "") + kernel
+    return header + prelude + kernel

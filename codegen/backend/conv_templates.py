@@ -25,6 +25,7 @@ HEADER = Template("""\
 // ${symbol}: ${kind} x=[${x}] w=[${w}] y=[${y}] pad=[${pad}] stride=[${stride}] dilation=[${dilation}] ${dtype}
 // GEMM M=${m} N=${n} K=${k}, tile ${tile}.
 // Do not edit: the build cache is keyed by this text.
+${kernel_type}
 #include <cuda_runtime.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
@@ -55,7 +56,9 @@ STRIDE_FILTER = """\
   cute::get<1, 1>(stride_d) = problem.stride_C[2];
   cute::get<1, 2>(stride_d) = problem.stride_C[1];"""
 
-KERNEL = Template("""
+# The kernel's type (what nvcc spends its time on): the same text, up to the namespace, for every
+# call of the same kind, dtype, tile and split (``units.type_line`` hashes it).
+KERNEL_TYPES = Template("""
 namespace ${namespace} {
 using namespace cute;
 
@@ -89,7 +92,9 @@ using ProblemShape = cutlass::conv::ConvProblemShape<kOperator, 2>;
 using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
 using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
 using StrideD = typename ConvKernel::StrideD;
+""")
 
+KERNEL = Template(KERNEL_TYPES.template + """
 // activation x [N, H, W, C] of `batch` images, filter w [K, R, S, C]; padding (top, left), (bottom, right)
 ProblemShape make_problem(int batch) {
   return ProblemShape(

@@ -28,7 +28,8 @@ from ..ir import (
 from ..philox import dropout_scale, keep_threshold
 from .config import Decomposition, KernelConfig, Schedule, default_config
 from .functors import BITS, CPP_TYPE, DL_TYPE, FUNCTOR, REDUCE
-from .templates import DROPOUT, HEADER, KERNEL, LAUNCHER, PRELUDE, SCHEDULER_ARGS, STREAM_K, TILE_SCHEDULER
+from .kernel_type import type_line
+from .templates import DROPOUT, HEADER, KERNEL, KERNEL_TYPES, LAUNCHER, PRELUDE, SCHEDULER_ARGS, STREAM_K, TILE_SCHEDULER
 
 CODEGEN_VERSION = "0.1.0"
 FUSION = "cutlass::epilogue::fusion"
@@ -345,7 +346,9 @@ class Sm90Emitter:
         )
         dropout = DROPOUT if any(isinstance(n, Dropout) for n in p.epilogue.nodes) else ""
         stream_k = STREAM_K if cfg.decomposition is not Decomposition.DATA_PARALLEL else ""
-        return HEADER.substitute(values) + PRELUDE + stream_k + dropout + KERNEL.substitute(values)
+        prelude = PRELUDE + stream_k + dropout
+        values["kernel_type"] = type_line(prelude + KERNEL_TYPES.substitute(values, namespace="kernel"))
+        return HEADER.substitute(values) + prelude + KERNEL.substitute(values)
 
 
 def emit(partition: Partition, config: KernelConfig | None = None) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..backend.sm90_emitter import CODEGEN_VERSION
 from . import toolchain
+from .units import translation_units
 
 
 class BuildError(RuntimeError):
@@ -116,30 +117,43 @@ def build_many(sources: dict[str, str], jobs: int | None = None, progress: bool 
 
 def build_each(sources: dict[str, str], jobs: int | None = None,
                progress: bool = True) -> dict[str, Path | BuildError]:
-    """``build_many`` that returns each kernel's object or its ``BuildError`` (nothing raised)."""
-    jobs = jobs or max(1, min(len(sources), os.cpu_count() or 1))
+    """``build_many`` that returns each kernel's object or its ``BuildError`` (nothing raised).
+
+    Kernels of one CUTLASS type are compiled as one translation unit (``units``) and share its
+    object; where a unit of several fails, each of its kernels is compiled alone, so each gets
+    its own object or error."""
+    units = translation_units(sources)
+    jobs = jobs or max(1, min(len(units), os.cpu_count() or 1))
     results: dict[str, Path | BuildError] = {}
     start = time.monotonic()
 
-    def one(item):
-        name, src = item
-        t0 = time.monotonic()
+    def build(name, src):
         try:
-            path, cached = build_object(src, name)
+            return build_object(src, name)
         except BuildError as err:
-            return name, err, False, time.monotonic() - t0
-        return name, path, cached, time.monotonic() - t0
+            return err, False
+
+    def one(unit):
+        names, src = unit
+        t0 = time.monotonic()
+        label = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more of its type"
+        path, cached = build(label, src)
+        if len(names) == 1 or not isinstance(path, BuildError):
+            return names, {n: path for n in names}, cached, time.monotonic() - t0
+        return names, {n: build(n, sources[n])[0] for n in names}, False, time.monotonic() - t0
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for done, (name, path, cached, secs) in enumerate(pool.map(one, sources.items()), 1):
-            results[name] = path
+        for done, (names, paths, cached, secs) in enumerate(pool.map(one, units), 1):
+            results.update(paths)
             if progress:
-                how = ("FAILED: " + path.first_error if isinstance(path, BuildError)
+                failed = [p for p in paths.values() if isinstance(p, BuildError)]
+                how = ("FAILED: " + failed[0].first_error if failed
                        else "cached" if cached else f"built in {secs:.0f}s")
+                what = names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} of its type)"
                 print(
-                    f"[tvm_evt] {done}/{len(sources)} {name}: {how} "
+                    f"[tvm_evt] {done}/{len(units)} {what}: {how} "
                     f"({time.monotonic() - start:.0f}s elapsed)",
                     file=sys.stderr,
                     flush=True,
                 )
-    return results
+    return {name: results[name] for name in sources}

@@ -36,7 +36,7 @@ def link_module(objects: list[Path], symbols: list[str], nvcc: str | None = None
     if not ld or not objcopy:
         raise BuildError("binutils (ld, objcopy) are needed to link the kernel module")
     shim, _ = build_object(SHIM_SOURCE, "driver_shim", nvcc)
-    objects = [*objects, shim]
+    objects = [*dict.fromkeys(objects), shim]  # kernels of one type share their unit's object
     key = cache_key("\n".join([*map(str, sorted(objects)), *sorted(symbols), str(cudart)]), nvcc)
     root = cache_root()
     out = root / f"module-{key}.o"

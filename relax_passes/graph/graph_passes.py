@@ -18,6 +18,7 @@ from .eliminate_loss import EliminateLoss
 from .eliminate_masked_fill_gradient import EliminateMaskedFillGradient
 from .eliminate_reduction import EliminateReduction
 from .eliminate_softmax_backward_reduction import EliminateSoftmaxBackwardReduction
+from .fold_constants import FoldConstants
 from .fold_layout import FoldLayoutIntoMatmul
 from .fuse_column_moments import FuseColumnMoments
 from .narrow_before_layout import NarrowBeforeLayout
@@ -48,7 +49,7 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             SwapTransposedMatmul(),  # (x^T dy)^T -> dy^T x: weight gradients need no transpose
             FoldLayoutIntoMatmul(),
             NarrowBeforeLayout(),  # float32 inputs cast to bf16 before they are transposed
-            relax.transform.FoldConstant(),
+            FoldConstants(),  # relax.transform.FoldConstant, legalizing only what can fold
             # forward statistics shared with their backward recomputation, dead loss code gone
             relax.transform.EliminateCommonSubexpr(),
             relax.transform.CanonicalizeBindings(),
