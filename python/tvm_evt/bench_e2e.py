@@ -60,10 +60,10 @@ MODELS = {
                  "LlamaForCausalLM (4 layers of 4096, 32/8 heads, transformers)"),
     "timm_vit_b16": ("timm_vit_b16", {"batch": 128}, {"batch": 16}, "vit_base_patch16_224 (timm)"),
     # whole CNNs as torchvision and timm build them, channels-last for every system
-    "tv_resnet18": ("tv_resnet18", {"batch": 64}, {"batch": 8, "image": 64}, "resnet18 (torchvision)"),
-    "tv_resnet50": ("tv_resnet50", {"batch": 128}, {"batch": 8, "image": 64}, "resnet50 (torchvision)"),
-    "tv_mobilenet_v2": ("tv_mobilenet_v2", {"batch": 128}, {"batch": 8, "image": 64}, "mobilenet_v2 (torchvision)"),
-    "timm_effnet_b0": ("timm_efficientnet_b0", {"batch": 128}, {"batch": 8, "image": 64},
+    "tv_resnet18": ("tv_resnet18", {"batch": 64, "image": 224}, {"batch": 8, "image": 64}, "resnet18 (torchvision)"),
+    "tv_resnet50": ("tv_resnet50", {"batch": 128, "image": 224}, {"batch": 8, "image": 64}, "resnet50 (torchvision)"),
+    "tv_mobilenet_v2": ("tv_mobilenet_v2", {"batch": 128, "image": 224}, {"batch": 8, "image": 64}, "mobilenet_v2 (torchvision)"),
+    "timm_effnet_b0": ("timm_efficientnet_b0", {"batch": 128, "image": 224}, {"batch": 8, "image": 64},
                        "efficientnet_b0 (timm)"),
 }
 ATTENTION_MODELS = ("bert_large", "gpt2_medium", "vit_b16")
