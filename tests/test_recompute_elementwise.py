@@ -185,3 +185,33 @@ def test_recomputed_statistics_compute_the_same_values():
     for got in outs:
         np.testing.assert_allclose(got[0], (args[0] - mean) * rstd, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[1], (args[0] + mean) * rstd, rtol=1e-5, atol=1e-5)
+
+
+def _sliced_logits():
+    """A padded GEMM's [N, C + 7] output sliced back to [N, C] and cast to float32 for a row max
+    and an exp (a loss over a padded vocabulary)."""
+    bb = relax.BlockBuilder()
+    z = relax.Var("z", relax.TensorType((N, C + 7), "bfloat16"))
+    with bb.function("main", [z]):
+        with bb.dataflow():
+            emit = bb.emit
+            s = emit(relax.op.strided_slice(z, axes=[1], begin=[0], end=[C]))
+            x32 = emit(relax.op.astype(s, "float32"))
+            mx = emit(relax.op.max(x32, axis=[1], keepdims=True))
+            e = emit(relax.op.exp(relax.op.subtract(x32, mx)))
+            gv = bb.emit_output(relax.Tuple([mx, e]))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_a_slice_is_recomputed_with_the_cast_that_reads_it():
+    """Each reader of the cast gets its own cast and its own slice: no kernel copies the slice."""
+    after = RecomputeElementwise()(_sliced_logits())
+    bindings = after["main"].body.blocks[0].bindings
+    ops = [b.value.op.name for b in bindings if isinstance(b.value, relax.Call)]
+    assert ops.count("relax.strided_slice") == 2 and ops.count("relax.astype") == 2, ops
+    readers = {b.value.args[0] for b in bindings if isinstance(b.value, relax.Call)
+               and b.value.op.name == "relax.astype"}
+    assert len(readers) == 2  # one slice per cast
+    assert recompute_pays(_sliced_logits()["main"].body.blocks[0].bindings[0].value,
+                          _sliced_logits()["main"].body.blocks[0].bindings[0].var, 1, others=False)

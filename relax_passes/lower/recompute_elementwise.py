@@ -7,6 +7,12 @@ costs more than recomputing: a batch norm's gradient reads ``x32 = astype(x, flo
 ``c = x32 - mean`` in two column sums and in the input-gradient pass, and ResNet-50's stage wrote
 and re-read them as float32 M×C tensors (206 MB each at 100352×512, against 103 MB for ``x``).
 
+A slice is cheap the same way: GPT-2's LM head, padded to 50264 columns (PadUnalignedMatmuls),
+is sliced back to the vocabulary's 50257 and cast to float32 for the loss's kernels; the cast is
+recomputed in each of them, and the slice, now read by each copy, was a kernel of its own (H200:
+``strided_slice3``, 2.9 ms a step copying the [16384, 50257] logits).  Each reader now reads the
+padded logits where the slice would have.
+
 Here a value ``v = op(args)`` with ``op`` in ``CHEAP`` is recomputed, one copy bound just before
 each reader that is a call of an op FuseOps fuses it into (``FUSABLE``: elementwise ops and the
 reductions), when
@@ -48,7 +54,8 @@ from .._rewrite import binding_uses, flat_bindings, mutate_relax_functions, op_n
 from ..partition.evt_cost import tensor_bytes
 
 CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
-                   "relax.negative"})
+                   "relax.negative", "relax.strided_slice"})
+SLICES = frozenset({"relax.strided_slice"})  # read only the part of their operand they return
 FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
                              "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
 MIN_ELEMENTS = 1 << 16  # smaller values: their bytes cost nothing, their kernel launches do
@@ -70,8 +77,11 @@ def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool
     n = _elements(var)
     if n is None:
         return False
-    full = sum(tensor_bytes(a) for a in value.args if _elements(a) == n)
     own = tensor_bytes(var)
+    if op_name(value) in SLICES:  # a copy reads the elements it returns, in the operand's dtype
+        full = n * tensor_bytes(value.args[0]) // max(1, _elements(value.args[0]) or 1)
+    else:
+        full = sum(tensor_bytes(a) for a in value.args if _elements(a) == n)
     return full <= own if others else (readers - 1) * full <= (readers + 1) * own
 
 
