@@ -78,7 +78,6 @@ class _Region:
         self.reads: set = set()  # every forward value read
         self.ops = 0  # the region's pointwise bindings: J's ops
         self.kinds: dict = {}
-        self.ok = True
 
     def kind(self, expr) -> str | None:
         """CONST, LINEAR or ZERO for `expr` in the region, None where the rewrite does not apply."""
@@ -169,6 +168,9 @@ class _Factor(PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.roots:
+            if binding.var not in self.factors:  # its last operand was not a var binding (a match_cast)
+                dy, bound = self.roots[binding.var]
+                self.factors[binding.var] = self._copy(binding.var, dy, bound, {})
             value = relax.op.multiply(self.visit_expr(self.roots[binding.var][0]), self.factors[binding.var])
             self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
         else:
