@@ -28,6 +28,8 @@ What ``phases(target)`` runs after the training phase, in order:
     AbsorbPartitionInputCasts  a cast (or a ReLU mask's compare) that only feeds a partition's
                        epilogue moves into it
     DeduplicateEVTPartitions  structurally equal partitions merged (one CUTLASS build each)
+    RecomputeSavedPointwise  (partition; off by default) kept pointwise chains of smaller tensors
+                       recomputed in the backward
     Rematerialize      (partition) under ``compile_training(..., memory_budget=)``: forward values
                        recomputed in the backward instead of kept, chosen by an integer program
     -- CUDA (lower) --
@@ -91,6 +93,7 @@ from .relax_passes.partition.absorb_partition_input_casts import AbsorbPartition
 from .relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.partition.inline_partitions import InlineEVTPartitions
 from .relax_passes.partition.pad_unaligned_matmuls import PadUnalignedMatmuls
+from .relax_passes.partition.recompute_saved_pointwise import RecomputeSavedPointwise
 from .relax_passes.partition.rematerialize import Rematerialize
 from .relax_passes.partition.partition_evt import DEFAULT_TIME_LIMIT, PartitionEVT
 
@@ -120,7 +123,8 @@ PHASES = (
            "SwapTransposedMatmul", "FoldLayoutIntoMatmul", "NarrowBeforeLayout", "FoldConstants",
            "FactorPointwiseAdjoints")),
     Phase("partition", "relax_passes.partition",
-          ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions", "Rematerialize",
+          ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions",
+           "RecomputeSavedPointwise", "Rematerialize",
            "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
@@ -195,6 +199,11 @@ OPTIONAL = {
                                "pointwise chain of at most 8 ops (a SiLU gate written out as ops) as dy * J, J "
                                "computed in the forward, which keeps J instead of the chain's intermediates "
                                "(H200 bf16: LlamaForCausalLM 4x4096 95.78 -> 90.98 ms per step)"),
+    "recompute_saved": Rewrite("RecomputeSavedPointwise: forward values the backward reads that are pointwise "
+                               "chains of a smaller tensor (a loss's float32 exp over the bf16 logits, a layer "
+                               "norm's float32 normalised input) recomputed in the backward kernels that read them "
+                               "(hf_bert_large, 1 layer, batch 2 x 128: the MLM head's 31 MB exp no longer kept; "
+                               "not yet timed on a GPU)", default=False),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
@@ -267,6 +276,8 @@ def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
                      row_kernels=row_kernels, row_kernel_epilogue=row_kernels and enabled("ln_epilogue")),
         *([AbsorbPartitionInputCasts()] if enabled("input_casts") else []),  # casts done in epilogues
         DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
+        # saved pointwise chains of smaller tensors (a loss's float32 exp) recomputed in the backward
+        *([RecomputeSavedPointwise()] if enabled("recompute_saved") else []),
         # forward values recomputed in the backward where train_step has a memory budget
         Rematerialize(),
     ]
