@@ -33,15 +33,11 @@ import tvm
 from tvm import relax
 
 from ...codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
-from .._rewrite import flat_bindings, static_shape
+from .._rewrite import flat_bindings, op_name, static_shape
 from .evt_cost import tensor_bytes
 from .rematerialize import StepGraph, rewrite, step_graph
 
 POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.astype", "relax.where"}
-
-
-def _op(value) -> str | None:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
 
 
 def _elements(expr) -> int | None:
@@ -58,7 +54,7 @@ class _Chains:
 
     def pointwise(self, v) -> bool:
         node = self.graph.nodes.get(v)
-        return node is not None and node.recomputable and _op(node.value) in POINTWISE \
+        return node is not None and node.recomputable and op_name(node.value) in POINTWISE \
             and _elements(v) is not None
 
     def sources(self, v) -> tuple[frozenset, frozenset] | None:
@@ -90,7 +86,7 @@ def _pointwise_readers_only(func: relax.Function, graph: StepGraph) -> set:
     ok = {v: True for v in graph.saved}
     for b in bindings[graph.boundary + 1:]:
         reads = [v for v in relax.analysis.free_vars(b.value) if v in ok]
-        if reads and _op(b.value) not in POINTWISE:
+        if reads and op_name(b.value) not in POINTWISE:
             for v in reads:
                 ok[v] = False
     return {v for v, good in ok.items() if good and v not in graph.pinned}
