@@ -5,6 +5,7 @@ and rewriting a function's bindings and then its returned fields."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Sequence
 
 import tvm
@@ -65,6 +66,18 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
         return tuple(int(s) for s in ty.shape.values)
     except TypeError:  # symbolic extent
         return None
+
+
+def elements(expr: relax.Expr) -> int | None:
+    """The element count of a tensor of static shape, else None."""
+    shape = static_shape(expr)
+    return None if shape is None else math.prod(shape)
+
+
+def dtype_of(expr: relax.Expr) -> str | None:
+    """The dtype of a tensor-typed expression, else None."""
+    ty = getattr(expr, "ty", None)
+    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
 
 
 def permute_axes(call: relax.Call) -> list[int]:

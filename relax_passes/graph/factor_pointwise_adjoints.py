@@ -35,14 +35,14 @@ Runs after the graph passes' common-subexpression elimination.
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
-from .._rewrite import binding_uses, flat_bindings, op_name, static_shape
+from .._rewrite import binding_uses, dtype_of, elements, flat_bindings, op_name, scalar_value
 from ..partition.evt_cost import tensor_bytes
 from ..partition.rematerialize import loss_var
 
@@ -57,11 +57,6 @@ CONST, LINEAR, ZERO = "const", "linear", "zero"  # how a region's value depends 
 MAX_OPS = 8
 
 
-def _dtype(expr) -> str | None:
-    ty = getattr(expr, "ty", None)
-    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
-
-
 def _is_zero(expr) -> bool:
     return isinstance(expr, tvm.ir.GenericConst) and not expr.value.numpy().any()
 
@@ -71,10 +66,9 @@ class _Region:
 
     def __init__(self, bound: dict, forward: set, root: relax.Var):
         self.bound, self.forward = bound, forward
-        self.dtype = _dtype(root)
-        self.size = math.prod(static_shape(root) or (0,))
+        self.dtype = dtype_of(root)
+        self.size = elements(root)
         self.dy = None
-        self.forward_reads: set = set()  # forward tensors of the root's size
         self.reads: set = set()  # every forward value read
         self.ops = 0  # the region's pointwise bindings: J's ops
         self.kinds: dict = {}
@@ -89,16 +83,13 @@ class _Region:
             return self.kinds[expr]
         if expr in self.forward or expr not in self.bound:  # a forward value or a parameter
             self.reads.add(expr)
-            shape = static_shape(expr)
-            if shape is not None and math.prod(shape) == self.size:
-                self.forward_reads.add(expr)
             return CONST
         value = self.bound[expr]
-        if op_name(value) in POINTWISE and _dtype(expr) == self.dtype:
+        if op_name(value) in POINTWISE and dtype_of(expr) == self.dtype:
             self.ops += 1
             found = self._call(value)
         elif self.dy is None or self.dy.same_as(expr):  # the region's one backward input
-            self.dy, found = expr, (LINEAR if _dtype(expr) == self.dtype else None)
+            self.dy, found = expr, (LINEAR if dtype_of(expr) == self.dtype else None)
         else:
             found = None
         self.kinds[expr] = found
@@ -124,9 +115,13 @@ class _Region:
             return LINEAR if kinds[0] != LINEAR and all(k in (LINEAR, ZERO) for k in kinds[1:]) else None
         return None  # a nonlinear op of dy
 
+    def forward_bytes(self) -> int:
+        """What the forward tensors of the root's size that the region reads keep."""
+        return sum(tensor_bytes(v) for v in self.reads if elements(v) == self.size)
+
 
 def _is_one(expr) -> bool:
-    return isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1 and float(expr.value.numpy()) == 1
+    return isinstance(expr, tvm.ir.GenericConst) and scalar_value({}, expr) == 1
 
 
 def _identity(name: str, args: list):
@@ -142,55 +137,65 @@ def _identity(name: str, args: list):
     return None
 
 
+class Factoring(NamedTuple):
+    """What `factor_roots` found in one function."""
+
+    roots: dict  # g -> its region's dy
+    bound: dict  # var -> its bound value
+    forward: set  # the vars bound up to the loss
+    ready: dict  # forward var -> the roots whose J can be bound right after it
+
+
 @mutator
 class _Factor(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, roots: dict, forward: set, ready: dict):
+    def __init__(self, mod: tvm.IRModule, plan: Factoring):
         super().__init__(mod)
-        self.roots = roots  # root var -> (dy, bound map)
-        self.forward = forward
-        self.ready = ready  # forward var -> the roots whose J can be bound right after it
+        self.plan = plan
         self.factors: dict = {}  # root -> J
 
-    def _copy(self, expr, dy, bound: dict, memo: dict):
+    def _copy(self, expr, dy, memo: dict):
         """`expr` with dy as 1, its region's bindings emitted again (forward values as they are)."""
+        bound = self.plan.bound
         if isinstance(expr, relax.Var) and expr.same_as(dy):
-            return relax.const(1, _dtype(dy))
+            return relax.const(1, dtype_of(dy))
         if not isinstance(expr, relax.Var) or expr not in bound or op_name(bound[expr]) not in POINTWISE \
-                or expr in self.forward:
+                or expr in self.plan.forward:
             return self.visit_expr(expr)
         if expr not in memo:
             call = bound[expr]
-            args = [self._copy(a, dy, bound, memo) for a in call.args]
+            args = [self._copy(a, dy, memo) for a in call.args]
             kept = _identity(op_name(call), args)
             memo[expr] = kept if kept is not None else self.builder_.emit(
                 relax.Call(call.op, args, call.attrs, call.ty_args), name_hint=f"{expr.name}_d")
         return memo[expr]
 
+    def _bind_factor(self, root: relax.Var) -> None:
+        self.factors[root] = self._copy(root, self.plan.roots[root], {})
+
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.roots:
-            if binding.var not in self.factors:  # its last operand was not a var binding (a match_cast)
-                dy, bound = self.roots[binding.var]
-                self.factors[binding.var] = self._copy(binding.var, dy, bound, {})
-            value = relax.op.multiply(self.visit_expr(self.roots[binding.var][0]), self.factors[binding.var])
-            self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+        g = binding.var
+        if g in self.plan.roots:
+            if g not in self.factors:  # its last operand was not a var binding (a match_cast)
+                self._bind_factor(g)
+            value = relax.op.multiply(self.visit_expr(self.plan.roots[g]), self.factors[g])
+            self.builder_.emit_normalized(relax.VarBinding(g, self.builder_.normalize(value)))
         else:
             super().visit_var_binding_(binding)
-        for root in self.ready.get(binding.var, ()):  # J in the forward, once its operands exist
-            dy, bound = self.roots[root]
-            self.factors[root] = self._copy(root, dy, bound, {})
+        for root in self.plan.ready.get(g, ()):  # J in the forward, once its operands exist
+            self._bind_factor(root)
 
 
-def factor_roots(func: relax.Function) -> tuple[dict, set, dict]:
-    """{g: (dy, bound)} for the backward values of `func` to rewrite (module docstring), the
-    forward vars, and {forward var: the roots whose J is bound right after it}."""
+def factor_roots(func: relax.Function) -> Factoring:
+    """The backward values of `func` to rewrite (module docstring), each with its dy."""
     bindings, _ = flat_bindings(func)
+    nothing = Factoring({}, {}, set(), {})
     try:
         loss = loss_var(func, bindings)
     except ValueError:
-        return {}, set(), {}
+        return nothing
     index = {b.var: i for i, b in enumerate(bindings)}
     if loss not in index:
-        return {}, set(), {}
+        return nothing
     boundary = index[loss]
     forward = {b.var for b in bindings[: boundary + 1]}
     bound = {b.var: b.value for b in bindings}
@@ -198,18 +203,18 @@ def factor_roots(func: relax.Function) -> tuple[dict, set, dict]:
     returned = set(relax.analysis.free_vars(func.body.body))
     roots, ready = {}, {}
     for b in bindings[boundary + 1:]:
-        if op_name(b.value) not in POINTWISE or static_shape(b.var) is None:
+        if op_name(b.value) not in POINTWISE or elements(b.var) is None:
             continue
         readers = [bindings[i].value if i < len(bindings) else None for i in uses.get(b.var, ())]
         if b.var not in returned and readers and all(op_name(r) in POINTWISE for r in readers):
             continue  # not the end of its region
         region = _Region(bound, forward, b.var)
         if region.kind(b.var) == LINEAR and region.dy is not None and region.ops <= MAX_OPS \
-                and sum(map(tensor_bytes, region.forward_reads)) > tensor_bytes(b.var):
-            roots[b.var] = (region.dy, bound)
+                and region.forward_bytes() > tensor_bytes(b.var):
+            roots[b.var] = region.dy
             last = max((v for v in region.reads if v in index), key=index.get, default=loss)
             ready.setdefault(last, []).append(b.var)
-    return roots, forward, ready
+    return Factoring(roots, bound, forward, ready)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FactorPointwiseAdjoints")
@@ -221,9 +226,9 @@ class FactorPointwiseAdjoints:
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            roots, forward, ready = factor_roots(func)
-            if roots:
-                updates[gv] = _Factor(mod, roots, forward, ready).visit_expr(func)
+            plan = factor_roots(func)
+            if plan.roots:
+                updates[gv] = _Factor(mod, plan).visit_expr(func)
         for gv, func in updates.items():
             mod[gv] = func
         return relax.transform.DeadCodeElimination()(mod) if updates else mod

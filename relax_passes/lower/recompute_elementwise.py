@@ -44,13 +44,11 @@ nothing after it may eliminate common subexpressions.
 
 from __future__ import annotations
 
-import math
-
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import binding_uses, flat_bindings, mutate_relax_functions, op_name, static_shape
+from .._rewrite import binding_uses, elements, flat_bindings, mutate_relax_functions, op_name
 from ..partition.evt_cost import tensor_bytes
 
 CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
@@ -63,25 +61,20 @@ MIN_ELEMENTS = 1 << 16  # smaller values: their bytes cost nothing, their kernel
 SMALL_CHEAP = CHEAP | frozenset({"relax.sqrt", "relax.rsqrt", "relax.reshape"})
 
 
-def _elements(expr) -> int | None:
-    shape = static_shape(expr)
-    return None if shape is None else math.prod(shape)
-
-
 def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool) -> bool:
     """Whether `readers` kernels recomputing ``var = value`` from its operands move fewer bytes
     than one kernel writing it and each of them reading it back.  With L the bytes of its
     full-size operands (as many elements as `var`) and V its own: written once, L + V + k V;
     recomputed by each of k readers, k L.  Where `others` (readers that cannot recompute it, or
     the function's result) read it anyway, it is written regardless: recomputing pays when L <= V."""
-    n = _elements(var)
+    n = elements(var)
     if n is None:
         return False
     own = tensor_bytes(var)
     if op_name(value) in SLICES:  # a copy reads the elements it returns, in the operand's dtype
-        full = n * tensor_bytes(value.args[0]) // max(1, _elements(value.args[0]) or 1)
+        full = n * tensor_bytes(value.args[0]) // (elements(value.args[0]) or 1)
     else:
-        full = sum(tensor_bytes(a) for a in value.args if _elements(a) == n)
+        full = sum(tensor_bytes(a) for a in value.args if elements(a) == n)
     return full <= own if others else (readers - 1) * full <= (readers + 1) * own
 
 
@@ -96,7 +89,7 @@ def plan(func: relax.Function, statistics: bool = False) -> tuple[dict, set]:
     recomputed: dict = {}
     for b in reversed(bindings):  # readers first
         v, value = b.var, b.value
-        n = _elements(v)
+        n = elements(v)
         if block_of.get(v) is None or n is None:
             continue
         small = n < MIN_ELEMENTS

@@ -27,22 +27,15 @@ until timed on a GPU.
 
 from __future__ import annotations
 
-import math
-
 import tvm
 from tvm import relax
 
 from ...codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
-from .._rewrite import flat_bindings, op_name, static_shape
+from .._rewrite import elements, flat_bindings, op_name
 from .evt_cost import tensor_bytes
 from .rematerialize import StepGraph, rewrite, step_graph
 
 POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.astype", "relax.where"}
-
-
-def _elements(expr) -> int | None:
-    shape = static_shape(expr)
-    return None if shape is None else math.prod(shape)
 
 
 class _Chains:
@@ -55,17 +48,17 @@ class _Chains:
     def pointwise(self, v) -> bool:
         node = self.graph.nodes.get(v)
         return node is not None and node.recomputable and op_name(node.value) in POINTWISE \
-            and _elements(v) is not None
+            and elements(v) is not None
 
     def sources(self, v) -> tuple[frozenset, frozenset] | None:
         """(sources of v's shape, the chain's bindings to copy) for a pointwise `v`, else None."""
         if v in self.memo:
             return self.memo[v]
         self.memo[v] = None  # (a chain never reads itself; this guards the recursion anyway)
-        size = _elements(v)
+        size = elements(v)
         sources, chain = set(), {v}
         for a in self.graph.nodes[v].operands:
-            n = _elements(a)
+            n = elements(a)
             if n is None or n > size:
                 return None
             if n < size:
