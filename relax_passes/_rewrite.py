@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the PrimFunc
 VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # results that share their operand's memory
@@ -265,13 +266,44 @@ def drop_uncalled(mod: tvm.IRModule, codegen: str) -> tvm.IRModule:
 
 def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.IRModule:
     """Run `mutator` (a PyExprMutator built on `mod`) over every Relax function of `mod`;
-    `before_each(func)` may prime the mutator with per-function facts first."""
+    `before_each(func)` may prime the mutator with per-function facts first.  Dataflow vars the
+    mutation left read outside their block become block outputs (`expose_escaping_vars`)."""
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             if before_each is not None:
                 before_each(func)
-            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+            mutator.builder_.update_func(gv, expose_escaping_vars(mutator.visit_expr(func)))
     return mutator.builder_.get()
+
+
+def escaping_vars(func: relax.Function) -> frozenset:
+    """The dataflow vars `func` reads outside the dataflow block that binds them: in its result or
+    a plain binding block (ill-formed; the partitioner takes them for values nothing reads)."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        return frozenset()
+    outside = [body.body] + [b.value for block in body.blocks if not isinstance(block, relax.DataflowBlock)
+                             for b in block.bindings]
+    return frozenset(v for e in outside for v in relax.analysis.free_vars(e) if isinstance(v, relax.DataflowVar))
+
+
+@mutator
+class _Exposer(PyExprMutator):
+    def __init__(self, escaping: frozenset):
+        super().__init__()
+        self.escaping = escaping
+
+    def visit_dataflow_var_def_(self, var: relax.DataflowVar) -> relax.Var:
+        return relax.Var(var.name, var.ty) if var in self.escaping else var
+
+
+def expose_escaping_vars(func: relax.Function) -> relax.Function:
+    """`func` with the dataflow vars it reads outside their block (`escaping_vars`) bound as
+    block outputs instead.  A rewrite that remaps a block's output to a value it emits (a dataflow
+    var) leaves such a read: where a training step is cut into functions (data parallel's
+    segments), every value crossing a cut is an output, and any of them may be rewritten."""
+    escaping = escaping_vars(func)
+    return _Exposer(escaping).visit_expr(func) if escaping else func
 
 
 def rewrite_function(

@@ -192,3 +192,27 @@ def test_a_weight_slice_transposed_for_matmuls_is_cast_first():
     transposing cast kernel ran at 0.6 TB/s on H100), and the matmul reads the transpose as the
     operand's layout."""
     tvm.ir.assert_structural_equal(NarrowBeforeLayout()(_split_linear(False)), _split_linear(True))
+
+
+def test_a_moved_cast_that_leaves_its_block_stays_a_block_output():
+    """Where the cast is the block's output (a value crossing a cut of a data-parallel step's
+    segments), the narrow layout value that replaces it is bound as the output: a dataflow var
+    returned from the function would be ill-formed (the partitioner drops what it takes for an
+    unread value; the VM build then fails on an undefined var)."""
+    def module(narrow_first: bool):
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType(X, "float32"))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                src = bb.emit(relax.op.astype(x, "bfloat16")) if narrow_first else x
+                p = bb.emit(relax.op.permute_dims(src, [0, 2, 3, 1]))
+                if narrow_first:
+                    out = bb.emit_output(relax.op.reshape(p, (72, 8)))
+                else:
+                    out = bb.emit_output(relax.op.astype(bb.emit(relax.op.reshape(p, (72, 8))), "bfloat16"))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    after = NarrowBeforeLayout()(module(False))
+    tvm.ir.assert_structural_equal(after, module(True))
+    assert not isinstance(after["main"].body.body, relax.DataflowVar)

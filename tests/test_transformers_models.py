@@ -3,6 +3,7 @@ loss and every gradient against torch fp32 on the CPU route."""
 import pytest
 import torch
 import torch.nn.functional as F
+import tvm
 
 import tvm_evt
 from tvm_evt.models import LibraryLoss
@@ -270,3 +271,40 @@ def test_whole_models_reach_the_attention_op(family, attention):
     ops = _step_ops(graph)
     assert ops.count(attention_op.FORWARD) == 2 and ops.count(attention_op.BACKWARD) == 2
     assert "relax.nn.softmax" not in ops
+
+
+def test_data_parallel_segments_stay_well_formed_through_the_cuda_route():
+    """BertForMaskedLM's data-parallel step (its adjoint cut into one segment per gradient
+    bucket): every value crossing a cut is a segment output, and no pass of the CUDA route up to
+    legalisation leaves a dataflow var read outside its block (NarrowBeforeLayout did, with a cast
+    of an embedding's output: the VM build then failed on an undefined var on every rank).  The
+    CPU route's build of the same module succeeds."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from tvm_evt import distributed, optim, pipeline
+    from tvm_evt.frontend import from_torch
+    from tvm_evt.relax_passes._rewrite import escaping_vars
+    from tvm_evt.training import as_target, build_adjoint_module, hopper_target
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)
+    input_ids = torch.randint(1, 100, (2, 16))
+    imported = from_torch(LibraryLoss(BertForMaskedLM(config)), (input_ids, input_ids.clone()), None)
+    adjoint, _, has_seed = build_adjoint_module(imported, "bf16")
+    graph = distributed.build_data_parallel_module(adjoint, imported, optim.AdamW(lr=1e-4), "bf16", 2,
+                                                   has_seed=has_seed, bucket_mb=0.005)
+    assert len(graph.plan.segments) > 4
+    mod, target = graph.mod, hopper_target()
+    with target, pipeline.pass_context():
+        for p in pipeline.phases(target):
+            name = p.info.name
+            if name == "LegalizeOps":
+                break
+            if name in ("PrebuildKernels", "RunCodegen"):  # nvcc: the GPU tier's
+                continue
+            mod = p(mod)
+            bad = {gv.name_hint: sorted(str(v) for v in escaping_vars(f))
+                   for gv, f in mod.functions_items() if isinstance(f, tvm.relax.Function) and escaping_vars(f)}
+            assert not bad, f"after {name}: {bad}"
+    tvm.compile(graph.mod, target=as_target("llvm"), relax_pipeline=pipeline.PIPELINE_NAME)
