@@ -30,8 +30,10 @@ def test_efficiency_is_against_the_same_system_on_one_gpu():
     rows = [_row("hf_bert_large", "tvm_evt", 1, 400.0), _row("hf_bert_large", "tvm_evt", 4, 1520.0),
             _row("hf_bert_large", "ddp", 1, 300.0), _row("hf_bert_large", "ddp", 2, 570.0),
             _row("hf_gpt2_medium", "ddp", 2, 100.0)]  # no one-GPU row: no efficiency
+    rows.append(_row("hf_bert_large", "tvm_evt_overlap", 2, 640.0))  # against tvm_evt's one-GPU row
     eff = bench_dp.efficiencies(rows)
     assert eff == {("hf_bert_large", "tvm_evt", 1): 1.0, ("hf_bert_large", "tvm_evt", 4): pytest.approx(0.95),
+                   ("hf_bert_large", "tvm_evt_overlap", 2): pytest.approx(0.8),
                    ("hf_bert_large", "ddp", 1): 1.0, ("hf_bert_large", "ddp", 2): pytest.approx(0.95)}
 
 
@@ -61,10 +63,11 @@ def test_driver_skips_what_an_earlier_run_measured_and_refuses_more_ranks_than_g
         return _row(model, system, ranks, 290.0 * ranks)
 
     monkeypatch.setattr(bench_dp, "run_measurement", fake)
-    assert bench_dp.main(["--models", "hf_bert_large", "--systems", "tvm_evt,ddp", "--gpus", "1,2,4",
+    assert bench_dp.main(["--models", "hf_bert_large", "--systems", "tvm_evt,tvm_evt_overlap,ddp", "--gpus", "1,2,4",
                           "--out", str(tmp_path)]) == 0
-    assert measured == [("tvm_evt", 1), ("tvm_evt", 2), ("ddp", 2)]
+    # (tvm_evt_overlap on one GPU is tvm_evt's step: not measured)
+    assert measured == [("tvm_evt", 1), ("tvm_evt", 2), ("tvm_evt_overlap", 2), ("ddp", 2)]
     rows = json.loads((tmp_path / bench_dp.RESULTS_JSON).read_text())["rows"]
     four = [r for r in rows if r["ranks"] == 4]
-    assert len(four) == 2 and all(not r["ok"] and r["error"] == "4 ranks, 2 GPUs visible" for r in four)
-    assert (tmp_path / bench_dp.RESULTS_MD).read_text().count("| BertForMaskedLM") == 6
+    assert len(four) == 3 and all(not r["ok"] and r["error"] == "4 ranks, 2 GPUs visible" for r in four)
+    assert (tmp_path / bench_dp.RESULTS_MD).read_text().count("| BertForMaskedLM") == 8

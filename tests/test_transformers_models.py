@@ -293,7 +293,7 @@ def test_data_parallel_segments_stay_well_formed_through_the_cuda_route():
     imported = from_torch(LibraryLoss(BertForMaskedLM(config)), (input_ids, input_ids.clone()), None)
     adjoint, _, has_seed = build_adjoint_module(imported, "bf16")
     graph = distributed.build_data_parallel_module(adjoint, imported, optim.AdamW(lr=1e-4), "bf16", 2,
-                                                   has_seed=has_seed, bucket_mb=0.005)
+                                                   has_seed=has_seed, bucket_mb=0.005, overlap=True)
     assert len(graph.plan.segments) > 4
     mod, target = graph.mod, hopper_target()
     with target, pipeline.pass_context():

@@ -34,13 +34,17 @@ import sys
 import time
 from pathlib import Path
 
-from .bench_e2e import MODELS, build_entry, error_summary, run_id, time_steps
+from .bench_e2e import MODELS, build_entry, error_summary, profile_kernels, run_id, time_steps
 
 SYSTEMS = {
-    "tvm_evt": ("tvm_evt, data parallel (NCCL all-reduce per 25 MiB bucket)", "tvm_evt, one GPU (CUDA graphs)"),
+    "tvm_evt": ("tvm_evt, data parallel (NCCL all-reduce per 25 MiB bucket after the backward)",
+                "tvm_evt, one GPU (CUDA graphs)"),
+    "tvm_evt_overlap": ("tvm_evt, data parallel, the backward cut per bucket (overlap=True)", "(tvm_evt's)"),
     "ddp": ("torch DistributedDataParallel (eager, autocast bf16, fused AdamW)", "PyTorch eager, one GPU"),
     "ddp_compile": ("torch.compile (default) of the DDP module", "torch.compile (default), one GPU"),
 }
+DEFAULT_SYSTEMS = ("tvm_evt", "ddp", "ddp_compile")  # tvm_evt_overlap: an A/B asked for by name
+ONE_GPU_OF = {"tvm_evt_overlap": "tvm_evt"}  # systems whose one-GPU row is another's (not measured twice)
 BASELINE = "ddp_compile"  # the system to beat at every N
 RESULTS_JSON, RESULTS_MD = "bench_dp.json", "bench_dp.md"
 
@@ -54,11 +58,12 @@ def parser() -> argparse.ArgumentParser:
         prog="bench_dp.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Data-parallel samples/s on 1..N GPUs of this host: tvm_evt, torch DDP, DDP + torch.compile.")
     ap.add_argument("--models", default="hf_bert_large,hf_gpt2_medium", help=f"comma-separated subset of {', '.join(MODELS)}")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     ap.add_argument("--gpus", default="1,2,4", help="comma-separated rank counts (each at most the visible GPUs)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per measurement (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     ap.add_argument("--quick", action="store_true", help="the bench's small sizes, for a smoke run")
+    ap.add_argument("--profile", action="store_true", help="also list rank 0's top kernels and its GPU busy time")
     ap.add_argument("--out", default="./bench_dp_out", help="output directory (JSON, Markdown)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per measurement (all its ranks)")
     ap.add_argument("--deadline", type=float, default=None,
@@ -96,6 +101,8 @@ def main(argv=None) -> int:
     for model in args.models:
         for n in args.gpus:
             for system in args.systems:
+                if n == 1 and system in ONE_GPU_OF:
+                    continue
                 if any(r["model"] == model and r["system"] == system and r["ranks"] == n and r.get("ok")
                        for r in data["rows"]):
                     continue  # measured by an earlier run into the same --out
@@ -125,7 +132,8 @@ def _summary(row: dict) -> str:
 
 def run_measurement(args, model: str, system: str, ranks: int) -> dict:
     """One measurement in subprocesses: torchrun with `ranks` processes, or one process."""
-    job = {"model": model, "system": system, "steps": args.steps, "warmup": args.warmup, "quick": args.quick}
+    job = {"model": model, "system": system, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+           "profile": args.profile}
     inner = ["-m", "tvm_evt.bench_dp", "--measure", json.dumps(job)]
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
                               if ranks > 1 else []) + inner
@@ -164,7 +172,7 @@ def measure(job: dict) -> dict | None:
         row["batch_per_gpu"] = int(inputs[0].shape[0])
         free0 = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
-        step = (_tvm_step if system == "tvm_evt" else _torch_step)(entry, inputs, system, ranks)
+        step = (_tvm_step if system.startswith("tvm_evt") else _torch_step)(entry, inputs, system, ranks)
         step()  # torch.compile compiles here; a data-parallel step checks the ranks agree and broadcasts
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
@@ -187,6 +195,10 @@ def measure(job: dict) -> dict | None:
                    compile_s=round(max(m["compile_s"] for m in every), 1),
                    device_used_mb=round(max(m["device_used_mb"] for m in every)),
                    torch_peak_mb=round(max(m["torch_peak_mb"] for m in every)))
+        if job.get("profile"):  # every rank profiles (their collectives pair up); rank 0's is kept
+            kernels, active = profile_kernels(step, system)
+            row.update(kernel_ms=round(sum(k["ms_per_step"] for k in kernels), 3), active_ms=active,
+                       kernels=kernels[:25])
     except Exception as err:  # noqa: BLE001 - reported as the row's error
         import traceback
 
@@ -224,8 +236,9 @@ def _tvm_step(entry, inputs, system: str, ranks: int):
     from . import optim
     from .training import compile_training
 
+    parallel = dict(data_parallel=True, overlap=system == "tvm_evt_overlap") if ranks > 1 else {}
     step = compile_training(entry.model, [t.cpu() for t in inputs], loss_fn=entry.loss_fn,
-                            optimizer=optim.AdamW(lr=1e-4), precision="bf16", data_parallel=ranks > 1)
+                            optimizer=optim.AdamW(lr=1e-4), precision="bf16", **parallel)
     return lambda: step(*inputs)
 
 
@@ -251,8 +264,9 @@ def write_reports(data: dict, out: Path) -> None:
 def efficiencies(rows: list[dict]) -> dict:
     """{(model, system, ranks): samples/s / (ranks × the same system's samples/s on one GPU)}."""
     one = {(r["model"], r["system"]): r["samples_per_s"] for r in rows if r.get("ok") and r["ranks"] == 1}
-    return {(r["model"], r["system"], r["ranks"]): r["samples_per_s"] / (r["ranks"] * one[r["model"], r["system"]])
-            for r in rows if r.get("ok") and (r["model"], r["system"]) in one}
+    of = lambda r: (r["model"], ONE_GPU_OF.get(r["system"], r["system"]))
+    return {(r["model"], r["system"], r["ranks"]): r["samples_per_s"] / (r["ranks"] * one[of(r)])
+            for r in rows if r.get("ok") and of(r) in one}
 
 
 def markdown(data: dict) -> str:

@@ -4,13 +4,13 @@ Every rank (a process that ``torchrun`` started, with the process group that
 ``torch.distributed.init_process_group`` set up: NCCL on GPUs, gloo on the CPU) compiles the same
 step and runs it on its shard of the batch.  One step of `DataParallelStep`:
 
-1. the adjoint (forward + backward) runs as the segments ``SplitAdjoint`` cut it into, one per
-   gradient bucket (parameters in the order the backward produces their gradients, buckets of
-   about `bucket_mb`); after the segment that completes bucket b, its gradients are copied into
-   the bucket's region of one flat buffer and the region's collective is launched
-   (``async_op=True``): an all-reduce, or under ZeRO-1 a reduce-scatter.  The collectives of the
-   early buckets run while the later segments compute (gloo's worker threads on the CPU, NCCL's
-   stream on a GPU); nothing else waits for them until step 3;
+1. the adjoint (forward + backward) runs as one function, or with ``overlap=True`` as the segments
+   ``SplitAdjoint`` cuts it into, one per gradient bucket (parameters in the order the backward
+   produces their gradients, buckets of about `bucket_mb`); after the segment that completes
+   bucket b, its gradients are copied into the bucket's region of one flat buffer and the
+   region's collective is launched (``async_op=True``): an all-reduce, or under ZeRO-1 a
+   reduce-scatter.  The collectives run on NCCL's stream on a GPU (gloo's worker threads on the
+   CPU); nothing else waits for them until step 3;
 2. ``advance``: the step counter (and the dropout seed's counter) for the update;
 3. for each bucket in order: wait for its collective, divide by the number of ranks, run its
    update (``AppendBucketUpdates``: the optimizer's fused kernel over the bucket's parameters);
@@ -19,21 +19,12 @@ step and runs it on its shard of the batch.  One step of `DataParallelStep`:
    all-gathered (``async_op=True``) into the flat parameter buffer the step's parameters are
    views of; the step waits for every all-gather before it returns.
 
-The average of the ranks' gradients is the gradient of the mean loss over the whole batch when
-the loss is a mean over the local shard and every rank's shard has the same size: the first
-step checks that the ranks compiled the same step (`fingerprint`: parameters, buffers, input
-shapes, optimizer, precision, buckets) and raises `DataParallelMismatchError` on every rank,
-naming what differs, instead of hanging in a collective of mismatched sizes; it then broadcasts
-rank 0's parameters and buffers, as torch's DistributedDataParallel does at construction.
-Buffers (BatchNorm's running statistics) are then each rank's own, computed from its shard.
-
-ZeRO-1 (``zero=True``): each rank keeps the optimizer state of its shard only: 1/N of every
-bucket (a contiguous range of the bucket's flat region).  The parameters are tvm-evt's fp32
-master weights themselves (``AutoMixedPrecision`` casts them to bf16 inside the graph), so every
-rank holds all of them for its forward; what is sharded is the optimizer state and the update.
-
-What overlaps, honestly: a bucket's collective with the backward segments after it and with
-the updates of the buckets before it.  Not overlapped: the gradient copies into the flat buffer
+What overlaps, honestly: a bucket's collective with the updates of the buckets before it, and
+with ``overlap=True`` also with the backward segments after it.  Not by default, because the
+cut costs more than it hides on the models measured: the lowering passes see each segment
+alone, so the forward values a later segment reads (layer-norm statistics, a loss's
+intermediates) are written and read back instead of kept in one kernel (``SplitAdjoint``'s
+docstring has the numbers).  Not overlapped: the gradient copies into the flat buffer
 (host-ordered torch copies), and the forward with anything (its all-gathers are waited for at
 the end of the previous step).  Cutting the adjoint costs the fusions across a cut.
 Not supported: fp16 (its dynamic loss scale would need an overflow check across ranks),
@@ -121,10 +112,10 @@ class DataParallelGraph:
 
 def build_data_parallel_module(adjoint_mod: tvm.IRModule, imported: ImportedModel, optimizer, precision: str,
                                world_size: int, zero: bool = False, bucket_mb: float = BUCKET_MB,
-                               has_seed: bool = False) -> DataParallelGraph:
+                               has_seed: bool = False, overlap: bool = False) -> DataParallelGraph:
     """From a module with ``main_adjoint`` (``training.build_adjoint_module``): its segments
-    (``SplitAdjoint``), the bucket updates and ``advance`` (``AppendBucketUpdates``), without
-    ``main`` and ``main_adjoint``."""
+    (``SplitAdjoint``: one, or with `overlap` one per bucket), the bucket updates and ``advance``
+    (``AppendBucketUpdates``), without ``main`` and ``main_adjoint``."""
     names = imported.param_names
     values = [imported.param_values[n] for n in names]
     dtypes = {str(v.dtype).replace("torch.", "") for v in values}
@@ -132,7 +123,7 @@ def build_data_parallel_module(adjoint_mod: tvm.IRModule, imported: ImportedMode
         raise ValueError(f"data_parallel: the parameters must share one dtype (one flat gradient buffer), got "
                          f"{ {n: str(v.dtype) for n, v in zip(names, values)} }")
     dtype = dtypes.pop()
-    splitter = SplitAdjoint(len(names), bucket_mb * 2**20)
+    splitter = SplitAdjoint(len(names), bucket_mb * 2**20, cut=overlap)
     mod = splitter(adjoint_mod)
     plan = splitter.plan
     shapes = [tuple(v.shape) for v in values]
@@ -429,7 +420,8 @@ class DataParallelStep:
 
 def compile_data_parallel(imported: ImportedModel, adjoint_mod: tvm.IRModule, optimizer, precision: str, target,
                           has_seed: bool, seed: int = 0, zero: bool = False, bucket_mb: float = BUCKET_MB,
-                          group=None, tuning_dir=None, start: float | None = None) -> DataParallelStep:
+                          group=None, tuning_dir=None, start: float | None = None,
+                          overlap: bool = False) -> DataParallelStep:
     """Build and compile the data-parallel step of `imported` for this rank of `group` (what
     ``compile_training(..., data_parallel=True)`` runs after building ``main_adjoint``)."""
     import torch.distributed as dist
@@ -437,7 +429,7 @@ def compile_data_parallel(imported: ImportedModel, adjoint_mod: tvm.IRModule, op
     start = time.perf_counter() if start is None else start
     group = process_group(group)
     graph = build_data_parallel_module(adjoint_mod, imported, optimizer, precision, dist.get_world_size(group),
-                                       zero=zero, bucket_mb=bucket_mb, has_seed=has_seed)
+                                       zero=zero, bucket_mb=bucket_mb, has_seed=has_seed, overlap=overlap)
     with quiet_known_warnings():
         if tuning_dir is None:
             executable = tvm.compile(graph.mod, target=target, relax_pipeline=PIPELINE_NAME)

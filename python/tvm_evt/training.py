@@ -454,6 +454,7 @@ def compile_training(
     data_parallel: bool = False,
     zero: bool = False,
     bucket_mb: float = 25.0,
+    overlap: bool = False,
     process_group=None,
     memory_budget: int | str | None = None,
 ):
@@ -473,8 +474,11 @@ def compile_training(
     `data_parallel`: this process is one rank of `process_group` (None: torch.distributed's default
     group, which ``init_process_group`` set up under torchrun) and `example_inputs` are its shard
     of the batch; returns a `tvm_evt.distributed.DataParallelStep`, which averages the gradients
-    across the ranks in buckets of about `bucket_mb` MiB, each all-reduced as soon as the backward
-    has produced it, before the update. `zero`: ZeRO-1, each rank keeps and updates the optimizer
+    across the ranks in buckets of about `bucket_mb` MiB, all-reduced after the backward, each
+    bucket's update as soon as its all-reduce is done; `overlap`: the backward cut into one
+    function per bucket, each bucket all-reduced as soon as the backward has produced it (the
+    communication overlaps the rest of the backward, but the fusions across the cuts are lost:
+    slower on the transformers measured, ``tvm_evt.distributed``). `zero`: ZeRO-1, each rank keeps and updates the optimizer
     state of its shard of the parameters (reduce-scatter, update, all-gather).  fp32 and bf16, not
     ``inplace`` or ``cuda_graph`` (off by default with data_parallel).
 
@@ -494,7 +498,7 @@ def compile_training(
                          "split into functions the rematerialisation does not plan across")
     if data_parallel:
         return _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, precision, seed, tuning_dir,
-                                      inplace, cuda_graph, zero, bucket_mb, process_group, start)
+                                      inplace, cuda_graph, zero, bucket_mb, overlap, process_group, start)
     graphs = captures_graphs(tgt, precision, cuda_graph)
     budget = resolve_memory_budget(memory_budget, tgt, precision)
     imported = from_torch(model, example_inputs, loss_fn)
@@ -540,7 +544,7 @@ def free_device_bytes(target: tvm.target.Target) -> int:
 
 
 def _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, precision, seed, tuning_dir, inplace,
-                           cuda_graph, zero, bucket_mb, process_group, start):
+                           cuda_graph, zero, bucket_mb, overlap, process_group, start):
     """`compile_training` with ``data_parallel=True``: `tvm_evt.distributed` builds and runs it."""
     from . import distributed
 
@@ -555,4 +559,4 @@ def _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, preci
     mod, _, has_seed = build_adjoint_module(imported, precision)
     return distributed.compile_data_parallel(imported, mod, _resolve_optimizer(optimizer), precision, tgt, has_seed,
                                              seed=seed, zero=zero, bucket_mb=bucket_mb, group=process_group,
-                                             tuning_dir=tuning_dir, start=start)
+                                             tuning_dir=tuning_dir, start=start, overlap=overlap)

@@ -169,8 +169,10 @@ def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
         return tvm.transform.Sequential(front_passes(target=target))(mod)
 
 
-def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str = "train_step") -> list[dict]:
-    """The kernels one call of `function` runs on the ``evt`` pipeline's route for `target`, each
+def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target,
+                   function: str | tuple[str, ...] = "train_step") -> list[dict]:
+    """The kernels one call of `function` (or of each of several) runs on the ``evt`` pipeline's
+    route for `target`, each
     with the bytes of its buffers (a model of its global-memory traffic: every input read once,
     every output written once), largest total first: ``{"kernel", "kind": "tir" | "cutlass" | "flash" | "conv",
     "calls", "bytes_per_call", "bytes"}``.  CUTLASS partitions and flash-attention kernels count as
@@ -201,7 +203,8 @@ def kernel_traffic(mod: tvm.IRModule, target: tvm.target.Target, function: str =
                                      "bytes_per_call": sum(tensor_bytes(a) for a in e.args[1].fields) + tensor_bytes(e)})
         row["calls"] += 1
 
-    relax.analysis.post_order_visit(mod[function].body, visit)
+    for name in (function,) if isinstance(function, str) else function:
+        relax.analysis.post_order_visit(mod[name].body, visit)
     for row in rows.values():
         row["bytes"] = row["calls"] * row["bytes_per_call"]
     return sorted(rows.values(), key=lambda r: (-r["bytes"], r["kernel"]))
