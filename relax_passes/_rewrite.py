@@ -12,8 +12,12 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
+
 OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the PrimFunc
 VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # results that share their operand's memory
+# the code generator's elementwise ops (an epilogue can compute them) and where
+POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
 
 
 def op_name(value) -> str | None:

@@ -162,18 +162,45 @@ def test_decompose_cross_entropy():
             with R.dataflow():
                 m = R.max(z, axis=[1], keepdims=True)
                 shifted = R.subtract(z, m)
-                e = R.exp(shifted)
-                total = R.sum(e, axis=[1], keepdims=True)
-                lp = R.subtract(shifted, R.log(total))
-                picked = R.gather_elements(lp, idx, axis=1)
-                m2 = R.max(z, axis=[1], keepdims=True)
-                shifted2 = R.subtract(z, m2)
-                total2 = R.sum(R.exp(shifted2), axis=[1], keepdims=True)
-                probs = R.divide(R.exp(shifted2), total2)
+                log_total = R.log(R.sum(R.exp(shifted), axis=[1], keepdims=True))
+                picked = R.subtract(R.subtract(R.gather_elements(z, idx, axis=1), m), log_total)
+                probs = R.exp(R.subtract(shifted, log_total))
                 iota = R.reshape(R.arange(0, 8, 1, dtype="int64"), R.shape([1, 8]))
                 dlp = R.where(R.equal(iota, idx), g, R.const(0.0, "float32"))
                 dz = R.subtract(dlp, R.multiply(g, probs))
                 out = (picked, dz)
+                R.output(out)
+            return out
+
+    check(DecomposeCrossEntropy(), Before, Expected)
+
+
+def test_decompose_cross_entropy_keeps_the_log_softmax_another_reader_needs():
+    """Label smoothing also reads the whole log-softmax (its row mean): it stays, as z - lse."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(z: R.Tensor((4, 8), "float32"), idx: R.Tensor((4, 1), "int64")):
+            with R.dataflow():
+                lp = R.nn.log_softmax(z, axis=1)
+                picked = R.gather_elements(lp, idx, axis=1)
+                smooth = R.mean(lp, axis=[1], keepdims=True)
+                out = (picked, smooth)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(z: R.Tensor((4, 8), "float32"), idx: R.Tensor((4, 1), "int64")):
+            with R.dataflow():
+                m = R.max(z, axis=[1], keepdims=True)
+                shifted = R.subtract(z, m)
+                log_total = R.log(R.sum(R.exp(shifted), axis=[1], keepdims=True))
+                lp = R.subtract(shifted, log_total)
+                picked = R.subtract(R.subtract(R.gather_elements(z, idx, axis=1), m), log_total)
+                smooth = R.mean(lp, axis=[1], keepdims=True)
+                out = (picked, smooth)
                 R.output(out)
             return out
 
@@ -310,6 +337,62 @@ def test_eliminate_reduction_sum_of_one_hot():
             return g
 
     check(EliminateReduction(), Before, Expected)
+
+
+def test_eliminate_reduction_sum_of_a_cast_one_hot():
+    """Mixed precision's float32 cast of a bf16 one-hot (a bf16 NLL's gradient): the row sum is
+    the cast of u, and the [rows, classes] one-hot is no longer read whole."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(idx: R.Tensor((4, 1), "int64"), g: R.Tensor((4, 1), "bfloat16")):
+            with R.dataflow():
+                iota = R.reshape(R.arange(0, 8, 1, dtype="int64"), R.shape([1, 8]))
+                one_hot = R.where(R.equal(iota, idx), g, R.const(0.0, "bfloat16"))
+                s = R.sum(R.astype(one_hot, "float32"), axis=[1], keepdims=True)
+                R.output(s)
+            return s
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(idx: R.Tensor((4, 1), "int64"), g: R.Tensor((4, 1), "bfloat16")):
+            with R.dataflow():
+                s = R.astype(g, "float32")
+                R.output(s)
+            return s
+
+    check(EliminateReduction(), Before, Expected)
+
+
+def test_decompose_cross_entropy_picks_the_bf16_logits_through_casts():
+    """A bf16 NLL over the float32 log-softmax of logits cast from bf16 (mixed precision): the pick
+    reads the bf16 logits, and neither the log-softmax nor its cast is computed whole."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(z16: R.Tensor((4, 8), "bfloat16"), idx: R.Tensor((4, 1), "int64")):
+            with R.dataflow():
+                z = R.astype(z16, "float32")
+                lp = R.nn.log_softmax(z, axis=1)
+                picked = R.gather_elements(R.astype(lp, "bfloat16"), idx, axis=1)
+                R.output(picked)
+            return picked
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(z16: R.Tensor((4, 8), "bfloat16"), idx: R.Tensor((4, 1), "int64")):
+            with R.dataflow():
+                z = R.astype(z16, "float32")
+                m = R.max(z, axis=[1], keepdims=True)
+                log_total = R.log(R.sum(R.exp(R.subtract(z, m)), axis=[1], keepdims=True))
+                pick = R.astype(R.gather_elements(z16, idx, axis=1), "float32")
+                picked = R.astype(R.subtract(R.subtract(pick, m), log_total), "bfloat16")
+                R.output(picked)
+            return picked
+
+    check(DecomposeCrossEntropy(), Before, Expected)
 
 
 def test_fold_layout_into_matmul():

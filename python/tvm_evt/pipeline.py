@@ -49,6 +49,8 @@ What ``phases(target)`` runs after the training phase, in order:
                        (these two, AbsorbPartitionInputCasts, SaveSoftmaxLowPrecision, the
                        vectorizing schedule rule and training.py's PadAttentionKeys can be
                        switched on or off: ``OPTIONAL``)
+    GatherBeforeSlice  a pick (gather_elements) from a prefix slice reads the sliced tensor (a loss's
+                       label logit from the padded logits: no copy of the slice for one element a row)
     RecomputeElementwise  casts and centrings read by several kernels recomputed in each of them
                        instead of written once in float32 (batch norm's x32 and x - mean, a layer
                        norm's xhat from x and its statistics)
@@ -84,6 +86,7 @@ from .relax_passes.lower.fuse_column_sums import FuseColumnSums
 from .relax_passes.lower.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.lower.fuse_softmax_dropout import FuseSoftmaxDropout
+from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
 from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
@@ -128,7 +131,7 @@ PHASES = (
            "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
-           "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "RecomputeElementwise",
+           "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "RecomputeElementwise",
            "FuseColumnSums", "SplitReduction", "BoundedFuseOps", "ScheduleTIRForGPU")),
 )
 
@@ -312,6 +315,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
                 *([FuseLayerNorm(), FuseLayerNormBackward(epilogue=enabled("ln_epilogue"))]
                   if enabled("layer_norm") else []),
+                GatherBeforeSlice(),  # a loss's pick of the label logit reads the padded logits, not a copy
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
                 RecomputeElementwise(statistics=enabled("recompute_statistics")),
                 # a layer norm's dgamma and dbeta: one pass over its output gradient and input

@@ -10,7 +10,9 @@ moves loop-invariant factors out of the ones that do.  For ``r = sum(t, A)`` (``
 * ``t = broadcast_to(x, S)`` with ``x`` of extent 1 on ``A``  → ``x * |A|`` (mean: ``x``);
 * every axis of ``A`` has extent 1     → ``reshape(t)``, no reduction at all;
 * ``t = where(iota == idx, u, 0)`` along the single axis ``A`` (the one-hot of
-  DecomposeCrossEntropy) with ``u``, ``idx`` of extent 1 there  → ``u``: the sum of a one-hot.
+  DecomposeCrossEntropy) with ``u``, ``idx`` of extent 1 there  → ``u``: the sum of a one-hot
+  (of its cast ``astype(..., d)``: ``astype(u, d)``; mixed precision casts a bf16 NLL's one-hot
+  gradient to float32 for the log-softmax gradient, which sums it over the vocabulary).
 
 ``collapse_sum_to(x, s)`` (Gradient's reduction of a broadcast operand) becomes ``x`` when the
 shapes agree and otherwise the explicit ``sum`` over the broadcast axes plus a reshape, so the
@@ -38,6 +40,7 @@ WHERE = tvm.ir.Op.get("relax.where")
 EQUAL = tvm.ir.Op.get("relax.equal")
 ARANGE = tvm.ir.Op.get("relax.arange")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
+ASTYPE = tvm.ir.Op.get("relax.astype")
 
 REDUCE = {SUM: relax.op.sum, MEAN: relax.op.mean}
 
@@ -162,7 +165,8 @@ class _ReductionEliminator(PyExprMutator):
         if call.op != SUM or len(axes) != 1:
             return None
         (axis,) = axes
-        sel = self._producer(t, WHERE)
+        cast = self._producer(t, ASTYPE)  # a cast of the one-hot (mixed precision's): the sum's u is cast
+        sel = self._producer(cast.args[0] if cast is not None else t, WHERE)
         if sel is None or not _is_zero(sel.args[2]):
             return None
         cond, u = self._producer(sel.args[0], EQUAL), sel.args[1]
@@ -180,6 +184,8 @@ class _ReductionEliminator(PyExprMutator):
                 continue
             if [e for a, e in enumerate(ufull) if a != axis] != [e for a, e in enumerate(src) if a != axis]:
                 continue
+            if cast is not None:
+                u = self.builder_.emit(relax.op.astype(u, cast.attrs.dtype))
             return self._fit(u, out)
         return None
 

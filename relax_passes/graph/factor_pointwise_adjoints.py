@@ -41,12 +41,10 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ...codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
-from .._rewrite import binding_uses, dtype_of, elements, flat_bindings, op_name, scalar_value
+from .._rewrite import POINTWISE, binding_uses, dtype_of, elements, flat_bindings, op_name, scalar_value
 from ..partition.evt_cost import tensor_bytes
 from ..partition.rematerialize import loss_var
 
-POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
 LINEAR_SUM = frozenset({"relax.add", "relax.subtract"})
 
 CONST, LINEAR, ZERO = "const", "linear", "zero"  # how a region's value depends on dy

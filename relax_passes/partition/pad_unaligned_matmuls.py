@@ -44,7 +44,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import bind_as, flat_bindings, permute_axes, static_shape
+from .._rewrite import bind_as, dtype_of, flat_bindings, permute_axes, static_shape
 from .partition_evt import COMPOSITE_NAME
 
 ALIGN_BYTES = 16  # what TMA needs of every global stride
@@ -59,10 +59,6 @@ def alignment(dtype: str) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _dtype(expr: relax.Expr) -> str:
-    return str(expr.ty.dtype)
 
 
 def view_of(bound: dict, expr: relax.Expr) -> tuple[relax.Expr, list[int] | None]:
@@ -106,7 +102,7 @@ def _gemm_legal(call: relax.Call, operands: list, out_dtype: str) -> bool:
 
     for forms in itertools.product(*operands):
         bb = relax.BlockBuilder()
-        params = [relax.Var(f"in{k}", relax.TensorType(stored, _dtype(call.args[k])))
+        params = [relax.Var(f"in{k}", relax.TensorType(stored, dtype_of(call.args[k])))
                   for k, (stored, _) in enumerate(forms)]
         with bb.function("evt_check", params, attrs={"Composite": COMPOSITE_NAME}):
             with bb.dataflow():
@@ -138,19 +134,19 @@ def plan(call: relax.Call, out: relax.Expr, bound: dict) -> _Plan | None:
     shapes = [static_shape(a), static_shape(b), static_shape(out)]
     if any(s is None or len(s) < 2 for s in shapes):
         return None
-    (a_shape, b_shape, out_shape), out_dtype = shapes, _dtype(out)
+    (a_shape, b_shape, out_shape), out_dtype = shapes, dtype_of(out)
     (_, a_axes), (_, b_axes) = view_of(bound, a), view_of(bound, b)
     a_contig = _contiguous_axis(a_axes, len(a_shape)) - len(a_shape)  # -1: K-major, -2: M-major
     b_contig = _contiguous_axis(b_axes, len(b_shape)) - len(b_shape)  # -2: K-major, -1: N-major
-    align = max(alignment(_dtype(a)), alignment(_dtype(b)), alignment(out_dtype))
+    align = max(alignment(dtype_of(a)), alignment(dtype_of(b)), alignment(out_dtype))
     m, k, n = a_shape[-2], a_shape[-1], b_shape[-1]
     a_pads, b_pads, out_slice = {}, {}, {}
-    if k % alignment(_dtype(a)) and a_contig == -1 or k % alignment(_dtype(b)) and b_contig == -2:
+    if k % alignment(dtype_of(a)) and a_contig == -1 or k % alignment(dtype_of(b)) and b_contig == -2:
         a_pads[-1] = b_pads[-2] = _round_up(k, align)
-    if n % alignment(out_dtype) or n % alignment(_dtype(b)) and b_contig == -1:
+    if n % alignment(out_dtype) or n % alignment(dtype_of(b)) and b_contig == -1:
         b_pads[-1] = _round_up(n, align)
         out_slice[-1] = n
-    if m % alignment(_dtype(a)) and a_contig == -2:
+    if m % alignment(dtype_of(a)) and a_contig == -2:
         a_pads[-2] = _round_up(m, align)
         out_slice[-2] = m
     if not (a_pads or b_pads):
@@ -170,7 +166,7 @@ def plan(call: relax.Call, out: relax.Expr, bound: dict) -> _Plan | None:
     if out_slice:
         # its consumers read the slice, outside this GEMM's epilogue: where the partitioner can
         # copy the operand instead (transposed), pad only when that copy moves more bytes
-        copied = (_bytes(a_shape, _dtype(a)) if -2 in a_pads else 0) + (_bytes(b_shape, _dtype(b)) if -1 in b_pads else 0)
+        copied = (_bytes(a_shape, dtype_of(a)) if -2 in a_pads else 0) + (_bytes(b_shape, dtype_of(b)) if -1 in b_pads else 0)
         unpadded = [forms(a_shape, a_axes, {}, copies=True), forms(b_shape, b_axes, {}, copies=True)]
         if copied <= _bytes(out_shape, out_dtype) and _gemm_legal(call, unpadded, out_dtype):
             return None

@@ -44,7 +44,7 @@ import tvm_ffi
 from tvm import relax
 
 from . import evt_cost
-from .._rewrite import op_name
+from .._rewrite import dtype_of, op_name
 from .evt_cost import static_shape, tensor_bytes
 
 COMPOSITE_NAME = "evt.gemm_epilogue"
@@ -144,7 +144,7 @@ class OpGraph:
                     key = ext_keys[leaf]
                     if key not in [k for k, _ in ext]:
                         ext.append((key, ext_bytes[leaf]))
-            shape, dtype = static_shape(b.var), _dtype(b.var)
+            shape, dtype = static_shape(b.var), dtype_of(b.var)
             nbytes = _elems(shape) * evt_cost.dtype_bytes(dtype) if shape is not None else tensor_bytes(b.var)
             node = OpNode(
                 index=i, var=b.var, value=value, op=_op_name(value) if value is not None else None,
@@ -187,11 +187,6 @@ class OpGraph:
             ty = (node.shape, node.dtype) if node.shape is not None else str(node.var.ty)
             h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{ty}|{node.is_output}|{node.absorbed}\n".encode())
         return h.hexdigest()
-
-
-def _dtype(expr) -> str | None:
-    ty = getattr(expr, "ty", None)
-    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
 
 
 def _elems(shape) -> int:
@@ -482,7 +477,7 @@ def _transposed_core_legal(call: relax.Call, flips: tuple[bool, bool], check: _L
         if flip and len(shape) < 2:
             return False
         stored = shape[:-2] + shape[-2:][::-1] if flip else shape
-        params.append(relax.Var(f"in{k}", relax.TensorType(stored, _dtype(arg))))
+        params.append(relax.Var(f"in{k}", relax.TensorType(stored, dtype_of(arg))))
     with bb.function("evt_check", params, attrs={"Composite": COMPOSITE_NAME}):
         with bb.dataflow():
             for p, flip in zip(params, flips):

@@ -30,12 +30,11 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ...codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
-from .._rewrite import elements, flat_bindings, op_name
+from .._rewrite import POINTWISE as ELEMENTWISE, elements, flat_bindings, op_name
 from .evt_cost import tensor_bytes
 from .rematerialize import StepGraph, rewrite, step_graph
 
-POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.astype", "relax.where"}
+POINTWISE = ELEMENTWISE | {"relax.astype"}
 
 
 class _Chains:

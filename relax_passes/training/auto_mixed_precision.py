@@ -32,7 +32,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import binding_uses, flat_bindings, op_name, rewrite_function
+from .._rewrite import binding_uses, dtype_of, flat_bindings, op_name, rewrite_function
 from .append_optimizer import LOSS_SCALE_PARAM
 
 FP32 = frozenset(
@@ -109,11 +109,6 @@ RETARGET_OUT_DTYPE = {
 }
 
 
-def _dtype(expr) -> str | None:
-    ty = expr.ty
-    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
-
-
 # reductions whose fp32 results are batch statistics, and the arithmetic that combines them
 STATISTICS = frozenset({"relax.sum", "relax.mean", "relax.variance"})
 STATISTIC_ARITH = frozenset({"relax.add", "relax.subtract", "relax.multiply", "relax.divide",
@@ -153,7 +148,7 @@ class _Caster(PyExprMutator):
         super().visit_var_binding_(binding)
 
     def _cast(self, arg, want: str):
-        dt = _dtype(arg)
+        dt = dtype_of(arg)
         if dt in _FLOATS and dt != want:
             if (arg, want) not in self.casts:
                 self.casts[(arg, want)] = self.builder_.emit(relax.op.astype(arg, want))
@@ -182,12 +177,12 @@ class _Caster(PyExprMutator):
         # visit the operands but build the call ourselves: mixed dtypes would not type-check
         args = [self.visit_expr(a) for a in call.args]
         if name == "relax.astype":
-            if str(call.attrs.dtype) == "float32" and _dtype(args[0]) != "float32":
+            if str(call.attrs.dtype) == "float32" and dtype_of(args[0]) != "float32":
                 return relax.op.astype(args[0], self.low)
         elif name not in FOLLOW:
             # normalising by a batch statistic (x - mean, / sigma) stays in fp32, as in a fused kernel
             by_stat = name in STATISTIC_ARITH and any(self._is_stat(a) for a in call.args)
-            floats = [_dtype(a) for a in args if _dtype(a) in _FLOATS]
+            floats = [dtype_of(a) for a in args if dtype_of(a) in _FLOATS]
             all_fp32 = name in STATISTIC_ARITH and bool(floats) and all(d == "float32" for d in floats)
             fp32 = name in FP32 or by_stat or all_fp32 or self.current in self.loss_region
             want = "float32" if fp32 else self.low
@@ -233,7 +228,7 @@ class AutoMixedPrecision:
 
         def keep_dtype(bb, i, out):
             want = str(originals[i].dtype)
-            return bb.emit(relax.op.astype(out, want)) if _dtype(out) != want else out
+            return bb.emit(relax.op.astype(out, want)) if dtype_of(out) != want else out
 
         caster = _Caster(mod, self.dtype, _feeds_fp32_reductions(func))
         new_func = rewrite_function(caster, func, keep_dtype)

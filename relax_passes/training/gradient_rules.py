@@ -31,7 +31,7 @@ from tvm.relax.expr import Expr, Var
 from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad, take_backward
 
-from .._rewrite import op_name
+from .._rewrite import dtype_of, op_name
 
 __all__ = ["GRADIENT_RULES", "NO_GRAD_OPS", "RULE_LEVEL", "GradientRuleError", "register_op"]
 
@@ -76,12 +76,8 @@ def _shape(expr: Expr, call: Call) -> list[int]:
     return dims
 
 
-def _dtype(expr: Expr) -> str:
-    return str(expr.ty.dtype)
-
-
 def _const(value: float, like: Expr) -> Expr:
-    return relax.const(value, _dtype(like))
+    return relax.const(value, dtype_of(like))
 
 
 def _prod(values: Sequence[int]) -> int:
@@ -212,7 +208,7 @@ def max_min_grad(orig_var, orig_call, output_grad, ctx):
     keepdims = bool(orig_call.attrs.keepdims)
     y = _keep_reduced_dims(orig_var, axes, keepdims, ndim)
     grad = _keep_reduced_dims(output_grad, axes, keepdims, ndim)
-    hit = R.astype(R.equal(x, y), _dtype(x))
+    hit = R.astype(R.equal(x, y), dtype_of(x))
     count = R.sum(hit, axes, keepdims=True)
     return [hit * grad / count]
 
@@ -310,7 +306,7 @@ def dropout_grad(orig_var, orig_call, output_grad, ctx):
     keep_scale = 1.0 / (1.0 - rate) if rate < 1.0 else 0.0
     grad = relax.TupleGetItem(output_grad, 0)
     mask = relax.TupleGetItem(orig_var, 1)
-    return [grad * R.astype(mask, _dtype(x)) * _const(keep_scale, x)]
+    return [grad * R.astype(mask, dtype_of(x)) * _const(keep_scale, x)]
 
 
 ##################### Attention #####################
@@ -349,7 +345,7 @@ def attention_grad(orig_var, orig_call, output_grad, ctx):
         else:
             raise _fail(orig_call, f"unknown causal_mask {attrs.causal_mask!r}")
         keep = np.tril(np.ones((seq, seq_kv), dtype=bool), k=offset)
-        lowest = _lowest(_dtype(q))
+        lowest = _lowest(dtype_of(q))
         scores = R.where(relax.const(keep, "bool"), scores, _const(lowest, q))
     probs = ctx.normalize(R.nn.softmax(scores, axis=-1))
     dprobs = R.matmul(dout, t_last(vt))
@@ -427,7 +423,7 @@ def _scatter_axis(grad: Expr, axis: int, begin: int, stride: int, size: int, cal
     shape = _shape(grad, call)
     n = shape[axis]
     if n == 0:
-        return R.zeros([size if a == axis else d for a, d in enumerate(shape)], _dtype(grad))
+        return R.zeros([size if a == axis else d for a, d in enumerate(shape)], dtype_of(grad))
     if stride < 0:
         grad = R.flip(grad, axis)
         begin, stride = begin + (n - 1) * stride, -stride
@@ -613,7 +609,7 @@ def _tiled_max_pool_grad(x: Expr, grad: Expr, spatial: list[int], kernel: list[i
     if perm != sorted(perm):
         windows = R.permute_dims(windows, perm)
     windows = R.reshape(windows, [*out_shape, size])
-    if _dtype(x) in ("bfloat16", "float16"):  # exact; TVM 0.27's llvm build fails a bf16 argmax
+    if dtype_of(x) in ("bfloat16", "float16"):  # exact; TVM 0.27's llvm build fails a bf16 argmax
         windows = R.astype(windows, "float32")
     first = R.argmax(windows, axis=-1, keepdims=True)
     at_first = R.equal(first, relax.const(np.arange(size, dtype="int64")))
@@ -664,7 +660,7 @@ def _pool_grad(kind: str) -> GradientRule:
                 and all(n == o * k for n, o, k in zip(sizes, outs, kernel)):
             return [_tiled_max_pool_grad(x, output_grad, spatial, kernel, in_shape, out_shape)]
         if kind == "max":
-            lowest = _lowest(_dtype(x))
+            lowest = _lowest(dtype_of(x))
             x_padded = ctx.normalize(R.nn.pad(x, pad_width, "constant", lowest))
         else:
             if any(d != 1 for d in dilation):
@@ -679,7 +675,7 @@ def _pool_grad(kind: str) -> GradientRule:
             bshape = [1] * len(in_shape)
             for a, o in zip(spatial, outs):
                 bshape[a] = o
-            spread = output_grad * relax.const((1.0 / divisor).reshape(bshape).astype(_dtype(x)))
+            spread = output_grad * relax.const((1.0 / divisor).reshape(bshape).astype(dtype_of(x)))
 
         total, taken = None, None
         for offset in itertools.product(*[range(k) for k in kernel]):
@@ -687,7 +683,7 @@ def _pool_grad(kind: str) -> GradientRule:
             if kind == "max":
                 end = [b + (o - 1) * s + 1 for b, o, s in zip(begin, outs, strides)]
                 window = R.strided_slice(x_padded, spatial, begin, end, strides)
-                hit = R.astype(R.equal(window, orig_var), _dtype(x))
+                hit = R.astype(R.equal(window, orig_var), dtype_of(x))
                 if taken is not None:
                     hit = hit * (_const(1.0, x) - taken)
                 hit = ctx.normalize(hit)
@@ -725,7 +721,7 @@ def adaptive_avg_pool_grad(orig_var, orig_call, output_grad, ctx):
     for axis, letter in enumerate(str(attrs.layout)):
         if letter not in "DHW" or in_shape[axis] == out_shape[axis]:
             continue  # not spatial, or identity bins
-        mat = _adaptive_matrix(in_shape[axis], out_shape[axis]).astype(_dtype(x))
+        mat = _adaptive_matrix(in_shape[axis], out_shape[axis]).astype(dtype_of(x))
         # move `axis` last, multiply by A (out x in), move back
         perm = [a for a in range(ndim) if a != axis] + [axis]
         inv = [perm.index(a) for a in range(ndim)]
