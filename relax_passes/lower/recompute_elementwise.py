@@ -55,11 +55,7 @@ CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multipl
                    "relax.negative", "relax.strided_slice"})
 SLICES = frozenset({"relax.strided_slice"})  # read only the part of their operand they return
 FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
-                             "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min",
-                             # an injective reader FuseOps fuses its producers into: a loss's pick of
-                             # the label's logit reads one element a row of the padded logits, not
-                             # a copy of the slice (GPT-2's [16384, 50257]: 3.3 GB a step modelled)
-                             "relax.gather_elements"})
+                             "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
 MIN_ELEMENTS = 1 << 16  # smaller values: their bytes cost nothing, their kernel launches do
 # what a small value (a batch norm's per-channel statistics) may be recomputed from in each reader
 SMALL_CHEAP = CHEAP | frozenset({"relax.sqrt", "relax.rsqrt", "relax.reshape"})
