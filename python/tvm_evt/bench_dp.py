@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import bench_e2e
 from .bench_e2e import MODELS, build_entry, error_summary, profile_kernels, run_id, time_steps
 
 SYSTEMS = {
@@ -211,24 +212,17 @@ def measure(job: dict) -> dict | None:
 
 
 def _torch_step(entry, inputs, system: str, ranks: int):
+    """bench_e2e's eager or torch.compile step, of the module wrapped in DistributedDataParallel
+    on several ranks."""
     import torch
 
-    module = entry.training_module().cuda()
-    if ranks > 1:
+    def ddp(module):
         from torch.nn.parallel import DistributedDataParallel
 
-        module = DistributedDataParallel(module, device_ids=[torch.cuda.current_device()])
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
-    run = torch.compile(module) if system == "ddp_compile" else module
+        return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()])
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(*inputs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step, _ = bench_e2e._torch_step(entry, inputs, "compile" if system == "ddp_compile" else "eager",
+                                    wrap=ddp if ranks > 1 else None)
     return step
 
 
@@ -244,21 +238,11 @@ def _tvm_step(entry, inputs, system: str, ranks: int):
 
 # ------------------------------------------------------------------------------ reports
 def load_results(out: Path) -> dict:
-    try:
-        data = json.loads((Path(out) / RESULTS_JSON).read_text())
-        if isinstance(data, dict) and isinstance(data.get("rows"), list):
-            return data
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    return {"meta": {}, "rows": []}
+    return bench_e2e.load_results(out, RESULTS_JSON)
 
 
 def write_reports(data: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (RESULTS_JSON + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, out / RESULTS_JSON)
-    (out / RESULTS_MD).write_text(markdown(data))
+    (bench_e2e.save_results(data, out, RESULTS_JSON) / RESULTS_MD).write_text(markdown(data))
 
 
 def efficiencies(rows: list[dict]) -> dict:

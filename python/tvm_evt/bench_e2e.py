@@ -419,13 +419,17 @@ def time_steps(step, n: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in events]
 
 
-def _torch_step(entry, inputs, system: str, channels_last: bool = False):
+def _torch_step(entry, inputs, system: str, channels_last: bool = False, wrap=None):
+    """A torch training step of `system`'s kind (`wrap`: a function applied to the module before
+    the optimizer and torch.compile see it, e.g. DistributedDataParallel)."""
     import torch
 
     module = entry.training_module().cuda()
     _use_sdpa(module, system.endswith("_sdpa"))
     if channels_last:
         module = module.to(memory_format=torch.channels_last)
+    if wrap is not None:
+        module = wrap(module)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
     compiled = module
     if system.startswith("compile"):
@@ -534,9 +538,10 @@ def profile_kernels(step, system: str) -> tuple[list[dict], float | None]:
 
 
 # ------------------------------------------------------------------------------------- reports
-def load_results(out: Path) -> dict:
+def load_results(out: Path, name: str = RESULTS_JSON) -> dict:
+    """The results `name` in `out` holds ({"meta", "rows"}; empty when there are none yet)."""
     try:
-        data = json.loads((Path(out) / RESULTS_JSON).read_text())
+        data = json.loads((Path(out) / name).read_text())
         if isinstance(data, dict) and isinstance(data.get("rows"), list):
             return data
     except (FileNotFoundError, json.JSONDecodeError):
@@ -544,12 +549,18 @@ def load_results(out: Path) -> dict:
     return {"meta": {}, "rows": []}
 
 
-def write_reports(data: dict, out: Path) -> None:
+def save_results(data: dict, out: Path, name: str = RESULTS_JSON) -> Path:
+    """Write `data` to `out`/`name` atomically (a run cut short leaves the last whole file)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (RESULTS_JSON + ".tmp")
+    tmp = out / (name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, out / RESULTS_JSON)
+    os.replace(tmp, out / name)
+    return out
+
+
+def write_reports(data: dict, out: Path) -> None:
+    out = save_results(data, out)
     (out / RESULTS_MD).write_text(markdown(data))
     try:
         plot(data, out / RESULTS_PNG)

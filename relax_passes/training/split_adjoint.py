@@ -29,9 +29,10 @@ That loss is large on transformers: a forward value a later segment reads is a s
 so the lowering passes that keep values in dataflow vars (a layer norm's statistics in one
 kernel, a cast or a loss's ``x - max`` recomputed in each reader) leave it written and read back.
 Modelled on BertForMaskedLM (two BERT-Large layers, 32 x 512, five segments): 40.6 GB a step
-against 33.2 GB uncut; BERT-Large's 2-rank step, cut into 38 segments, took 121 ms on H200s
-where one GPU's uncut step takes 89 ms.  ``cut=False`` therefore keeps
-the adjoint in one segment and only plans the buckets (``tvm_evt.distributed``'s default).
+against 34.8 GB in one segment (33.2 GB for the single-GPU step); BERT-Large's 2-rank step, cut
+into 38 segments, took 121 ms on H200s where one GPU's uncut step takes 89 ms.  ``cut=False``
+therefore keeps the adjoint in one segment and only plans the buckets (``tvm_evt.distributed``'s
+default).
 """
 
 from __future__ import annotations
