@@ -160,15 +160,19 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     """A configuration by problem shape, for partitions nobody profiled: the choices the H100
     tuning runs of BERT-Large made most often (scripts/tune.py, 2026-11-23; ms best / default):
 
-    * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156);
-    * at most 64 rows over K >= 2048 (``is_thin``): split-K 4 on 128x64 tiles, or on 128x128 tiles
+    * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156); not for a
+      weight gradient's long K, which takes the long-K rules below: ResNet-50's 1x1 weight gradient
+      256x64x401408 ran data-parallel on 2 CTAs, 0.97 ms a call (H200, 2026-11-28);
+    * at most 64 rows over 2048 <= K <= 4 x ``THIN_SLICE`` (``is_thin``): split-K 4 on 128x64 tiles, or on 128x128 tiles
       where 4 slices of the 128x64 ones would pass a wave.  XML-CNN's weight gradients (H100,
       2026-11-27, ms against ping-pong 64x256 / the default, ``docs/bench/h100-2026-11-27-h/
       xml-cnn-split-k/``): 32x1200x15904 0.032 / 0.089 / 0.077, 32x600x15968 0.034 / 0.118 / 0.091,
       32x512x3956 0.027 / 0.036 / 0.037, and 32x2400x15776 on 128x128 tiles 0.044 / 0.092 / 0.078
       (0.050 on 128x64: 152 CTAs); each the best of split-K 2-8 and stream-K on 128x128 tiles, and
-      split-K 4 and stream-K on 128x64;
-    * M <= 64 with N >= 256: ping-pong 64x256 (0.118);
+      split-K 4 and stream-K on 128x64.  A longer K leaves split-K 4 on a handful of CTAs (ResNet-50's
+      7x7 stem weight gradient 64x152x1605632: 12 CTAs, 1.38 ms on H200, 2026-11-28) and takes the
+      long-K rules;
+    * M <= 64 with N >= 256, short of a weight gradient's long K: ping-pong 64x256 (0.118);
     * long K over at most half a wave of 128x128 tiles (weight gradients 1024x1024x16384, 64
       tiles): split-K 2 (0.055 / 0.079); with fewer tiles, as many K slices (at least 4096 long) as
       fill the SMs: ResNet-50's convolution weight gradients (1152x128x100352: 9 tiles) ran
@@ -233,11 +237,11 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     loads = sum(isinstance(node, AuxLoad) for node in partition.epilogue.nodes)
     heavy = alu_heavy(partition)
     long_k = g.batch == 1 and k >= 4096 and k >= 4 * max(m, n)  # a weight gradient's reduction
-    if n <= 64 and m >= 128:
+    if n <= 64 and m >= 128 and not long_k:
         cfg = _cfg((128, 64, 64))
-    elif g.batch == 1 and is_thin(m, n, k, num_sms):
+    elif g.batch == 1 and is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:
         cfg = _cfg((128, 64, 64) if 4 * tiles(128, 64) <= num_sms else (128, 128, 64), decomposition=SPLIT, splits=4)
-    elif m <= 64 and n >= 256:
+    elif m <= 64 and n >= 256 and not long_k:
         cfg = _cfg((64, 256, 64), schedule=PP)
     elif long_k and tiles(128, 64) <= 8:
         cfg = _cfg((128, 64, 64), decomposition=SK)
@@ -276,6 +280,11 @@ def alu_heavy(partition: Partition) -> bool:
     """Whether the epilogue has a transcendental or a dropout draw per element."""
     return any(isinstance(node, Dropout) or isinstance(node, Compute) and node.op in ALU_HEAVY_OPS
                for node in partition.epilogue.nodes)
+
+
+# The longest K slice of the thin rule's split-K 4 (XML-CNN's weight gradients measured it with
+# slices of about 4000); a longer reduction takes the long-K rules, whose CTAs fill the SMs.
+THIN_SLICE = 16384
 
 
 def long_k_splits(m: int, n: int, k: int, num_sms: int = H100_SMS) -> int:

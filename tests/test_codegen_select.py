@@ -234,6 +234,15 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("gemm", "wgrad", (32, 512, 3956), "coop_128x64x64_c1x1_splitk4"),
     ("gemm", "wgrad", (32, 2400, 15776), "coop_128x128x64_c1x1_splitk4"),  # 38 tiles of 128x64
     ("gemm", "wgrad", (32, 768, 512), "pp_64x256x64_c1x1"),  # short K: no split
+    # ... but a thin output over a reduction longer than 4 slices of THIN_SLICE takes the long-K
+    # rules (ResNet-50's weight gradients: 64 output channels, K = batch x 56 x 56, or a 7x7 stem's)
+    ("gemm", "wgrad", (64, 256, 401408), "coop_128x64x64_c1x1_streamk"),
+    ("gemm", "wgrad", (64, 152, 1605632), "coop_128x64x64_c1x1_streamk"),
+    ("gemm", "wgrad", (64, 64, 401408), "coop_128x64x64_c1x1_streamk"),
+    ("gemm", "wgrad", (64, 2048, 401408), "coop_128x128x64_c1x1_splitk8"),  # 16 tiles: split-K
+    # N <= 64 over a weight gradient's long K: not the 128x64 data-parallel tiles (2 CTAs)
+    ("gemm", "wgrad", (256, 64, 401408), "coop_128x64x64_c1x1_streamk"),
+    ("gemm", "wgrad", (128, 64, 50176), "coop_128x64x64_c1x1_streamk"),
     ("gemm", "fwd", (16384, 1024, 1024), "pp_128x128x64_c1x1"),  # short K, many tiles
     ("gemm", "fwd", (16384, 4096, 1024), "pp_128x128x64_c2x1"),
     ("gemm", "fwd", (16384, 1024, 4096), "coop_128x256x64_c1x1"),  # long K, one store

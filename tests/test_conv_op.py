@@ -26,6 +26,10 @@ GEOMETRIES = [  # n, h, w, c, k, r, s, pad (top, left, bottom, right), stride, d
     (2, 9, 7, 8, 16, 3, 3, (1, 1, 1, 1), (2, 2), (1, 1)),  # odd extents, stride 2: rows no window reads
     (2, 9, 7, 8, 16, 3, 2, (2, 0, 1, 1), (2, 1), (2, 1)),  # uneven padding, dilation
     (1, 6, 6, 8, 8, 1, 1, (0, 0, 0, 0), (1, 1), (1, 1)),
+    # channel vectors narrower than 16 bytes: one gather kernel, K = R*S*C padded to a multiple of 8
+    (2, 15, 13, 3, 8, 7, 7, (3, 3, 3, 3), (2, 2), (1, 1)),  # a 7x7/2 stem
+    (1, 9, 10, 3, 4, 3, 3, (2, 0, 1, 1), (2, 1), (2, 1)),  # uneven padding, dilation
+    (2, 7, 7, 2, 8, 2, 2, (0, 0, 0, 0), (1, 1), (1, 1)),  # K = 8: no padding columns
 ]
 
 
@@ -299,3 +303,35 @@ def test_offload_conv_keeps_a_strided_dgrad_whole_where_a_phase_has_no_kernel():
     mod = offload(_strided_dgrad_module(2, 4, 4))
     assert _ops(mod["main"]).count("relax.matmul") == 1, _ops(mod["main"])
     assert len(offload.fallbacks) == 1 and "multiples of 8" in offload.fallbacks[0], offload.fallbacks
+
+
+def test_narrow_channel_windows_are_one_gather_padded_to_whole_vectors():
+    """A 7x7/2 bf16 convolution of a 3-channel image (12-byte rows of taps) legalizes to one
+    ``im2col`` gather kernel whose rows are 152 wide (147 taps x channels, zero to a multiple of
+    8) and a matmul over that K, against a zero-padded weight: no per-tap slices or concatenation,
+    and no K the GEMM kernels would have to pad again."""
+    x = relax.Var("x", relax.TensorType([2, 16, 16, 3], "bfloat16"))
+    w = relax.Var("w", relax.TensorType([8, 7, 7, 3], "bfloat16"))
+    dy = relax.Var("dy", relax.TensorType([2, 8, 8, 8], "bfloat16"))
+    g = conv_op.Geometry((3, 3, 3, 3), (2, 2), (1, 1))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, dy]):
+        y = bb.emit(conv_op.decompose_conv2d(bb, conv_op.conv2d(x, w, g)))
+        dw = bb.emit(conv_op.decompose_conv2d_wgrad(bb, conv_op.conv2d_wgrad(x, dy, g, [8, 7, 7, 3])))
+        bb.emit_func_output(relax.Tuple([y, dw]))
+    mod = bb.get()
+    ops = _ops(mod["main"])
+    assert "relax.concat" not in ops and ops.count("relax.strided_slice") == 1  # dW's padding columns dropped
+    assert ops.count("relax.nn.pad") == 1  # the weight's zero rows
+    gathers = [gv for gv in mod.get_global_vars() if gv.name_hint.startswith("im2col")]
+    assert len(gathers) == 1  # one PrimFunc, called by both decompositions
+    calls = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and e.op == tvm.ir.Op.get("relax.call_tir") and e.args[0].same_as(gathers[0])
+                                    else None)
+    assert [[int(d) for d in c.ty.shape.values] for c in calls] == [[128, 152], [128, 152]]
+    matmuls = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: matmuls.append(e) if isinstance(e, relax.Call)
+                                    and e.op == tvm.ir.Op.get("relax.matmul") else None)
+    assert [[int(d) for d in a.ty.shape.values] for m in matmuls for a in m.args] == \
+        [[128, 152], [152, 8], [8, 128], [128, 152]]
