@@ -4,7 +4,8 @@ The training graph is built by `relax_passes` in this order:
 
 1. import (`frontend.from_torch`): ``main(*inputs, *params, *buffers) -> (loss, *new_buffers)``;
 2. `check_differentiable`: every op between a parameter and the loss has a gradient rule;
-3. `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
+3. `RecognizeActivations`: activations written out as elementwise ops (a tanh GELU) as their op;
+   `LowerDropout`: training-mode dropout as a Philox mask, seeded per step;
    `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
    `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule; opt-in NHWC);
    `FuseAttention`: the attention core as one ``tvm_evt.attention`` op (flash attention; bf16/fp16);
@@ -49,6 +50,7 @@ from .relax_passes.training.fuse_attention import FuseAttention
 from .relax_passes.training.fuse_batch_norm import FuseBatchNorm
 from .relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.training.pad_attention_keys import PadAttentionKeys
+from .relax_passes.training.recognize_activations import RecognizeActivations
 from .relax_passes.training.split_fused_projection import SplitFusedProjection
 from .relax_passes.training.optimizers import SGD, AdamW, DynamicLossScale, from_torch_optimizer
 from .tensors import input_arguments, to_torch, to_tvm
@@ -206,6 +208,8 @@ def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     check_differentiable(imported)
     passes = [
+        # a GELU written out as arithmetic (transformers' gelu_new) as the op (pipeline.OPTIONAL)
+        *([RecognizeActivations()] if enabled("activations") else []),
         LowerDropout(),
         ExpandSmallPower(),
         # a linear layer whose output is split along its features as one per piece (pipeline.OPTIONAL)

@@ -1,7 +1,8 @@
 """The training graph: the imported forward rewritten for training, differentiated and given its
 optimizer step (steps 3-6 of ``tvm_evt.training``).
 
-Forward rewrites, before ``relax.transform.Gradient``: ``LowerDropout`` (Philox masks),
+Forward rewrites, before ``relax.transform.Gradient``: ``RecognizeActivations`` (a written-out GELU
+as its op), ``LowerDropout`` (Philox masks),
 ``ExpandSmallPower``, ``SplitFusedProjection``, ``ConvertConvLayout``, ``CancelTransposes``,
 ``Conv2dToMatmul``, ``FuseAttention``, ``PadAttentionKeys``, ``AutoMixedPrecision`` and
 ``ScaleLoss``, ``FuseBatchNorm``.  ``gradient_rules`` registers the gradients TVM 0.27 lacks;
