@@ -57,6 +57,8 @@ What ``phases(target)`` runs after the training phase, in order:
     FuseColumnMoments  (the graph phase's pass, again) a layer norm's dgamma and dbeta in one pass
     FuseColumnSums     column sums recomputing the same values in one pass
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
+    MeanAsScaledSum    a float32 mean of an elementwise result (RMSNorm's mean(x * x)) as sum / n, which
+                       FuseOps fuses with that op (TVM's mean takes no producer)
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes (inside ``graph_capture()``,
@@ -88,6 +90,7 @@ from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.lower.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
+from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
 from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 from .relax_passes.lower.split_reduction import SplitReduction
@@ -132,7 +135,7 @@ PHASES = (
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "RecomputeElementwise",
-           "FuseColumnSums", "SplitReduction", "BoundedFuseOps", "ScheduleTIRForGPU")),
+           "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "ScheduleTIRForGPU")),
 )
 
 # Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
@@ -327,6 +330,9 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 # column sums recomputing the same values from the same tensors (a loss, dgamma, dbeta): one pass
                 *([FuseColumnSums()] if enabled("column_sums") else []),
                 SplitReduction(),  # loss mean / bias gradients: two stages DLight fills the GPU with
+                # a float32 mean of an elementwise result (RMSNorm's mean(x * x)) as sum / n, which FuseOps
+                # fuses with that op (it fuses no producer into TVM's mean)
+                MeanAsScaledSum(),
                 relax.transform.LegalizeOps(),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
