@@ -105,9 +105,11 @@ def test_float32_attention_is_decomposed_and_computes_the_same_values():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _heads_module(rate: float, dtype: str = "bfloat16") -> tvm.IRModule:
+def _heads_module(rate: float, dtype: str = "bfloat16", identity_reshape: bool = False) -> tvm.IRModule:
     """Attention on heads split from [B, S, H*D] activations, as a linear layer's output is:
-    x [B, S, H, D] -> permute_dims -> attention -> permute_dims -> [B, S, H*D]; and its adjoint."""
+    x [B, S, H, D] -> permute_dims -> attention -> permute_dims -> [B, S, H*D]; and its adjoint.
+    `identity_reshape`: the attention's output reshaped to its own shape first (transformers' GPT-2
+    does), so the adjoint's dO is ``reshape(permute_dims(...))`` to the same shape."""
     bb = relax.BlockBuilder()
     xs = [relax.Var(n, relax.TensorType((B, S, H, D), "float32")) for n in ("xq", "xk", "xv")]
     seed = relax.Var("rng_seed", relax.TensorType((2,), "uint32"))
@@ -116,7 +118,10 @@ def _heads_module(rate: float, dtype: str = "bfloat16") -> tvm.IRModule:
         with bb.dataflow():
             q, k, v = (bb.emit(R.permute_dims(bb.emit(R.astype(x, dtype)), [0, 2, 1, 3])) for x in xs)
             att = bb.emit(attention_op.attention(q, k, v, seed, 0.125, True, rate, SITE))
-            o = bb.emit(R.permute_dims(bb.emit(relax.TupleGetItem(att, 0)), [0, 2, 1, 3]))
+            o = bb.emit(relax.TupleGetItem(att, 0))
+            if identity_reshape:
+                o = bb.emit(R.reshape(o, (B, H, S, D)))
+            o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
             o = bb.emit(R.astype(bb.emit(R.reshape(o, (B, S, H * D))), "float32"))
             loss = bb.emit_output(R.sum(R.multiply(o, w)))
         bb.emit_func_output(loss)
@@ -131,9 +136,10 @@ def _as_plain_relax(mod: tvm.IRModule) -> tvm.IRModule:
                          and "Codegen" in f.attrs else f for gv, f in mod.functions_items()}, attrs=mod.attrs)
 
 
-@pytest.mark.parametrize("rate", [0.1, 0.0])
-def test_heads_split_from_activations_are_read_sequence_major_without_transposes(rate):
-    before = _heads_module(rate)
+@pytest.mark.parametrize("rate,identity_reshape", [(0.1, False), (0.0, False), (0.0, True)],
+                         ids=["dropout", "plain", "dO_reshaped"])
+def test_heads_split_from_activations_are_read_sequence_major_without_transposes(rate, identity_reshape):
+    before = _heads_module(rate, identity_reshape=identity_reshape)
     after = OffloadAttention()(before)
     relax.analysis.well_formed(after)
     specs = [attention_of_function(f) for f in _codegen_functions(after).values()]

@@ -7,7 +7,7 @@ is the original tensor.
 Such pairs appear where a pass changes the layout a kernel reads or writes (``OffloadAttention``'s
 [B, S, H, D] flash-attention operands) and hands the old layout back to the graph around it; ``y``
 is left to dead-code elimination.  ``y`` may reach ``z`` through a tuple built in the same
-function (``t = (y, w); z = permute_dims(t[0], ...)``).
+function (``t = (y, w); z = permute_dims(t[0], ...)``) or a reshape to its own shape.
 """
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .._rewrite import static_shape
+
 PERMUTE_DIMS = tvm.ir.Op.get("relax.permute_dims")
+RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 
 def _axes(call: relax.Call, ndim: int) -> list[int]:
@@ -24,8 +27,10 @@ def _axes(call: relax.Call, ndim: int) -> list[int]:
 
 
 def bound_value(mutator: PyExprMutator, expr: relax.Expr) -> relax.Expr:
-    """What `expr` is bound to in the function `mutator` is building, looking through vars and
-    items of tuples built there."""
+    """What `expr` is bound to in the function `mutator` is building, looking through vars, items
+    of tuples built there and reshapes to the shape they already have (autodiff wraps the output
+    gradient of transformers' GPT-2 attention in one: ``reshape(permute_dims(g), its own
+    shape)``)."""
     while True:
         value = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
         if value is None:
@@ -38,7 +43,17 @@ def bound_value(mutator: PyExprMutator, expr: relax.Expr) -> relax.Expr:
         if isinstance(value, relax.Var):
             expr = value
             continue
+        if _identity_reshape(value):
+            expr = value.args[0]
+            continue
         return value
+
+
+def _identity_reshape(value: relax.Expr) -> bool:
+    if not (isinstance(value, relax.Call) and value.op == RESHAPE):
+        return False
+    shape = static_shape(value.args[0])
+    return shape is not None and shape == static_shape(value)
 
 
 @mutator

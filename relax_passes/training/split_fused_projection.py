@@ -9,6 +9,10 @@ on the matching rows of its weight and bias.
               matmul(x, permute_dims(strided_slice(W, [0], [s_i], [e_i]), [1, 0])))
     t = (reshape(y_0, [..., n1]), reshape(y_1, [..., n2 - n1]), reshape(y_2, [..., N - n2]))
 
+A weight stored [K, N] and read as it is (transformers' ``Conv1D``, GPT-2's ``c_attn``:
+``addmm(b, x, W)``) is sliced along its columns instead: ``matmul(x, strided_slice(W, [1], [s_i],
+[e_i]))``.
+
 The same GEMM work as three N/3 GEMMs, but the split no longer copies the [tokens, N] output into
 three tensors, and the backward pass no longer concatenates the three gradients back into one
 [tokens, N] tensor for the input-gradient and weight-gradient GEMMs: the input gradient becomes a
@@ -60,10 +64,14 @@ class _Splitter(PyExprMutator):
         if matmul is None:
             return call
         permute = producer(self, matmul.args[1], PERMUTE)
-        if permute is None or permute.args[0].ty.ndim != 2 or not swaps_last_two(permute):
+        if permute is not None and permute.args[0].ty.ndim == 2 and swaps_last_two(permute):
+            weight, features = permute.args[0], 0  # W [N, K] read transposed (torch.nn.Linear)
+        elif matmul.args[1].ty.ndim == 2:
+            weight, features = matmul.args[1], 1  # W [K, N] read as it is (transformers' Conv1D: GPT-2)
+        else:
             return call
-        weight = permute.args[0]
-        n = static_shape(weight)[0] if static_shape(weight) is not None else None
+        shape = static_shape(weight)
+        n = shape[features] if shape is not None else None
         out_shape = static_shape(call.args[0])
         if n is None or out_shape is None or out_shape[-1] != n or static_shape(bias) != (n,):
             return call
@@ -72,10 +80,10 @@ class _Splitter(PyExprMutator):
             return call
         pieces = []
         for begin, end in sections:
-            w = self.builder_.emit(relax.op.strided_slice(weight, [0], [begin], [end]))
+            w = self.builder_.emit(relax.op.strided_slice(weight, [features], [begin], [end]))
             b = self.builder_.emit(relax.op.strided_slice(bias, [0], [begin], [end]))
-            mm = self.builder_.emit(relax.op.matmul(matmul.args[0], relax.op.permute_dims(w, [1, 0]),
-                                                    out_dtype=matmul.attrs.out_dtype))
+            mm = self.builder_.emit(relax.op.matmul(matmul.args[0], relax.op.permute_dims(w, [1, 0]) if features == 0
+                                                    else w, out_dtype=matmul.attrs.out_dtype))
             y = self.builder_.emit(relax.op.add(b, mm))
             pieces.append(self.builder_.emit(relax.op.reshape(y, [*out_shape[:-1], end - begin])))
         return relax.Tuple(pieces)
