@@ -26,7 +26,7 @@ GEOMETRIES = [  # n, h, w, c, k, r, s, pad (top, left, bottom, right), stride, d
     (2, 9, 7, 8, 16, 3, 3, (1, 1, 1, 1), (2, 2), (1, 1)),  # odd extents, stride 2: rows no window reads
     (2, 9, 7, 8, 16, 3, 2, (2, 0, 1, 1), (2, 1), (2, 1)),  # uneven padding, dilation
     (1, 6, 6, 8, 8, 1, 1, (0, 0, 0, 0), (1, 1), (1, 1)),
-    # channel vectors narrower than 16 bytes: one gather kernel, K = R*S*C padded to a multiple of 8
+    # channel vectors narrower than 16 bytes: one gather kernel, K = R*S*C padded to whole 16 bytes
     (2, 15, 13, 3, 8, 7, 7, (3, 3, 3, 3), (2, 2), (1, 1)),  # a 7x7/2 stem
     (1, 9, 10, 3, 4, 3, 3, (2, 0, 1, 1), (2, 1), (2, 1)),  # uneven padding, dilation
     (2, 7, 7, 2, 8, 2, 2, (0, 0, 0, 0), (1, 1), (1, 1)),  # K = 8: no padding columns

@@ -35,6 +35,7 @@ from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
 from ...codegen.frontend.conv_call import DGRAD_OP, FPROP_OP, WGRAD_OP, output_extent
+from ..partition.pad_unaligned_matmuls import alignment
 from .._rewrite import static_shape
 from ..training.gradient_rules import register_op
 
@@ -171,13 +172,11 @@ def windows_nhwc(emit, x, xs, kernel, out, stride, dilation, pad, max_taps: int 
     return emit(relax.op.reshape(cols, [rows, kh * kw * c]))
 
 
-VECTOR = 8  # 16-bit elements in the 16 bytes a kernel moves at once (TMA, CUTLASS's alignment)
-
-
 def gather_windows(bb: relax.BlockBuilder, x, xs, kernel, out, stride, dilation, pad) -> tuple[relax.Expr, int]:
     """(``[N*P*Q, Kp]`` im2col columns of an NHWC input, ``Kp``) as one gather kernel whose row is a
     window (kernel row, column, then channel, as `windows_nhwc`), zero past ``R*S*C`` up to the
-    next multiple of `VECTOR` and where the window overlaps the padding.
+    next whole 16 bytes (``alignment``, what the GEMM kernels need) and where the window overlaps
+    the padding.
 
     For channel vectors narrower than 16 bytes (a 7x7 stem on 3 channels): `windows_nhwc`'s
     per-tap strided slices then write [N, P, Q, C] slabs of 6-byte vectors, and the GEMM's
@@ -187,8 +186,8 @@ def gather_windows(bb: relax.BlockBuilder, x, xs, kernel, out, stride, dilation,
     (n, h, wd, c), (kh, kw), (oh, ow) = xs, kernel, out
     (pt, pl, _, _), (sh, sw), (dh, dw) = pad, stride, dilation
     taps_c = kh * kw * c
-    width = -(-taps_c // VECTOR) * VECTOR
     dtype = str(x.ty.dtype)
+    width = -(-taps_c // alignment(dtype)) * alignment(dtype)
 
     def gather(data: te.Tensor) -> te.Tensor:
         def element(row, col):
@@ -208,7 +207,7 @@ def gather_windows(bb: relax.BlockBuilder, x, xs, kernel, out, stride, dilation,
 def _narrow_vectors(c: int, dtype: str, kernel) -> bool:
     """Does `windows_nhwc` gather overlapping windows of channel vectors narrower than 16 bytes
     (`gather_windows` takes those)?"""
-    return tuple(kernel) != (1, 1) and c * tvm.runtime.DataType(dtype).bits % 128 != 0
+    return tuple(kernel) != (1, 1) and c % alignment(dtype) != 0
 
 
 def _columns(bb: relax.BlockBuilder, x, xs, kernel, out, g: "Geometry") -> tuple[relax.Expr, int]:

@@ -32,7 +32,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import bind_as, dtype_of, static_shape
+from .._rewrite import bind_as, dtype_of, scalar_value, static_shape
 
 _erf = np.vectorize(math.erf)
 
@@ -63,12 +63,7 @@ ACTIVATIONS = (
     Activation("gelu", "relax.erf", lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))), relax.op.nn.gelu),
 )
 ANCHORS = {a.anchor for a in ACTIVATIONS}
-
-
-def _scalar(expr: relax.Expr) -> float | None:
-    if isinstance(expr, tvm.ir.GenericConst) and expr.value.numpy().size == 1:
-        return float(expr.value.numpy().reshape(()))
-    return None
+EXPECTED = {a.name: a.reference(SAMPLES) for a in ACTIVATIONS}  # each activation on SAMPLES, once
 
 
 class _Block:
@@ -123,7 +118,7 @@ class _Block:
         if call is not None:
             args = []
             for a in call.args:
-                v = _scalar(a) if not isinstance(a, relax.Var) else self.evaluate(a, x, memo)
+                v = scalar_value({}, a) if not isinstance(a, relax.Var) else self.evaluate(a, x, memo)
                 if v is None:
                     break
                 args.append(v)
@@ -150,7 +145,7 @@ class _Block:
                     if values is None:
                         continue
                     for act in ACTIVATIONS:
-                        if act.anchor == call.op.name and np.allclose(values, act.reference(SAMPLES), RTOL, ATOL):
+                        if act.anchor == call.op.name and np.allclose(values, EXPECTED[act.name], RTOL, ATOL):
                             found[root] = act.make(x)
         return found
 
