@@ -1,7 +1,8 @@
 """Convolutional layers as torchvision writes them (torchvision's wheel does not load on the CPU
 torch build, so they are written here after its definitions): under the default rewrites every
 one compiles on the CPU route and its loss and every gradient equal torch fp32 — the 7x7/2 stem,
-depthwise and grouped convolutions that stay convolutions, stride-2 downsamples, dilation."""
+depthwise convolutions (direct kernels: ``tvm_evt.depthwise_conv2d``), grouped ones that stay
+convolutions, stride-2 downsamples, dilation."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,22 +157,29 @@ def test_stem_gemms_reach_cutlass_on_the_cuda_route():
     assert refused and all("C=3" in c["reason"] for c in refused), report["convolutions"]
 
 
-def test_depthwise_convolutions_left_to_tvm_are_reported():
-    """A depthwise block partitioned for sm_90a in bf16: its grouped convolution and their
-    gradients stay TVM ops, and report()["convolutions"] lists each with the reason."""
+def test_depthwise_convolutions_run_as_direct_kernels_and_grouped_ones_are_reported():
+    """Partitioned for sm_90a in bf16: a MobileNetV2 block's depthwise convolutions and their two
+    gradients are ``tvm_evt.depthwise_conv2d*`` calls, reported as direct kernels; a grouped
+    (ResNeXt) convolution stays a TVM op, reported with the reason."""
     import tvm
 
     from tvm_evt.report import training_report
 
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     torch.manual_seed(0)
-    x = torch.randn(4, 3, 16, 16).contiguous(memory_format=torch.channels_last)
-    imported = tvm_evt.from_torch(MODELS["mobilenet_v2_blocks"](), (x, torch.randint(0, 10, (4,))), F.cross_entropy)
-    graph = tvm_evt.build_training_module(imported, None, "bf16")
-    report = training_report(graph.mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
-    tvm_rows = [c for c in report["convolutions"] if c.get("groups", 1) != 1]
-    assert tvm_rows and not any(c["kernel"] for c in tvm_rows)
-    assert all("groups=" in c["reason"] for c in tvm_rows), tvm_rows
-    assert {c["op"] for c in tvm_rows} >= {"conv2d"}
+    rows = {}
+    for name, cin in (("mobilenet_v2_blocks", 3), ("resnext_grouped", 16)):
+        x = torch.randn(4, cin, 16, 16).contiguous(memory_format=torch.channels_last)
+        imported = tvm_evt.from_torch(MODELS[name](), (x, torch.randint(0, 10, (4,))), F.cross_entropy)
+        graph = tvm_evt.build_training_module(imported, None, "bf16")
+        rows[name] = [c for c in training_report(graph.mod, target=cuda)["convolutions"] if c.get("groups", 1) != 1]
+    depthwise = rows["mobilenet_v2_blocks"]
+    assert sorted(c["op"] for c in depthwise) == ["dgrad", "dgrad", "fprop", "fprop", "wgrad", "wgrad"], depthwise
+    assert all(c["kernel"] and c["kind"] == "depthwise" and c["dtype"] == "bfloat16" for c in depthwise), depthwise
+    assert {tuple(c["w"]) for c in depthwise} == {(32, 3, 3, 1)}, depthwise  # hidden = 8 * 4, OHWI
+    grouped = rows["resnext_grouped"]
+    assert grouped and not any(c["kernel"] for c in grouped)
+    assert all("groups=4" in c["reason"] for c in grouped), grouped
 
 
 @pytest.mark.parametrize("conv,x", [

@@ -10,13 +10,14 @@ returns::
      "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "head_dim", "dtype", "causal",
                     "dropout", "kernel": bool, "reason"}, ...],
      "convolutions": [{"op": "fprop" | "dgrad" | "wgrad", "x": [N, H, W, C], "w": [K, R, S, C],
-                       "dtype", "kernel": bool, "reason"}, ...]}
+                       "dtype", "kernel": bool, "reason"[, "kind": "depthwise"]}, ...]}
 
 where ``attention`` lists the fused attention calls (SDPA as imported, ``FuseAttention``'s) and whether the CUDA
 route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops, and
 ``convolutions`` the ``tvm_evt.conv2d*`` calls (``implicit_conv``) and whether it runs each as an
-implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``), and the convolutions
-left as TVM's own ops (grouped, depthwise, and their gradients), which run as TVM kernels.
+implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``), the depthwise ones
+(``tvm_evt.depthwise_conv2d*``, direct kernels: ``"kind": "depthwise"``), and the convolutions left
+as TVM's own ops (grouped ones, and their gradients), which run as TVM kernels.
 
 ``draw(mod, path)`` writes a PNG (matplotlib): one row per kernel in execution order, GEMM + EVT
 partitions as labelled boxes, the ops TVM keeps as grey dots, data edges between them.
@@ -80,14 +81,29 @@ def conv_calls(func: relax.Function) -> list[dict]:
             if phases:
                 row["stride_phase_of"] = [int(d) for d in whole.args[3].values]
             rows.append({**row, "kernel": reason is None, "reason": reason})
-    return rows + tvm_conv_calls(func)
+    return rows + depthwise_calls(func) + tvm_conv_calls(func)
+
+
+def depthwise_calls(func: relax.Function) -> list[dict]:
+    """The ``tvm_evt.depthwise_conv2d*`` calls of `func`: each runs as a direct kernel (``kind``)."""
+    from .relax_passes.ops.depthwise_conv_op import OPS, depthwise_shapes
+
+    calls = []
+    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in OPS else None)
+    rows = []
+    for call in calls:
+        x, w, _, _ = depthwise_shapes(call)
+        rows.append({"op": OPS[call.op.name], "dtype": str(call.args[0].ty.dtype), "x": list(x), "w": list(w),
+                     "groups": x[3], "kernel": True, "kind": "depthwise", "reason": None})
+    return rows
 
 
 TVM_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv2d_transpose")
 
 
 def tvm_conv_calls(func: relax.Function) -> list[dict]:
-    """The convolutions of `func` left as TVM's own ops (grouped and depthwise ones, and their
+    """The convolutions of `func` left as TVM's own ops (grouped ones, and their
     gradients): they run as TVM kernels, not as implicit-GEMM or CUTLASS ones; a row each saying so."""
     calls = []
     relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)

@@ -220,7 +220,9 @@ def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
         *([CancelTransposes()] if any(imported.channels_last) else []),
         # NHWC convolutions with overlapping windows as tvm_evt.conv2d (implicit-GEMM kernels on
         # CUDA) where the step is bf16/fp16 (pipeline.OPTIONAL); the rest as im2col + GEMM
-        Conv2dToMatmul(implicit=enabled("implicit_conv") and precision in FLASH_PRECISIONS),
+        # and depthwise ones as tvm_evt.depthwise_conv2d, direct kernels (pipeline.OPTIONAL)
+        Conv2dToMatmul(implicit=enabled("implicit_conv") and precision in FLASH_PRECISIONS,
+                       depthwise=enabled("depthwise")),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(),
         # the attention core as one tvm_evt.attention op where the flash-attention kernels can take

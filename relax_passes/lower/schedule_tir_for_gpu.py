@@ -2,7 +2,8 @@
 
 Functions that bring their own GPU form (``OWN_GPU_FORMS``: the dropout masks, one thread per
 Philox draw; the optimizer update, one kernel for every parameter; a batch norm's column moments,
-one pass over its input; an in-place step's write-back of its small state, one kernel) take it.  With ``vectorize``, injective kernels with a contiguous innermost
+one pass over its input; an in-place step's write-back of its small state, one kernel; a depthwise
+convolution's direct kernels) take it.  With ``vectorize``, injective kernels with a contiguous innermost
 axis go to our ``VectorizedElementwise`` rule first (16-byte vectors; DLight's Fallback maps one
 element to a thread), those that read an operand transposed to ``TiledTranspose`` (through
 shared-memory tiles), column sums, maxima and minima to ``ColumnReduction`` (a vector of columns a
@@ -36,6 +37,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from ..ops import depthwise_conv_op
 from ..training import optimizer_update, philox, write_back
 from . import column_sums
 
@@ -44,7 +46,8 @@ from . import column_sums
 OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
                  (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant),
                  (column_sums.SUMS_ATTR, column_sums.gpu_variant),
-                 (write_back.WRITE_BACK_ATTR, write_back.gpu_variant))
+                 (write_back.WRITE_BACK_ATTR, write_back.gpu_variant),
+                 (depthwise_conv_op.DEPTHWISE_ATTR, depthwise_conv_op.gpu_variant))
 
 
 def _own_gpu_form_hook(func):

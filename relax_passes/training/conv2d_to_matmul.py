@@ -41,7 +41,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..ops import conv_op
+from ..ops import conv_op, depthwise_conv_op
 from .._rewrite import mutate_relax_functions, permute_axes, producer, static_shape
 from ..ops.conv_op import taps as _taps
 
@@ -58,9 +58,10 @@ def _ints(values) -> list[int]:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, implicit: bool = False):
+    def __init__(self, mod: tvm.IRModule, implicit: bool = False, depthwise: bool = False):
         super().__init__(mod)
         self.implicit = implicit
+        self.depthwise = depthwise
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
@@ -72,11 +73,15 @@ class _Rewriter(PyExprMutator):
         layouts = ("NCHW", "OIHW", "NCHW") if call.op == CONV2D else ("NCW", "OIW", "NCW")
         given = (a.data_layout, a.kernel_layout, a.out_layout or a.data_layout)
         nhwc = call.op == CONV2D and given == NHWC
+        out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
+        if nhwc and self.depthwise and xs is not None and ws is not None and ys is not None \
+                and depthwise_conv_op.is_depthwise(xs, ws, int(a.groups)) and out_dtype in (None, str(x.ty.dtype)):
+            geometry = conv_op.Geometry(tuple(_ints(a.padding)), tuple(_ints(a.strides)), tuple(_ints(a.dilation)))
+            return depthwise_conv_op.depthwise_conv2d(x, w, geometry)  # a direct kernel, and its gradients
         if xs is None or ws is None or ys is None or int(a.groups) != 1 or (given != layouts and not nhwc):
             return self._differentiable(call) if nhwc else call
         stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
         emit = self.builder_.emit
-        out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
         if nhwc and self.implicit and _gathers(ws[1:3], stride, dilation, pad, xs[1:3], ys[1:3]) \
                 and out_dtype in (None, str(x.ty.dtype)):  # the window gather stays inside the kernel
             return conv_op.conv2d(x, w, conv_op.Geometry(tuple(pad), tuple(stride), tuple(dilation)))
@@ -164,10 +169,13 @@ class Conv2dToMatmul:
     """Rewrite the eligible ``conv2d`` / ``conv1d`` calls of every Relax function (see the module
     docstring).  With `implicit`, an NHWC ``conv2d`` whose windows overlap becomes one
     ``tvm_evt.conv2d`` op instead (`conv_op`: implicit-GEMM kernels on CUDA, whose gradient rule
-    gives the two gradient ops), and its im2col gathers are never written."""
+    gives the two gradient ops), and its im2col gathers are never written.  With `depthwise`, an
+    NHWC depthwise ``conv2d`` (``groups`` = its input channels) becomes ``tvm_evt.depthwise_conv2d``
+    (`depthwise_conv_op`: direct kernels for it and its two gradients)."""
 
-    def __init__(self, implicit: bool = False):
+    def __init__(self, implicit: bool = False, depthwise: bool = False):
         self.implicit = implicit
+        self.depthwise = depthwise
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return mutate_relax_functions(_Rewriter(mod, self.implicit), mod)
+        return mutate_relax_functions(_Rewriter(mod, self.implicit, self.depthwise), mod)

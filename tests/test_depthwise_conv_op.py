@@ -1,0 +1,207 @@
+"""tvm_evt.depthwise_conv2d and its gradient ops (relax_passes/ops/depthwise_conv_op.py):
+numbers against torch on the CPU reference path, Conv2dToMatmul(depthwise=True), the kernels'
+CUDA form for sm_90a (built here without a GPU), and on a GPU the kernels against torch and their
+time against cuDNN through torch on MobileNetV2's depthwise shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tvm_evt.relax_passes.ops import conv_op
+from tvm_evt.relax_passes.ops import depthwise_conv_op as dwc
+from tvm_evt.relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+GEOMETRIES = [  # n, h, w, c, multiplier, r, s, pad (top, left, bottom, right), stride, dilation
+    (2, 9, 11, 6, 1, 3, 3, (1, 1, 1, 1), (1, 1), (1, 1)),
+    (2, 10, 9, 4, 1, 3, 3, (1, 1, 1, 1), (2, 2), (1, 1)),  # stride 2, odd width: a column no window reads
+    (2, 11, 11, 8, 1, 5, 5, (2, 2, 2, 2), (2, 2), (1, 1)),  # EfficientNet's 5x5/2
+    (1, 12, 10, 3, 2, 3, 5, (2, 1, 2, 2), (2, 1), (1, 1)),  # channel multiplier 2, uneven padding and stride
+    (2, 9, 9, 4, 1, 3, 3, (2, 2, 2, 2), (1, 1), (2, 2)),  # dilation
+]
+
+
+def _ids(g):
+    return f"{g[1]}x{g[2]}x{g[3]}m{g[4]}_{g[5]}x{g[6]}_s{g[8][0]}{g[8][1]}_d{g[9][0]}"
+
+
+def _step(n, h, w, c, m, r, s, pad, stride, dilation, dtype="float32"):
+    """``main(x, w, dy) -> y`` and its gradient through the ops: ``sum(y * dy)``."""
+    g = conv_op.Geometry(pad, stride, dilation)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([n, h, w, c], dtype))
+    wt = relax.Var("w", relax.TensorType([c * m, r, s, 1], dtype))
+    p, q = g.out((h, w), (r, s))
+    dy = relax.Var("dy", relax.TensorType([n, p, q, c * m], dtype))
+    with bb.function("main", [x, wt, dy]):
+        with bb.dataflow():
+            y = bb.emit(dwc.depthwise_conv2d(x, wt, g))
+            loss = bb.emit_output(relax.op.sum(relax.op.astype(relax.op.multiply(y, dy), "float32")))
+        bb.emit_func_output(loss)
+    return relax.transform.Gradient("main", require_grads=[x, wt])(bb.get())
+
+
+def _torch_reference(xn, wn, dyn, c, pad, stride, dilation):
+    """(x grad, w grad) of sum(conv(x, w) * dy) in float64 torch, channels-last like the ops."""
+    xt = torch.tensor(xn, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
+    wt = torch.tensor(wn, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
+    padded = torch.nn.functional.pad(xt, (pad[1], pad[3], pad[0], pad[2]))
+    y = torch.nn.functional.conv2d(padded, wt, stride=stride, dilation=dilation, groups=c)
+    (y * torch.tensor(dyn, dtype=torch.float64).permute(0, 3, 1, 2)).sum().backward()
+    return xt.grad.permute(0, 2, 3, 1).numpy(), wt.grad.permute(0, 2, 3, 1).numpy()
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=_ids)
+def test_depthwise_op_and_its_gradient_match_torch(geometry):
+    """The three ops' portable (TE) kernels on llvm against float64 torch: both gradients of
+    sum(y * dy)."""
+    n, h, w, c, m, r, s, pad, stride, dilation = geometry
+    mod = _step(*geometry)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+    rng = np.random.default_rng(0)
+    p, q = conv_op.Geometry(pad, stride, dilation).out((h, w), (r, s))
+    xn, wn = rng.standard_normal((n, h, w, c), "float32"), rng.standard_normal((c * m, r, s, 1), "float32")
+    dyn = rng.standard_normal((n, p, q, c * m), "float32")
+    _, (dx, dw) = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in (xn, wn, dyn)))
+    want_dx, want_dw = _torch_reference(xn, wn, dyn, c, pad, stride, dilation)
+    for got, want in ((dx.numpy(), want_dx), (dw.numpy(), want_dw)):
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_conv2d_to_matmul_makes_nhwc_depthwise_convolutions_the_op():
+    """An NHWC/OHWI conv2d with groups = its channels becomes the op; with depthwise off (and for
+    a grouped convolution) it stays a conv2d, between the NCHW transposes TVM's gradient takes."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 8, 8, 16), "float32"), w: R.Tensor((16, 3, 3, 1), "float32")):
+            with R.dataflow():
+                y = R.nn.conv2d(x, w, strides=[2, 2], padding=[1, 1, 1, 1], groups=16,
+                                data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC")
+                R.output(y)
+            return y
+
+    after = Conv2dToMatmul(depthwise=True)(Before)
+    x, w = after["main"].params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(dwc.depthwise_conv2d(x, w, conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))))
+        bb.emit_func_output(y)
+    tvm.ir.assert_structural_equal(after, bb.get())
+    kept = Conv2dToMatmul(depthwise=False)(Before)
+    assert "tvm_evt.depthwise_conv2d" not in kept.script() and "R.nn.conv2d" in kept.script()
+
+
+def test_grouped_convolutions_are_not_depthwise():
+    assert dwc.is_depthwise((2, 8, 8, 16), (16, 3, 3, 1), 16)
+    assert dwc.is_depthwise((2, 8, 8, 16), (32, 3, 3, 1), 16)  # multiplier 2
+    assert not dwc.is_depthwise((2, 8, 8, 16), (16, 3, 3, 4), 4)  # ResNeXt: 4 channels a group
+    assert not dwc.is_depthwise((2, 8, 8, 1), (8, 3, 3, 1), 1)  # one channel: an ordinary convolution
+
+
+def test_wgrad_grid_covers_the_rows_once():
+    for rows, channels in ((128 * 112 * 112, 32), (128 * 7 * 7, 960), (4 * 9 * 9, 6), (1, 8), (1000003, 144)):
+        groups, per = dwc.wgrad_grid(rows, channels)
+        assert groups * per >= rows > (groups - 1) * per  # every row in one group, no empty group
+        assert per >= min(rows, dwc.MIN_ROWS)
+        assert groups * channels <= max(dwc.TARGET_THREADS, channels)  # threads: about the target at most
+
+
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
+def test_cuda_forms_are_scheduled_and_build_for_sm90(op):
+    """Each kernel's CUDA form (``gpu_variant``, what ScheduleTIRForGPU swaps in) builds for sm_90a:
+    threads bound, float32 sums in registers, bf16 pairs stored as one vector (fprop/dgrad)."""
+    x, w, g = (8, 28, 28, 144), (144, 3, 3, 1), conv_op.Geometry((1, 1, 1, 1), (2, 2), (1, 1))
+    portable = dwc.primfunc(dwc._spec(op, x, w, g, "bfloat16"))
+    func = dwc.gpu_variant(portable)
+    assert func.attrs["tirx.is_scheduled"]
+    script = func.script()
+    assert 'thread="threadIdx.x"' in script and 'scope="local"' in script
+    if op != "wgrad":
+        assert re.search(r"T.vectorized\(T.int64\(2\)\)", script)
+    src = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                      target=CUDA).mod.imports[0].inspect_source()
+    assert "__global__" in src
+
+
+# ---------------------------------------------------------------------------------- GPU tier
+
+MOBILENET_V2 = [  # torchvision mobilenet_v2 at batch 32, 224^2: (H, C, stride) of its depthwise 3x3s
+    (112, 32, 1), (112, 96, 2), (56, 144, 1), (56, 144, 2), (28, 192, 1), (28, 192, 2), (14, 384, 1),
+    (14, 576, 1), (14, 576, 2), (7, 960, 1),
+]
+
+
+def _cuda_step(n, h, c, stride, dtype):
+    """The compiled step (forward, both gradients) for sm_90 on the evt pipeline's CUDA route."""
+    import tvm_evt  # noqa: F401  (registers the "evt" pipeline)
+
+    mod = _step(n, h, h, c, 1, 3, 3, (1, 1, 1, 1), (stride, stride), (1, 1), dtype)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline="evt"), tvm.cuda())
+
+
+@pytest.mark.gpu
+def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
+    """MobileNetV2's depthwise shapes in bf16: dx and dw against torch float64 (norm-wise error
+    <= 1e-2 of the reference's norm, outputs poisoned first), then the median time of the whole
+    step (forward + both gradients) against torch's bf16 conv2d + autograd (cuDNN) on the same
+    inputs, written to $OUT/depthwise_times.json when OUT is set."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from tvm_evt.bench_e2e import time_steps
+
+    def cuda_time_ms(step) -> float:  # median of 20 after 5 warm-up steps
+        for _ in range(5):
+            step()
+        return float(np.median(time_steps(step, 20)))
+
+    rows = []
+    for h, c, stride in MOBILENET_V2:
+        n = 32
+        vm = _cuda_step(n, h, c, stride, "bfloat16")
+        g = conv_op.Geometry((1, 1, 1, 1), (stride, stride), (1, 1))
+        p, q = g.out((h, h), (3, 3))
+        x = torch.randn(n, h, h, c, device="cuda").bfloat16()
+        w = torch.randn(c, 3, 3, 1, device="cuda").bfloat16()
+        dy = torch.randn(n, p, q, c, device="cuda").bfloat16()
+        args = [tvm.runtime.from_dlpack(t) for t in (x, w, dy)]
+        _, (dx, dw) = vm["main_adjoint"](*args)
+        want_dx, want_dw = _torch_reference(x.float().cpu().numpy(), w.float().cpu().numpy(),
+                                            dy.float().cpu().numpy(), c, (1, 1, 1, 1), (stride, stride), (1, 1))
+        for name, got, want in (("dx", dx, want_dx), ("dw", dw, want_dw)):
+            got = torch.from_dlpack(got).double().cpu().numpy()
+            assert np.isfinite(got).all(), name
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert err <= 1e-2, f"{(h, c, stride)} {name}: {err:.2e}"
+
+        xt = x.permute(0, 3, 1, 2).requires_grad_()  # channels-last memory, as the ops read it
+        wt = w.permute(0, 3, 1, 2).contiguous().requires_grad_()
+        dyt = dy.permute(0, 3, 1, 2)
+
+        def torch_step():
+            y = torch.nn.functional.conv2d(xt, wt, stride=stride, padding=1, groups=c)
+            torch.autograd.grad(y, (xt, wt), dyt)
+
+        ours = cuda_time_ms(lambda: vm["main_adjoint"](*args))
+        theirs = cuda_time_ms(torch_step)
+        rows.append({"h": h, "c": c, "stride": stride, "batch": n, "tvm_evt_ms": ours, "torch_ms": theirs,
+                     "ratio": theirs / ours})
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "depthwise_times.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(json.dumps(rows, indent=1))
