@@ -37,16 +37,19 @@ def _ids(g):
 
 
 def _step(n, h, w, c, m, r, s, pad, stride, dilation, dtype="float32"):
-    """``main(x, w, dy) -> y`` and its gradient through the ops: ``sum(y * dy)``."""
+    """``main(x, w, dy) -> sum(y * dy)`` of float32 operands, the ops computing in `dtype` (the
+    operands cast to it: Gradient takes float32 parameters only), and its gradient."""
     g = conv_op.Geometry(pad, stride, dilation)
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([n, h, w, c], dtype))
-    wt = relax.Var("w", relax.TensorType([c * m, r, s, 1], dtype))
+    x = relax.Var("x", relax.TensorType([n, h, w, c], "float32"))
+    wt = relax.Var("w", relax.TensorType([c * m, r, s, 1], "float32"))
     p, q = g.out((h, w), (r, s))
-    dy = relax.Var("dy", relax.TensorType([n, p, q, c * m], dtype))
+    dy = relax.Var("dy", relax.TensorType([n, p, q, c * m], "float32"))
     with bb.function("main", [x, wt, dy]):
         with bb.dataflow():
-            y = bb.emit(dwc.depthwise_conv2d(x, wt, g))
+            low = [bb.emit(relax.op.astype(v, dtype)) if dtype != "float32" else v for v in (x, wt, dy)]
+            y = bb.emit(dwc.depthwise_conv2d(low[0], low[1], g))
+            dy = low[2]
             loss = bb.emit_output(relax.op.sum(relax.op.astype(relax.op.multiply(y, dy), "float32")))
         bb.emit_func_output(loss)
     return relax.transform.Gradient("main", require_grads=[x, wt])(bb.get())
@@ -146,21 +149,34 @@ MOBILENET_V2 = [  # torchvision mobilenet_v2 at batch 32, 224^2: (H, C, stride) 
 ]
 
 
-def _cuda_step(n, h, c, stride, dtype):
-    """The compiled step (forward, both gradients) for sm_90 on the evt pipeline's CUDA route."""
+def _kernels(n, h, c, stride, dtype):
+    """The three ops of a 3x3 depthwise convolution, one function each (``fprop(x, w)``,
+    ``dgrad(dy, w)``, ``wgrad(x, dy)``), compiled for sm_90 on the evt pipeline's CUDA route."""
     import tvm_evt  # noqa: F401  (registers the "evt" pipeline)
 
-    mod = _step(n, h, h, c, 1, 3, 3, (1, 1, 1, 1), (stride, stride), (1, 1), dtype)
+    g = conv_op.Geometry((1, 1, 1, 1), (stride, stride), (1, 1))
+    p, q = g.out((h, h), (3, 3))
+    shapes = {"x": [n, h, h, c], "w": [c, 3, 3, 1], "dy": [n, p, q, c]}
+    ops = {"fprop": (("x", "w"), lambda a, b: dwc.depthwise_conv2d(a, b, g)),
+           "dgrad": (("dy", "w"), lambda a, b: dwc.depthwise_conv2d_dgrad(a, b, g, shapes["x"])),
+           "wgrad": (("x", "dy"), lambda a, b: dwc.depthwise_conv2d_wgrad(a, b, g, shapes["w"]))}
+    bb = relax.BlockBuilder()
+    for name, (operands, call) in ops.items():
+        params = [relax.Var(v, relax.TensorType(shapes[v], dtype)) for v in operands]
+        with bb.function(name, params):
+            with bb.dataflow():
+                out = bb.emit_output(call(*params))
+            bb.emit_func_output(out)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline="evt"), tvm.cuda())
+    return relax.VirtualMachine(tvm.compile(bb.get(), target=target, relax_pipeline="evt"), tvm.cuda())
 
 
 @pytest.mark.gpu
 def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
-    """MobileNetV2's depthwise shapes in bf16: dx and dw against torch float64 (norm-wise error
-    <= 1e-2 of the reference's norm, outputs poisoned first), then the median time of the whole
-    step (forward + both gradients) against torch's bf16 conv2d + autograd (cuDNN) on the same
-    inputs, written to $OUT/depthwise_times.json when OUT is set."""
+    """MobileNetV2's depthwise shapes in bf16: y, dx and dw against torch float64 (norm-wise error
+    <= 1e-2 of the reference's norm), then the median time of the three kernels against torch's
+    bf16 conv2d forward and autograd backward (cuDNN) on the same channels-last inputs, written to
+    $OUT/depthwise_times.json when OUT is set."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from tvm_evt.bench_e2e import time_steps
@@ -173,34 +189,38 @@ def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
     rows = []
     for h, c, stride in MOBILENET_V2:
         n = 32
-        vm = _cuda_step(n, h, c, stride, "bfloat16")
-        g = conv_op.Geometry((1, 1, 1, 1), (stride, stride), (1, 1))
-        p, q = g.out((h, h), (3, 3))
+        vm = _kernels(n, h, c, stride, "bfloat16")
+        p = conv_op.Geometry((1, 1, 1, 1), (stride, stride), (1, 1)).out((h, h), (3, 3))[0]
         x = torch.randn(n, h, h, c, device="cuda").bfloat16()
         w = torch.randn(c, 3, 3, 1, device="cuda").bfloat16()
-        dy = torch.randn(n, p, q, c, device="cuda").bfloat16()
-        args = [tvm.runtime.from_dlpack(t) for t in (x, w, dy)]
-        _, (dx, dw) = vm["main_adjoint"](*args)
-        want_dx, want_dw = _torch_reference(x.float().cpu().numpy(), w.float().cpu().numpy(),
-                                            dy.float().cpu().numpy(), c, (1, 1, 1, 1), (stride, stride), (1, 1))
-        for name, got, want in (("dx", dx, want_dx), ("dw", dw, want_dw)):
-            got = torch.from_dlpack(got).double().cpu().numpy()
-            assert np.isfinite(got).all(), name
-            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        dy = torch.randn(n, p, p, c, device="cuda").bfloat16()
+        tx, tw, tdy = (tvm.runtime.from_dlpack(t) for t in (x, w, dy))
+        got = {"y": vm["fprop"](tx, tw), "dx": vm["dgrad"](tdy, tw), "dw": vm["wgrad"](tx, tdy)}
+        xt = torch.tensor(x.float().cpu().numpy(), dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
+        wt = torch.tensor(w.float().cpu().numpy(), dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
+        y = torch.nn.functional.conv2d(xt, wt, stride=stride, padding=1, groups=c)
+        y.backward(dy.double().cpu().permute(0, 3, 1, 2))
+        want = {"y": y.detach().permute(0, 2, 3, 1), "dx": xt.grad.permute(0, 2, 3, 1), "dw": wt.grad.permute(0, 2, 3, 1)}
+        for name in got:
+            out = torch.from_dlpack(got[name]).double().cpu()
+            assert out.shape == want[name].shape and torch.isfinite(out).all(), name
+            err = float((out - want[name]).norm() / want[name].norm())
             assert err <= 1e-2, f"{(h, c, stride)} {name}: {err:.2e}"
 
-        xt = x.permute(0, 3, 1, 2).requires_grad_()  # channels-last memory, as the ops read it
-        wt = w.permute(0, 3, 1, 2).contiguous().requires_grad_()
-        dyt = dy.permute(0, 3, 1, 2)
+        xc = x.permute(0, 3, 1, 2).requires_grad_()  # channels-last memory, as the ops read it
+        wc = w.permute(0, 3, 1, 2).contiguous().requires_grad_()
+        dyc = dy.permute(0, 3, 1, 2)
 
         def torch_step():
-            y = torch.nn.functional.conv2d(xt, wt, stride=stride, padding=1, groups=c)
-            torch.autograd.grad(y, (xt, wt), dyt)
+            out = torch.nn.functional.conv2d(xc, wc, stride=stride, padding=1, groups=c)
+            torch.autograd.grad(out, (xc, wc), dyc)
 
-        ours = cuda_time_ms(lambda: vm["main_adjoint"](*args))
-        theirs = cuda_time_ms(torch_step)
-        rows.append({"h": h, "c": c, "stride": stride, "batch": n, "tvm_evt_ms": ours, "torch_ms": theirs,
-                     "ratio": theirs / ours})
+        def ours():
+            vm["fprop"](tx, tw), vm["dgrad"](tdy, tw), vm["wgrad"](tx, tdy)
+
+        mine, theirs = cuda_time_ms(ours), cuda_time_ms(torch_step)
+        rows.append({"h": h, "c": c, "stride": stride, "batch": n, "tvm_evt_ms": round(mine, 4),
+                     "torch_ms": round(theirs, 4), "speedup": round(theirs / mine, 3)})
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "depthwise_times.json"), "w") as f:
             json.dump(rows, f, indent=1)
