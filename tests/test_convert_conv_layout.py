@@ -62,3 +62,53 @@ def test_loss_over_every_axis_reads_the_nhwc_value():
         return float(vm["main"](*[tvm.runtime.tensor(a) for a in args])[0].numpy())  # (loss, BN statistics...)
 
     np.testing.assert_allclose(loss(after), loss(before), rtol=1e-5)
+
+
+def test_transposes_around_ops_without_a_layout_rule_cancel():
+    """ConvertLayout keeps ReLU6's clip (no layout rule) and the residual add after it NCHW, between
+    transposes; the second transpose moves back through them and cancels the first, so the block
+    runs NHWC throughout (a broadcast operand, which would need its own permute, stops it)."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(a: R.Tensor((2, 4, 4, 8), "float32"), b: R.Tensor((2, 4, 4, 8), "float32"),
+                 c: R.Tensor((1, 8, 1, 1), "float32")):
+            with R.dataflow():
+                an = R.permute_dims(a, axes=[0, 3, 1, 2])
+                clipped = R.clip(an, R.prim_value(0.0), R.prim_value(6.0))
+                bn = R.permute_dims(b, axes=[0, 3, 1, 2])
+                summed = R.add(clipped, bn)
+                back = R.permute_dims(summed, axes=[0, 2, 3, 1])
+                scaled = R.multiply(summed, c)  # broadcast [1, C, 1, 1]: stays NCHW
+                kept = R.permute_dims(scaled, axes=[0, 2, 3, 1])
+                out = (back, kept)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((2, 4, 4, 8), "float32"), b: R.Tensor((2, 4, 4, 8), "float32"),
+                 c: R.Tensor((1, 8, 1, 1), "float32")):
+            with R.dataflow():
+                an = R.permute_dims(a, axes=[0, 3, 1, 2])
+                clipped = R.clip(an, R.prim_value(0.0), R.prim_value(6.0))
+                bn = R.permute_dims(b, axes=[0, 3, 1, 2])
+                summed = R.add(clipped, bn)
+                clipped_nhwc = R.clip(a, R.prim_value(0.0), R.prim_value(6.0))
+                back = R.add(clipped_nhwc, b)
+                scaled = R.multiply(summed, c)
+                kept = R.permute_dims(scaled, axes=[0, 2, 3, 1])
+                out = (back, kept)
+                R.output(out)
+            return out
+
+    from tvm_evt.relax_passes.training.convert_conv_layout import _SimplifyPermutes
+    from tvm_evt.relax_passes._rewrite import mutate_relax_functions
+
+    after = mutate_relax_functions(_SimplifyPermutes(Before), Before)
+    after = relax.transform.CanonicalizeBindings()(after)
+    tvm.ir.assert_structural_equal(after, Expected)

@@ -12,8 +12,10 @@ permutes are dropped; and the per-channel vectors of batch norm, ``[1, C, 1, 1]`
 ``[1, 1, 1, C]``, are permuted where only unit axes move: those become reshapes, which move no
 data and fuse with their neighbours; and a loss reduced over every axis of an NHWC value
 (ResNet's MSE against an NCHW target) was transposed back to NCHW first (0.36 ms for 411 MB on
-H100): a reduction over every axis reads the untransposed value.  The pass runs only where there
-is a convolution to convert, so other models keep their graph untouched.
+H100): a reduction over every axis reads the untransposed value; and an op ConvertLayout has no
+layout rule for (ReLU6's ``clip``) it keeps in NCHW between two transposes: the second transpose
+is moved back through such elementwise ops, to cancel the first (``_undo``).  The pass runs only
+where there is a convolution to convert, so other models keep their graph untouched.
 """
 
 from __future__ import annotations
@@ -22,17 +24,24 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import has_call, mutate_relax_functions, producer, static_shape
+from .._rewrite import POINTWISE, has_call, mutate_relax_functions, op_name, permute_axes, producer, static_shape
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
 # reductions whose result over every axis does not depend on the operand's layout
 FULL_REDUCTIONS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("sum", "mean", "max", "min", "prod"))
+# elementwise ops a permute moves through (their other operands: scalars, or tensors of the same shape)
+ELEMENTWISE = POINTWISE | {"relax.clip", "relax.astype"}
+MAX_SINK = 16  # elementwise ops a permute is moved back through at most
 
 
 @mutator
 class _SimplifyPermutes(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.undone: dict = {}  # (expr, axes) -> its permute, rebuilt without one (`_undo`)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op in FULL_REDUCTIONS:
@@ -44,11 +53,50 @@ class _SimplifyPermutes(PyExprMutator):
         axes = list(range(ndim))[::-1] if call.attrs.axes is None else [int(a) % max(ndim, 1) for a in call.attrs.axes]
         if ndim == 0 or axes == list(range(ndim)):
             return x
+        undone = self._undo(x, axes, [MAX_SINK])
+        if undone is not None:
+            return undone
         shape = static_shape(x)
         moved = [a for a in axes if shape is not None and shape[a] != 1]
         if shape is not None and moved == sorted(moved):  # only unit axes move: a reshape, no data movement
             return relax.op.reshape(x, [shape[a] for a in axes])
         return call
+
+    def _undo(self, expr: relax.Expr, axes: list[int], budget: list[int]) -> relax.Expr | None:
+        """``permute_dims(expr, axes)`` without a transpose, or None: where `expr` is a permute that
+        `axes` inverts, its operand; where it is an elementwise op (``ELEMENTWISE``) whose tensor
+        operands are all so undone, the op on the undone operands.
+
+        TVM's ``ConvertLayout`` keeps an op without a layout rule in the original layout between
+        two transposes: ReLU6's ``clip`` in MobileNetV2 (and the residual add after it) ran NCHW,
+        each a transpose kernel before and after (H200, batch 128: 4 of 28 ms a step)."""
+        key = (expr, tuple(axes))
+        if key not in self.undone:
+            self.undone[key] = self._rebuild(expr, axes, budget)
+        return self.undone[key]
+
+    def _rebuild(self, expr: relax.Expr, axes: list[int], budget: list[int]) -> relax.Expr | None:
+        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+        if not isinstance(value, relax.Call) or budget[0] <= 0:
+            return None
+        budget[0] -= 1
+        if value.op == PERMUTE:
+            inner = permute_axes(value)
+            return value.args[0] if [inner[a] for a in axes] == list(range(len(axes))) else None
+        if op_name(value) not in ELEMENTWISE:
+            return None
+        shape, args = static_shape(value), []
+        for arg in value.args:
+            if not isinstance(arg.ty, relax.TensorType) or arg.ty.ndim == 0:
+                args.append(arg)  # a scalar, or clip's bounds
+                continue
+            if shape is None or static_shape(arg) != shape:
+                return None  # a broadcast operand would need its own permute
+            undone = self._undo(arg, axes, budget)
+            if undone is None:
+                return None
+            args.append(undone)
+        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
 
     def _reduce_unpermuted(self, call: relax.Call) -> relax.Expr:
         """A reduction over every axis reads its operand in any order: skip a transpose before it."""
