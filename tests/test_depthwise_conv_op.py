@@ -116,11 +116,11 @@ def test_grouped_convolutions_are_not_depthwise():
     assert not dwc.is_depthwise((2, 8, 8, 1), (8, 3, 3, 1), 1)  # one channel: an ordinary convolution
 
 
-def test_wgrad_grid_covers_the_rows_once():
-    for rows, channels in ((128 * 112 * 112, 32), (128 * 7 * 7, 960), (4 * 9 * 9, 6), (1, 8), (1000003, 144)):
-        groups, per = dwc.wgrad_grid(rows, channels)
-        assert groups * per >= rows > (groups - 1) * per  # every row in one group, no empty group
-        assert per >= min(rows, dwc.MIN_ROWS)
+def test_wgrad_grid_covers_the_lines_once():
+    for lines, width, channels in ((128 * 112, 112, 32), (128 * 7, 7, 960), (4 * 9, 9, 6), (1, 1, 8), (1009, 997, 144)):
+        groups, per = dwc.wgrad_grid(lines, width, channels)
+        assert groups * per >= lines > (groups - 1) * per  # every output line in one group, no empty group
+        assert per * width >= min(lines * width, dwc.MIN_PIXELS)
         assert groups * channels <= max(dwc.TARGET_THREADS, channels)  # threads: about the target at most
 
 

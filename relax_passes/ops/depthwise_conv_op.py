@@ -20,13 +20,15 @@ and the whole N·P·Q reduction in its serial loop: torchvision's MobileNetV2, b
 
 The kernels read channels-last, a thread per (pixel, channel):
 
-* ``fprop`` / ``dgrad``: an output element sums its R·S taps (``dgrad``: the taps whose output
-  position the stride reaches) in float32 registers; consecutive threads take consecutive channels,
+* ``fprop`` / ``dgrad``: an output element sums its R·S taps in float32 registers; consecutive threads take consecutive channels,
   so every load of a warp is one contiguous row of channels, and neighbouring pixels' windows
   overlap in L1.
-* ``wgrad``: the N·P·Q reduction in two stages: float32 partial sums of row groups, each thread
-  keeping its channel's R·S sums in registers while it walks its rows (``wgrad_grid`` picks enough
-  row groups to fill the GPU), written ``[G, K, R, S]``; then a sum over the groups (a plain
+* ``dgrad`` of a stride > 1 (dilation 1) visits only the taps whose output position the stride
+  reaches: for a 3x3/2, 4 of 9 a pixel at most.
+* ``wgrad``: the N·P·Q reduction in two stages: float32 partial sums of groups of output lines (N·P
+  rows of Q pixels), each thread keeping its channel's R·S sums in registers while it walks its
+  lines' pixels (``wgrad_grid`` picks enough groups to fill the GPU), written ``[G, K, R, S]``;
+  then a sum over the groups (a plain
   ``relax.sum``, a column reduction), rounded and shaped ``[K, R, S, 1]``.
 
 Each kernel's portable form is a TE compute, which any target builds (the CPU reference path);
@@ -50,12 +52,12 @@ from .conv_op import FLOATS, ConvOpError, Geometry, _ints
 FPROP, DGRAD, WGRAD = ("tvm_evt.depthwise_conv2d", "tvm_evt.depthwise_conv2d_dgrad",
                        "tvm_evt.depthwise_conv2d_wgrad")
 OPS = {FPROP: "fprop", DGRAD: "dgrad", WGRAD: "wgrad"}
-DEPTHWISE_ATTR = "tvm_evt.depthwise"  # {"op", "x", "w", "geometry", "dtype"[, "groups", "rows"]}
+DEPTHWISE_ATTR = "tvm_evt.depthwise"  # {"op", "x", "w", "geometry", "dtype"[, "groups", "lines"]}
 F32 = "float32"
 THREADS = 256  # threads a block of the fprop / dgrad kernels
 TX, TY = 32, 4  # wgrad's first stage: channels and row groups a block
 TARGET_THREADS = 132 * 1024  # wgrad's first stage: threads in all (half an H100's resident threads)
-MIN_ROWS = 32  # rows a wgrad row group walks at least
+MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -110,14 +112,14 @@ def depthwise_conv2d_wgrad(x, dy, geometry: Geometry, w_shape) -> relax.Call:
     return relax.Call(tvm.ir.Op.get(WGRAD), [x, dy, geometry.expr(), relax.ShapeExpr([int(d) for d in w_shape])])
 
 
-def wgrad_grid(rows: int, channels: int) -> tuple[int, int]:
-    """(row groups G, rows a group) of the weight gradient's first stage over `rows` = N·P·Q: about
-    ``TARGET_THREADS`` threads of one channel each, at least ``MIN_ROWS`` rows a group where there
-    are that many, no empty group."""
+def wgrad_grid(lines: int, width: int, channels: int) -> tuple[int, int]:
+    """(line groups G, output lines a group) of the weight gradient's first stage over `lines` =
+    N·P output rows of `width` = Q pixels each: about ``TARGET_THREADS`` threads of one channel
+    each, at least ``MIN_PIXELS`` pixels a group where there are that many, no empty group."""
     lanes = -(-channels // TX) * TX
-    groups = max(1, min(TARGET_THREADS // lanes, rows // MIN_ROWS))
-    per = -(-rows // groups)
-    return -(-rows // per), per
+    groups = max(1, min(TARGET_THREADS // lanes, lines * width // MIN_PIXELS, lines))
+    per = -(-lines // groups)
+    return -(-lines // per), per
 
 
 # ----------------------------------------------------------------------------- TE kernels
@@ -137,7 +139,7 @@ def _spec(op: str, x, w, g: Geometry, dtype: str) -> dict:
     if op == "wgrad":
         (n, h, wd, _), (k, r, s, _) = x, w
         p, q = g.out((h, wd), (r, s))
-        spec["groups"], spec["rows"] = wgrad_grid(n * p * q, k)
+        spec["groups"], spec["lines"] = wgrad_grid(n * p, q, k)
     return spec
 
 
@@ -171,36 +173,46 @@ def _tensors(spec: dict) -> list[te.Tensor]:
     if spec["op"] == "dgrad":
         dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
         w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
-        rr, ss = te.reduce_axis((0, _i64(r)), "r"), te.reduce_axis((0, _i64(s)), "s")
+        # input row a is reached by the taps r with a + pad - r·dilation a multiple of the stride:
+        # with dilation 1, r = (a + pad) mod stride + t·stride (2 of 3 taps a 3x3/2 row), else every
+        # tap, tested
+        phased = (sh > 1 and dh == 1, sw > 1 and dw == 1)
+        rr = te.reduce_axis((0, _i64(-(-r // sh) if phased[0] else r)), "r")
+        ss = te.reduce_axis((0, _i64(-(-s // sw) if phased[1] else s)), "s")
         jj = te.reduce_axis((0, _i64(m)), "j") if m > 1 else None
 
-        def tap(b, i, j, ch):
-            y, xx = i + pt - rr * dh, j + pl - ss * dw  # the output position times the stride
-            reached = tirx.all(y >= 0, xx >= 0, y < p * sh, xx < q * sw,
-                               *([y % sh == 0] if sh > 1 else []), *([xx % sw == 0] if sw > 1 else []))
-            o = ch * m + jj if m > 1 else ch
-            return tirx.if_then_else(reached, dy[b, y // sh if sh > 1 else y, xx // sw if sw > 1 else xx, o], zero), o
+        def axis(a, t, pad, stride, dil, taps, out, phase):
+            """(the tap, the output index it reads, the conditions) for input index `a`, tap `t`."""
+            if phase:
+                tap = (a + pad) % stride + t * stride
+                return tap, (a + pad - tap) // stride, [tap < taps, a + pad - tap >= 0, (a + pad - tap) // stride < out]
+            pos = a + pad - t * dil
+            conds = [pos >= 0, pos < out * stride] + ([pos % stride == 0] if stride > 1 else [])
+            return t, pos // stride if stride > 1 else pos, conds
 
         def value(b, i, j, ch):
-            v, o = tap(b, i, j, ch)
-            return te.sum(f32(v) * f32(w[o, rr, ss, 0]), axis=[*([jj] if m > 1 else []), rr, ss])
+            ri, yi, ci = axis(i, rr, pt, sh, dh, r, p, phased[0])
+            si, xi, cj = axis(j, ss, pl, sw, dw, s, q, phased[1])
+            o = ch * m + jj if m > 1 else ch
+            v = tirx.if_then_else(tirx.all(*ci, *cj), dy[b, yi, xi, o], zero)
+            wv = tirx.if_then_else(tirx.all(ri < r, si < s), w[o, ri, si, 0], zero)
+            return te.sum(f32(v) * f32(wv), axis=[*([jj] if m > 1 else []), rr, ss])
 
         acc = te.compute(_shape64((n, h, wd, c)), value, name="acc")
         return [dy, w, rounded(acc)]
 
-    groups, rows = spec["groups"], spec["rows"]
-    total = n * p * q
+    groups, lines = spec["groups"], spec["lines"]
     x = te.placeholder(_shape64((n, h, wd, c)), dtype, name="x")
     dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
-    t = te.reduce_axis((0, _i64(rows)), "t")
+    u, jq = te.reduce_axis((0, _i64(lines)), "u"), te.reduce_axis((0, _i64(q)), "q")
 
     def part(gi, o, ri, si):
-        row = gi * rows + t
-        b, i, j = row // (p * q), row // q % p, row % q
-        y, xx = i * sh - pt + ri * dh, j * sw - pl + si * dw
-        inside = tirx.all(row < total, y >= 0, y < h, xx >= 0, xx < wd)
-        prod = f32(x[b, y, xx, o // m if m > 1 else o]) * f32(dy[b, i, j, o])
-        return te.sum(tirx.if_then_else(inside, prod, tirx.const(0.0, F32)), axis=t)
+        line = gi * lines + u  # output row i of image b; its pixels j in the inner loop
+        b, i = line // p, line % p
+        y, xx = i * sh - pt + ri * dh, jq * sw - pl + si * dw
+        inside = tirx.all(line < n * p, y >= 0, y < h, xx >= 0, xx < wd)
+        prod = f32(x[b, y, xx, o // m if m > 1 else o]) * f32(dy[b, i, jq, o])
+        return te.sum(tirx.if_then_else(inside, prod, tirx.const(0.0, F32)), axis=[u, jq])
 
     return [x, dy, te.compute(_shape64((groups, k, r, s)), part, name="partial")]
 
@@ -244,16 +256,16 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
 def _schedule_wgrad(sch: s_tir.Schedule) -> None:
     """wgrad's first stage: block (row groups of TY, channels of TX), R·S float32 sums a thread."""
     part = sch.get_sblock("partial")
-    gi, o, ri, si, t = sch.get_loops(part)
+    gi, o, ri, si, u, jq = sch.get_loops(part)
     bg, ty = sch.split(gi, [None, TY])
     bo, tx = sch.split(o, [None, TX])
-    sch.reorder(bg, bo, ty, tx, t, ri, si)
+    sch.reorder(bg, bo, ty, tx, u, jq, ri, si)
     sch.bind(sch.fuse(bg, bo), "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sums = sch.cache_write(part, 0, "local")
     sch.reverse_compute_at(sums, tx)
-    sch.decompose_reduction(part, t)
+    sch.decompose_reduction(part, u)
     sch.unroll(ri)
     sch.unroll(si)
 
