@@ -27,6 +27,8 @@ What the stock importer gets wrong, and what the converters here emit instead:
 * **Missing pools.** ``adaptive_max_pool1d`` and ``adaptive_max_pool2d`` (XML-CNN's dynamic max
   pooling) become ``max_pool2d`` with kernel = stride = the window, preceded by a ``take`` that
   lays out the overlapping windows when the input length is not a multiple of the output length.
+* **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
+  ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
 * **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``.  Here it becomes
   one ``tvm_evt.attention`` call with all its arguments (masks built from constants read as the
   causal triangle or a key mask); only what that op cannot express is written out as
@@ -412,6 +414,18 @@ def _make_adaptive_max_pool(spatial: int) -> Converter:
 # --------------------------------------------------------------------------------------------
 
 
+def _convert_hardtanh(node: fx.Node, importer) -> relax.Expr:
+    """``hardtanh(x, min_val=-1, max_val=1)`` (ReLU6: 0, 6) as ``tvm_evt.hardtanh``, whose gradient
+    reads its output (`hardtanh_op`); ``clamp`` stays a ``clip``."""
+    from .relax_passes.ops.hardtanh_op import hardtanh
+
+    x = importer.env[node.args[0]]
+    lo, hi = float(_arg(node, 1, "min_val", -1.0)), float(_arg(node, 2, "max_val", 1.0))
+    if not lo < hi:  # torch's own result there is max_val everywhere, its gradient 0
+        return importer.block_builder.emit(relax.op.clip(x, lo, hi))
+    return importer.block_builder.emit(hardtanh(x, lo, hi))
+
+
 def _convert_cat(node: fx.Node, importer) -> relax.Expr:
     """``cat(tensors, dim)`` with torch's legacy rule: 1-D tensors of shape (0,) are skipped
     (a key/value cache starts as ``torch.tensor([])``, then each layer concatenates its keys)."""
@@ -606,6 +620,8 @@ CONVERT_MAP: dict[str, Converter] = {
     "feature_alpha_dropout_.default": _make_alpha_dropout(per_channel=True),
     "bernoulli.p": _convert_bernoulli_p,
     # batch norm in training mode
+    "hardtanh.default": _convert_hardtanh,
+    "hardtanh_.default": _convert_hardtanh,
     "_native_batch_norm_legit_functional.default": _convert_batch_norm_functional,
     "batch_norm.default": _convert_batch_norm,
     # XML-CNN's dynamic max pooling

@@ -117,7 +117,7 @@ STATISTIC_ARITH = frozenset({"relax.add", "relax.subtract", "relax.multiply", "r
 # cross-entropy with logits imports as (1 - y) z - (min(0, z) - log(1 + exp(-|z|))))
 ELEMENTWISE = frozenset({"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative",
                          "relax.abs", "relax.square", "relax.minimum", "relax.maximum", "relax.exp",
-                         "relax.log", "relax.sigmoid", "relax.tanh", "relax.clip"})
+                         "relax.log", "relax.sigmoid", "relax.tanh", "relax.clip", "tvm_evt.hardtanh"})
 LAYOUT = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze", "relax.flatten"})
 
 

@@ -32,7 +32,7 @@ LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
 # reductions whose result over every axis does not depend on the operand's layout
 FULL_REDUCTIONS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("sum", "mean", "max", "min", "prod"))
 # elementwise ops a permute moves through (their other operands: scalars, or tensors of the same shape)
-ELEMENTWISE = POINTWISE | {"relax.clip", "relax.astype"}
+ELEMENTWISE = POINTWISE | {"relax.clip", "relax.astype", "tvm_evt.hardtanh"}
 MAX_SINK = 16  # elementwise ops a permute is moved back through at most
 
 
