@@ -27,9 +27,10 @@ The kernels read channels-last, a thread per (pixel, channel):
   reaches: for a 3x3/2, 4 of 9 a pixel at most.
 * ``wgrad``: the N·P·Q reduction in two stages: float32 partial sums of groups of output lines (N·P
   rows of Q pixels), each thread keeping its channel's R·S sums in registers while it walks its
-  lines' pixels (``wgrad_grid`` picks enough groups to fill the GPU), written ``[G, K, R, S]``;
-  then a sum over the groups (a plain
-  ``relax.sum``, a column reduction), rounded and shaped ``[K, R, S, 1]``.
+  lines' pixels (``wgrad_grid`` picks enough groups to fill the GPU), written ``[K, R, S, G]``;
+  then a sum over the groups (a plain ``relax.sum`` over the last axis: a row reduction, a block
+  a filter tap; with the groups first it was a column reduction of K·R·S columns, for MobileNetV2's
+  first layer 96 blocks of 48 threads each walking 224 rows), rounded and shaped ``[K, R, S, 1]``.
 
 Each kernel's portable form is a TE compute, which any target builds (the CPU reference path);
 the PrimFunc is tagged ``DEPTHWISE_ATTR`` with its spec, opaque to ``FuseOps``, and on CUDA
@@ -206,7 +207,7 @@ def _tensors(spec: dict) -> list[te.Tensor]:
     dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
     u, jq = te.reduce_axis((0, _i64(lines)), "u"), te.reduce_axis((0, _i64(q)), "q")
 
-    def part(gi, o, ri, si):
+    def part(o, ri, si, gi):
         line = gi * lines + u  # output row i of image b; its pixels j in the inner loop
         b, i = line // p, line % p
         y, xx = i * sh - pt + ri * dh, jq * sw - pl + si * dw
@@ -214,7 +215,7 @@ def _tensors(spec: dict) -> list[te.Tensor]:
         prod = f32(x[b, y, xx, o // m if m > 1 else o]) * f32(dy[b, i, jq, o])
         return te.sum(tirx.if_then_else(inside, prod, tirx.const(0.0, F32)), axis=[u, jq])
 
-    return [x, dy, te.compute(_shape64((groups, k, r, s)), part, name="partial")]
+    return [x, dy, te.compute(_shape64((k, r, s, groups)), part, name="partial")]
 
 
 def primfunc(spec: dict) -> tirx.PrimFunc:
@@ -254,9 +255,9 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 def _schedule_wgrad(sch: s_tir.Schedule) -> None:
-    """wgrad's first stage: block (row groups of TY, channels of TX), R·S float32 sums a thread."""
+    """wgrad's first stage: block (line groups of TY, channels of TX), R·S float32 sums a thread."""
     part = sch.get_sblock("partial")
-    gi, o, ri, si, u, jq = sch.get_loops(part)
+    o, ri, si, gi, u, jq = sch.get_loops(part)
     bg, ty = sch.split(gi, [None, TY])
     bo, tx = sch.split(o, [None, TX])
     sch.reorder(bg, bo, ty, tx, u, jq, ri, si)
@@ -298,8 +299,8 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         (out,) = emit_call_tir(bb, gv, list(call.args[:2]), [relax.TensorType(y if op == "fprop" else x, dtype)])
         return out
     (k, r, s, _) = w
-    (part,) = emit_call_tir(bb, gv, list(call.args[:2]), [relax.TensorType((spec["groups"], k, r, s), F32)])
-    dw = bb.emit(R.sum(part, axis=[0]))
+    (part,) = emit_call_tir(bb, gv, list(call.args[:2]), [relax.TensorType((k, r, s, spec["groups"]), F32)])
+    dw = bb.emit(R.sum(part, axis=[3]))
     if dtype != F32:
         dw = bb.emit(R.astype(dw, dtype))
     return R.reshape(dw, list(w))
