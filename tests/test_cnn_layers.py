@@ -99,6 +99,24 @@ class _InvertedResidual(nn.Module):  # torchvision.models.mobilenetv2.InvertedRe
         return x + self.conv(x) if self.use_res else self.conv(x)
 
 
+class _SqueezeExcitation(nn.Module):  # torchvision.ops.SqueezeExcitation as mobilenetv3 uses it
+    def __init__(self, channels: int, squeeze: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(channels, squeeze, 1), nn.Conv2d(squeeze, channels, 1)
+
+    def forward(self, x):
+        scale = self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1))))
+        return x * F.hardsigmoid(scale)
+
+
+def _mobilenet_v3_block(cin: int, hidden: int, cout: int, stride: int) -> nn.Module:
+    """torchvision.models.mobilenetv3.InvertedResidual with SE and hard-swish (no residual)."""
+    return nn.Sequential(
+        nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.Hardswish(),
+        nn.Conv2d(hidden, hidden, 5, stride, 2, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.Hardswish(),
+        _SqueezeExcitation(hidden, 8), nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+
 def _classifier(body: nn.Module, channels: int, classes: int = 10) -> nn.Module:
     return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
 
@@ -111,6 +129,9 @@ MODELS = {
     "mobilenet_v2_blocks": lambda: _classifier(nn.Sequential(
         nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(),
         _InvertedResidual(8, 8, 1, 4), _InvertedResidual(8, 16, 2, 4)), 16),
+    "mobilenet_v3_blocks": lambda: _classifier(nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(),
+        _mobilenet_v3_block(16, 32, 24, 2)), 24),
 }
 
 
@@ -119,7 +140,7 @@ MODELS = {
 def test_cnn_layers_match_torch(name, channels_last):
     torch.manual_seed(0)
     model = MODELS[name]()
-    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks") else model[0].conv1.in_channels
+    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks") else model[0].conv1.in_channels
     x, y = torch.randn(2, cin, 16, 16), torch.randint(0, 10, (2,))
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
