@@ -56,13 +56,13 @@ def _step(n, h, w, c, m, r, s, pad, stride, dilation, dtype="float32"):
 
 
 def _torch_reference(xn, wn, dyn, c, pad, stride, dilation):
-    """(x grad, w grad) of sum(conv(x, w) * dy) in float64 torch, channels-last like the ops."""
+    """(y, x grad, w grad) of sum(conv(x, w) * dy) in float64 torch, channels-last like the ops."""
     xt = torch.tensor(xn, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
     wt = torch.tensor(wn, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
     padded = torch.nn.functional.pad(xt, (pad[1], pad[3], pad[0], pad[2]))
     y = torch.nn.functional.conv2d(padded, wt, stride=stride, dilation=dilation, groups=c)
     (y * torch.tensor(dyn, dtype=torch.float64).permute(0, 3, 1, 2)).sum().backward()
-    return xt.grad.permute(0, 2, 3, 1).numpy(), wt.grad.permute(0, 2, 3, 1).numpy()
+    return tuple(t.permute(0, 2, 3, 1).numpy() for t in (y.detach(), xt.grad, wt.grad))
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=_ids)
@@ -77,7 +77,7 @@ def test_depthwise_op_and_its_gradient_match_torch(geometry):
     xn, wn = rng.standard_normal((n, h, w, c), "float32"), rng.standard_normal((c * m, r, s, 1), "float32")
     dyn = rng.standard_normal((n, p, q, c * m), "float32")
     _, (dx, dw) = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in (xn, wn, dyn)))
-    want_dx, want_dw = _torch_reference(xn, wn, dyn, c, pad, stride, dilation)
+    _, want_dx, want_dw = _torch_reference(xn, wn, dyn, c, pad, stride, dilation)
     for got, want in ((dx.numpy(), want_dx), (dw.numpy(), want_dw)):
         assert got.shape == want.shape
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
@@ -196,11 +196,9 @@ def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
         dy = torch.randn(n, p, p, c, device="cuda").bfloat16()
         tx, tw, tdy = (tvm.runtime.from_dlpack(t) for t in (x, w, dy))
         got = {"y": vm["fprop"](tx, tw), "dx": vm["dgrad"](tdy, tw), "dw": vm["wgrad"](tx, tdy)}
-        xt = torch.tensor(x.float().cpu().numpy(), dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
-        wt = torch.tensor(w.float().cpu().numpy(), dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
-        y = torch.nn.functional.conv2d(xt, wt, stride=stride, padding=1, groups=c)
-        y.backward(dy.double().cpu().permute(0, 3, 1, 2))
-        want = {"y": y.detach().permute(0, 2, 3, 1), "dx": xt.grad.permute(0, 2, 3, 1), "dw": wt.grad.permute(0, 2, 3, 1)}
+        reference = _torch_reference(*(t.float().cpu().numpy() for t in (x, w, dy)), c, (1, 1, 1, 1),
+                                     (stride, stride), (1, 1))
+        want = {name: torch.from_numpy(r) for name, r in zip(("y", "dx", "dw"), reference)}
         for name in got:
             out = torch.from_dlpack(got[name]).double().cpu()
             assert out.shape == want[name].shape and torch.isfinite(out).all(), name

@@ -37,14 +37,20 @@ def partitioned(mod: tvm.IRModule, function: str = "train_step", target: tvm.tar
     return tvm.transform.Sequential(front_passes(functions=(function,), target=target))(mod)
 
 
+def _calls_of(func: relax.Function, names) -> list[relax.Call]:
+    """The calls of `func` to the ops named in `names`, in post order."""
+    calls = []
+    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in names else None)
+    return calls
+
+
 def attention_calls(func: relax.Function) -> list[dict]:
     """The fused attention calls of `func`, and whether the flash-attention kernels take each."""
     from .codegen.errors import Unsupported
     from .codegen.frontend.attention_call import BACKWARD_OP, TENSOR_ARGS, attention_of_call
 
-    calls = []
-    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in TENSOR_ARGS else None)
+    calls = _calls_of(func, TENSOR_ARGS)
     rows = []
     for call in calls:
         q, k = call.args[0].ty, call.args[1].ty
@@ -67,9 +73,7 @@ def conv_calls(func: relax.Function) -> list[dict]:
     from .codegen.frontend.conv_call import OPS
     from .relax_passes.lower.offload_conv import kernel_spec, stride_phases
 
-    calls = []
-    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in OPS else None)
+    calls = _calls_of(func, OPS)
     rows = []
     for whole in calls:
         phases = stride_phases(whole)  # a strided dgrad: a row per stride phase, which says so
@@ -88,9 +92,7 @@ def depthwise_calls(func: relax.Function) -> list[dict]:
     """The ``tvm_evt.depthwise_conv2d*`` calls of `func`: each runs as a direct kernel (``kind``)."""
     from .relax_passes.ops.depthwise_conv_op import OPS, depthwise_shapes
 
-    calls = []
-    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in OPS else None)
+    calls = _calls_of(func, OPS)
     rows = []
     for call in calls:
         x, w, _, _ = depthwise_shapes(call)
@@ -105,9 +107,7 @@ TVM_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv2d_transpose")
 def tvm_conv_calls(func: relax.Function) -> list[dict]:
     """The convolutions of `func` left as TVM's own ops (grouped ones, and their
     gradients): they run as TVM kernels, not as implicit-GEMM or CUTLASS ones; a row each saying so."""
-    calls = []
-    relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) and e.op.name in TVM_CONVS else None)
+    calls = _calls_of(func, TVM_CONVS)
     rows = []
     for call in calls:
         groups = int(call.attrs.groups)

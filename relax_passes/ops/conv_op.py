@@ -27,6 +27,7 @@ calls the kernels cannot take.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import tvm
@@ -34,7 +35,7 @@ from tvm import relax, te, tirx
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
-from ...codegen.frontend.conv_call import DGRAD_OP, FPROP_OP, WGRAD_OP, output_extent
+from ...codegen.frontend.conv_call import DGRAD_OP, FPROP_OP, OPS, WGRAD_OP, output_extent
 from ..partition.pad_unaligned_matmuls import alignment
 from .._rewrite import static_shape
 from ..training.gradient_rules import register_op
@@ -85,49 +86,70 @@ def _tensor(expr: relax.Expr, what: str) -> tuple[int, int, int, int]:
     return shape
 
 
-def conv_shapes(call: relax.Call) -> tuple[tuple, tuple, tuple, Geometry]:
-    """(x [N, H, W, C], w [K, R, S, C], y [N, P, Q, K], geometry) of any of the three ops, checked."""
+def operand_shapes(call: relax.Call, kind: str, fits: Callable[[tuple, tuple], bool],
+                   w_layout: str) -> tuple[tuple, tuple, tuple, Geometry]:
+    """(x [N, H, W, C], w, y [N, P, Q, K], geometry) of a call of a convolution family's op of
+    `kind` ("fprop" (x, w, geometry), "dgrad" (dy, w, geometry, x_shape) or "wgrad" (x, dy,
+    geometry, w_shape)), checked; `fits(x, w)` tells whether the weight (`w_layout`, K first) goes
+    with the input."""
     op = call.op.name
     geometry = Geometry.of(call.args[2])
-    a, b = (_tensor(arg, name) for arg, name in zip(call.args[:2], {FPROP: ("x", "w"), DGRAD: ("dy", "w"),
-                                                                   WGRAD: ("x", "dy")}[op]))
+    a, b = (_tensor(arg, name) for arg, name in zip(call.args[:2], {"fprop": ("x", "w"), "dgrad": ("dy", "w"),
+                                                                   "wgrad": ("x", "dy")}[kind]))
     if str(call.args[0].ty.dtype) != str(call.args[1].ty.dtype) or str(call.args[0].ty.dtype) not in FLOATS:
         raise ConvOpError(f"{op}: operands must share one float dtype, got {call.args[0].ty} and {call.args[1].ty}")
-    if op == FPROP:
+    if kind == "fprop":
         x, w = a, b
-    elif op == DGRAD:
+    elif kind == "dgrad":
         w, x = b, tuple(_ints(call.args[3], "x_shape"))
     else:
         x, w = a, tuple(_ints(call.args[3], "w_shape"))
-    if len(x) != 4 or len(w) != 4 or x[3] != w[3]:
-        raise ConvOpError(f"{op}: x {list(x)} and w {list(w)} must be [N, H, W, C] and [K, R, S, C]")
+    if len(x) != 4 or len(w) != 4 or not fits(x, w):
+        raise ConvOpError(f"{op}: x {list(x)} and w {list(w)} must be [N, H, W, C] and {w_layout}")
     y = (x[0], *geometry.out(x[1:3], w[1:3]), w[0])
-    given = {FPROP: None, DGRAD: a, WGRAD: b}[op]
+    given = {"fprop": None, "dgrad": a, "wgrad": b}[kind]
     if min(y) < 1 or (given is not None and tuple(given) != y):
         raise ConvOpError(f"{op}: output {list(y)} of x {list(x)}, w {list(w)}, {geometry} does not match dy "
                           f"{list(given) if given else ''}")
     return tuple(x), tuple(w), y, geometry
 
 
+def result_type(call: relax.Call, kind: str, shapes: tuple) -> relax.TensorType:
+    """The type of a convolution family's call of `kind` whose `operand_shapes` are `shapes`."""
+    x, w, y, _ = shapes
+    return relax.TensorType(relax.ShapeExpr(list({"fprop": y, "dgrad": x, "wgrad": w}[kind])),
+                            str(call.args[0].ty.dtype))
+
+
+def family_call(op: str, a, b, geometry: Geometry, shape=None) -> relax.Call:
+    """A call of a convolution family's op: fprop ``(x, w, geometry)``, dgrad ``(dy, w, geometry,
+    x_shape)``, wgrad ``(x, dy, geometry, w_shape)``."""
+    extra = [] if shape is None else [relax.ShapeExpr([int(d) for d in shape])]
+    return relax.Call(tvm.ir.Op.get(op), [a, b, geometry.expr(), *extra])
+
+
+def conv_shapes(call: relax.Call) -> tuple[tuple, tuple, tuple, Geometry]:
+    """(x [N, H, W, C], w [K, R, S, C], y [N, P, Q, K], geometry) of any of the three ops, checked."""
+    return operand_shapes(call, OPS[call.op.name], lambda x, w: x[3] == w[3], "[K, R, S, C]")
+
+
 def _infer(call: relax.Call, _bb) -> relax.TensorType:
-    x, w, y, _ = conv_shapes(call)
-    shape = {FPROP: y, DGRAD: x, WGRAD: w}[call.op.name]
-    return relax.TensorType(relax.ShapeExpr(list(shape)), str(call.args[0].ty.dtype))
+    return result_type(call, OPS[call.op.name], conv_shapes(call))
 
 
 # ------------------------------------------------------------------------ calls from Python
 
 
 def conv2d(x, w, geometry: Geometry) -> relax.Call:
-    return relax.Call(tvm.ir.Op.get(FPROP), [x, w, geometry.expr()])
+    return family_call(FPROP, x, w, geometry)
 
 
 def conv2d_dgrad(dy, w, geometry: Geometry, x_shape) -> relax.Call:
-    return relax.Call(tvm.ir.Op.get(DGRAD), [dy, w, geometry.expr(), relax.ShapeExpr([int(d) for d in x_shape])])
+    return family_call(DGRAD, dy, w, geometry, x_shape)
 
 
 def conv2d_wgrad(x, dy, geometry: Geometry, w_shape) -> relax.Call:
-    return relax.Call(tvm.ir.Op.get(WGRAD), [x, dy, geometry.expr(), relax.ShapeExpr([int(d) for d in w_shape])])
+    return family_call(WGRAD, x, dy, geometry, w_shape)
 
 
 # ---------------------------------------------------------------------- im2col decomposition

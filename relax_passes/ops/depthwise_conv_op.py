@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import json
 
-import tvm
 from tvm import relax, s_tir, te, tirx
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
-from .._rewrite import OPAQUE, emit_call_tir, static_shape
+from .._rewrite import OPAQUE, emit_call_tir
 from ..training.gradient_rules import register_op
-from .conv_op import FLOATS, ConvOpError, Geometry, _ints
+from .conv_op import Geometry, family_call, operand_shapes, result_type
 
 FPROP, DGRAD, WGRAD = ("tvm_evt.depthwise_conv2d", "tvm_evt.depthwise_conv2d_dgrad",
                        "tvm_evt.depthwise_conv2d_wgrad")
@@ -64,53 +63,25 @@ MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 # ------------------------------------------------------------------------------ shapes
 
 
-def _tensor(expr: relax.Expr, what: str) -> tuple[int, ...]:
-    shape = static_shape(expr)
-    if shape is None or len(shape) != 4:
-        raise ConvOpError(f"{what} must be a 4-D tensor of static shape, got {expr.ty}")
-    return shape
-
-
 def depthwise_shapes(call: relax.Call) -> tuple[tuple, tuple, tuple, Geometry]:
     """(x [N, H, W, C], w [K, R, S, 1], y [N, P, Q, K], geometry) of any of the three ops, checked."""
-    op = call.op.name
-    geometry = Geometry.of(call.args[2])
-    names = {FPROP: ("x", "w"), DGRAD: ("dy", "w"), WGRAD: ("x", "dy")}[op]
-    a, b = (_tensor(arg, name) for arg, name in zip(call.args[:2], names))
-    if str(call.args[0].ty.dtype) != str(call.args[1].ty.dtype) or str(call.args[0].ty.dtype) not in FLOATS:
-        raise ConvOpError(f"{op}: operands must share one float dtype, got {call.args[0].ty} and {call.args[1].ty}")
-    if op == FPROP:
-        x, w = a, b
-    elif op == DGRAD:
-        x, w = tuple(_ints(call.args[3], "x_shape")), b
-    else:
-        x, w = a, tuple(_ints(call.args[3], "w_shape"))
-    if len(x) != 4 or len(w) != 4 or w[3] != 1 or w[0] % x[3] != 0:
-        raise ConvOpError(f"{op}: x {list(x)} and w {list(w)} must be [N, H, W, C] and [C·m, R, S, 1]")
-    y = (x[0], *geometry.out(x[1:3], w[1:3]), w[0])
-    given = {FPROP: None, DGRAD: a, WGRAD: b}[op]
-    if min(y) < 1 or (given is not None and tuple(given) != y):
-        raise ConvOpError(f"{op}: output {list(y)} of x {list(x)}, w {list(w)}, {geometry} does not match dy "
-                          f"{list(given) if given else ''}")
-    return tuple(x), tuple(w), y, geometry
+    return operand_shapes(call, OPS[call.op.name], lambda x, w: w[3] == 1 and w[0] % x[3] == 0, "[C·m, R, S, 1]")
 
 
 def _infer(call: relax.Call, _bb) -> relax.TensorType:
-    x, w, y, _ = depthwise_shapes(call)
-    shape = {FPROP: y, DGRAD: x, WGRAD: w}[call.op.name]
-    return relax.TensorType(relax.ShapeExpr(list(shape)), str(call.args[0].ty.dtype))
+    return result_type(call, OPS[call.op.name], depthwise_shapes(call))
 
 
 def depthwise_conv2d(x, w, geometry: Geometry) -> relax.Call:
-    return relax.Call(tvm.ir.Op.get(FPROP), [x, w, geometry.expr()])
+    return family_call(FPROP, x, w, geometry)
 
 
 def depthwise_conv2d_dgrad(dy, w, geometry: Geometry, x_shape) -> relax.Call:
-    return relax.Call(tvm.ir.Op.get(DGRAD), [dy, w, geometry.expr(), relax.ShapeExpr([int(d) for d in x_shape])])
+    return family_call(DGRAD, dy, w, geometry, x_shape)
 
 
 def depthwise_conv2d_wgrad(x, dy, geometry: Geometry, w_shape) -> relax.Call:
-    return relax.Call(tvm.ir.Op.get(WGRAD), [x, dy, geometry.expr(), relax.ShapeExpr([int(d) for d in w_shape])])
+    return family_call(WGRAD, x, dy, geometry, w_shape)
 
 
 def wgrad_grid(lines: int, width: int, channels: int) -> tuple[int, int]:
@@ -244,8 +215,8 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
     sch.compute_at(acc, tx)
     sch.set_scope(acc, 0, "local")
     reductions = sum(1 for v in sch.get(acc).iter_vars if v.iter_type == tirx.IterVar.CommReduce)
-    *_, lane = sch.get_loops(acc)[:-reductions]  # under the thread: the channel lane, then the taps
-    reduce = sch.get_loops(acc)[-reductions:]
+    loops = sch.get_loops(acc)  # under the thread: the channel lane, then the taps
+    lane, reduce = loops[-reductions - 1], loops[-reductions:]
     sch.reorder(*reduce, lane)  # (the init stays in the block: LowerInitBlock's test on the taps
     for loop in reduce:         # folds away once they are unrolled)
         sch.unroll(loop)

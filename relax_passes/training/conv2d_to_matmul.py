@@ -74,17 +74,17 @@ class _Rewriter(PyExprMutator):
         given = (a.data_layout, a.kernel_layout, a.out_layout or a.data_layout)
         nhwc = call.op == CONV2D and given == NHWC
         out_dtype = a.out_dtype if a.out_dtype and str(a.out_dtype) else None
+        stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
+        geometry = conv_op.Geometry(tuple(pad), tuple(stride), tuple(dilation))
         if nhwc and self.depthwise and xs is not None and ws is not None and ys is not None \
                 and depthwise_conv_op.is_depthwise(xs, ws, int(a.groups)) and out_dtype in (None, str(x.ty.dtype)):
-            geometry = conv_op.Geometry(tuple(_ints(a.padding)), tuple(_ints(a.strides)), tuple(_ints(a.dilation)))
             return depthwise_conv_op.depthwise_conv2d(x, w, geometry)  # a direct kernel, and its gradients
         if xs is None or ws is None or ys is None or int(a.groups) != 1 or (given != layouts and not nhwc):
             return self._differentiable(call) if nhwc else call
-        stride, dilation, pad = _ints(a.strides), _ints(a.dilation), _ints(a.padding)
         emit = self.builder_.emit
         if nhwc and self.implicit and _gathers(ws[1:3], stride, dilation, pad, xs[1:3], ys[1:3]) \
                 and out_dtype in (None, str(x.ty.dtype)):  # the window gather stays inside the kernel
-            return conv_op.conv2d(x, w, conv_op.Geometry(tuple(pad), tuple(stride), tuple(dilation)))
+            return conv_op.conv2d(x, w, geometry)
         if nhwc:  # channels innermost: the windows are channel-contiguous and the output needs no transpose
             y = self._nhwc_gemm(x, xs, w, ws, ys, stride, dilation, pad, out_dtype)
             return self._differentiable(call) if y is None else relax.op.reshape(y, [xs[0], *ys[1:3], ws[0]])
