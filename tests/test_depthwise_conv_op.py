@@ -141,6 +141,42 @@ def test_cuda_forms_are_scheduled_and_build_for_sm90(op):
     assert "__global__" in src
 
 
+
+# (H, C, R, stride) of torchvision MobileNetV2's and timm EfficientNet-B0's depthwise convolutions
+# (padding R // 2), and small odd ones
+CUDA_FORM_SHAPES = [
+    (112, 32, 3, 1), (112, 96, 3, 2), (56, 144, 3, 1), (56, 144, 3, 2), (28, 192, 3, 1), (28, 192, 3, 2),
+    (14, 384, 3, 1), (14, 576, 3, 1), (14, 576, 3, 2), (7, 960, 3, 1), (56, 144, 5, 2), (28, 240, 5, 1),
+    (28, 240, 3, 2), (14, 480, 5, 1), (14, 672, 5, 2), (7, 1152, 5, 1), (10, 6, 3, 2), (15, 40, 5, 2),
+]
+
+
+@pytest.mark.parametrize("op, lanes", [("fprop", 1), ("fprop", 2), ("dgrad", 1), ("dgrad", 2), ("wgrad", 1)])
+def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
+    """The CUDA forms' index arithmetic, checked without a GPU: each schedule built with its thread
+    bindings left as serial loops, lowered by the same TIR passes for llvm, against float64 torch.
+    (TVM's index simplification once broke the 14x14x576 stride-2 dgrad here, with every CPU test
+    of the portable forms passing.)"""
+    monkeypatch.setattr(tvm.s_tir.Schedule, "bind", lambda self, loop, thread: None)
+    rng = np.random.default_rng(0)
+    for h, c, r, stride in CUDA_FORM_SHAPES:
+        g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
+        spec = dwc._spec(op, (2, h, h, c), (c, r, r, 1), g, "float32")
+        func = dwc.gpu_primfunc(spec, lanes=lanes).with_attr("global_symbol", "main")
+        kernel = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
+        p = g.out((h, h), (r, r))[0]
+        x, w = rng.standard_normal((2, h, h, c), "float32"), rng.standard_normal((c, r, r, 1), "float32")
+        dy = rng.standard_normal((2, p, p, c), "float32")
+        want = dict(zip(("fprop", "dgrad", "wgrad"), _torch_reference(x, w, dy, c, g.pad, g.stride, g.dilation)))[op]
+        operands = {"fprop": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}[op]
+        out = tvm.runtime.tensor(np.zeros(want.shape[:3] + (spec.get("groups", 1),) if op == "wgrad"
+                                          else want.shape, "float32"))
+        kernel(*(tvm.runtime.tensor(a) for a in operands), out)
+        got = out.numpy().sum(-1, keepdims=True) if op == "wgrad" else out.numpy()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= 1e-5, f"{op} {(h, c, r, stride)}: {err:.2e}"
+
+
 # ---------------------------------------------------------------------------------- GPU tier
 
 MOBILENET_V2 = [  # torchvision mobilenet_v2 at batch 32, 224^2: (H, C, stride) of its depthwise 3x3s

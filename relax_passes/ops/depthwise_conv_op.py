@@ -205,24 +205,33 @@ def _vector_lanes(spec: dict) -> int:
 
 
 def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
-    """fprop / dgrad: a thread per output pixel and `lanes` channels, its taps summed in registers."""
+    """fprop / dgrad: a thread per output pixel and `lanes` channels, its taps summed in registers.
+
+    ``blockIdx.x`` is an (image, row), ``blockIdx.y · THREADS + threadIdx.x`` a (column, channel
+    group) of it. Rows and columns come from different indices on purpose: with all four axes fused
+    into one thread index, TVM 0.27's ``IterMapSimplify`` (in ``FlattenBuffer``) rewrote the sum of
+    a strided dgrad's two tap phases, ``((t % A // B + 1) % 2) * 3 + (t % B // C + 1) % 2``, with the
+    row's offset in both terms: the 14x14x576 stride-2 dgrad read the wrong taps (tested on the CPU
+    with the threads as serial loops, ``test_cuda_forms_compute_what_torch_does``)."""
     out, acc = sch.get_sblock("out"), sch.get_sblock("acc")
-    *pixel, ch = sch.get_loops(out)
+    b, i, j, ch = sch.get_loops(out)
     outer, vec = sch.split(ch, [None, lanes])
-    bx, tx = sch.split(sch.fuse(*pixel, outer), [None, THREADS])
-    sch.bind(bx, "blockIdx.x")
+    by, tx = sch.split(sch.fuse(j, outer), [None, THREADS])
+    sch.bind(sch.fuse(b, i), "blockIdx.x")
+    sch.bind(by, "blockIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.compute_at(acc, tx)
     sch.set_scope(acc, 0, "local")
     reductions = sum(1 for v in sch.get(acc).iter_vars if v.iter_type == tirx.IterVar.CommReduce)
-    loops = sch.get_loops(acc)  # under the thread: the channel lane, then the taps
-    lane, reduce = loops[-reductions - 1], loops[-reductions:]
-    sch.reorder(*reduce, lane)  # (the init stays in the block: LowerInitBlock's test on the taps
-    for loop in reduce:         # folds away once they are unrolled)
-        sch.unroll(loop)
+    loops = sch.get_loops(acc)  # under the thread: the channel lane (where lanes > 1), then the taps
+    reduce = loops[-reductions:]
     if lanes > 1:
-        sch.unroll(lane)
+        lane = loops[-reductions - 1]
+        sch.reorder(*reduce, lane)  # (the init stays in the block: LowerInitBlock's test on the taps
+        sch.unroll(lane)            # folds away once they are unrolled)
         sch.vectorize(vec)
+    for loop in reduce:
+        sch.unroll(loop)
 
 
 def _schedule_wgrad(sch: s_tir.Schedule) -> None:
@@ -242,13 +251,14 @@ def _schedule_wgrad(sch: s_tir.Schedule) -> None:
     sch.unroll(si)
 
 
-def gpu_primfunc(spec: dict) -> tirx.PrimFunc:
-    """`spec`'s kernel scheduled for CUDA (the module docstring)."""
+def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
+    """`spec`'s kernel scheduled for CUDA (the module docstring); `lanes`: channels a thread of
+    fprop / dgrad, by default ``_vector_lanes``."""
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
     if spec["op"] == "wgrad":
         _schedule_wgrad(sch)
     else:
-        _schedule_direct(sch, _vector_lanes(spec))
+        _schedule_direct(sch, lanes or _vector_lanes(spec))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
 
 
