@@ -119,9 +119,11 @@ def test_grouped_convolutions_are_not_depthwise():
 def test_wgrad_grid_covers_the_lines_once():
     for lines, width, channels in ((128 * 112, 112, 32), (128 * 7, 7, 960), (4 * 9, 9, 6), (1, 1, 8), (1009, 997, 144)):
         groups, per = dwc.wgrad_grid(lines, width, channels)
-        assert groups * per >= lines > (groups - 1) * per  # every output line in one group, no empty group
+        assert groups * per == lines  # every output line in one group, no partial group
         assert per * width >= min(lines * width, dwc.MIN_PIXELS)
-        assert groups * channels <= max(dwc.TARGET_THREADS, channels)  # threads: about the target at most
+        threads = groups * -(-channels // (dwc.TX * dwc.WGRAD_LANES)) * dwc.TX
+        assert threads <= max(dwc.TARGET_THREADS, channels)  # about the target at most
+    assert [dwc.strip_width(q) for q in (112, 56, 28, 14, 7, 9, 1)] == [8, 8, 7, 7, 7, 3, 1]
 
 
 @pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
@@ -151,7 +153,7 @@ CUDA_FORM_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("op, lanes", [("fprop", 1), ("fprop", 2), ("dgrad", 1), ("dgrad", 2), ("wgrad", 1)])
+@pytest.mark.parametrize("op, lanes", [("fprop", 1), ("fprop", 2), ("dgrad", 1), ("dgrad", 2), ("wgrad", 1), ("wgrad", 2)])
 def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
     """The CUDA forms' index arithmetic, checked without a GPU: each schedule built with its thread
     bindings left as serial loops, lowered by the same TIR passes for llvm, against float64 torch.

@@ -52,3 +52,28 @@ def test_library_model_bf16_step(name):
     before = {n: v.clone() for n, v in step.parameters().items()}
     step(*[t.cuda() for t in entry.example_inputs()])
     assert any(not torch.equal(before[n], v) for n, v in step.parameters().items())
+
+
+# Convolutional networks as torchvision and timm build them, small images: a 7x7/2 stem on 3
+# channels, strided 1x1 downsamples, depthwise 3x3 and 5x5 (EfficientNet), squeeze-excitation
+CNN_CASES = {
+    "tv_resnet18": ("torchvision", lambda: models.torchvision_model("resnet18", batch=8, image=64, classes=100)),
+    "tv_mobilenet_v2": ("torchvision", lambda: models.torchvision_model("mobilenet_v2", batch=8, image=64,
+                                                                        classes=100)),
+    "timm_efficientnet_b0": ("timm", lambda: models.timm_model("efficientnet_b0", batch=8, image=64, classes=100)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CNN_CASES))
+def test_library_cnn_bf16_step(name):
+    library, make = CNN_CASES[name]
+    pytest.importorskip(library)
+    torch.manual_seed(0)
+    entry = make()
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    precision="bf16")
+    report = step.report()
+    assert report["unfused_matmuls"] == [], report["unfused_matmuls"]
+    depthwise = [c for c in report["convolutions"] if c.get("kind") == "depthwise"]
+    assert all(c["kernel"] for c in depthwise) and (depthwise or name == "tv_resnet18"), report["convolutions"]
+    assert_bf16_step_close(step, entry, entry.example_inputs())
