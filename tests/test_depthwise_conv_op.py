@@ -144,12 +144,13 @@ def test_cuda_forms_are_scheduled_and_build_for_sm90(op):
 
 
 
-# (H, C, R, stride) of torchvision MobileNetV2's and timm EfficientNet-B0's depthwise convolutions
-# (padding R // 2), and small odd ones
+# (H, C, R, stride[, multiplier, dilation]) of torchvision MobileNetV2's and timm EfficientNet-B0's
+# depthwise convolutions (padding (R // 2) · dilation), and small odd ones
 CUDA_FORM_SHAPES = [
     (112, 32, 3, 1), (112, 96, 3, 2), (56, 144, 3, 1), (56, 144, 3, 2), (28, 192, 3, 1), (28, 192, 3, 2),
     (14, 384, 3, 1), (14, 576, 3, 1), (14, 576, 3, 2), (7, 960, 3, 1), (56, 144, 5, 2), (28, 240, 5, 1),
     (28, 240, 3, 2), (14, 480, 5, 1), (14, 672, 5, 2), (7, 1152, 5, 1), (10, 6, 3, 2), (15, 40, 5, 2),
+    (9, 8, 3, 1, 2), (11, 6, 3, 2, 2), (12, 10, 3, 1, 1, 2),
 ]
 
 
@@ -161,14 +162,14 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
     of the portable forms passing.)"""
     monkeypatch.setattr(tvm.s_tir.Schedule, "bind", lambda self, loop, thread: None)
     rng = np.random.default_rng(0)
-    for h, c, r, stride in CUDA_FORM_SHAPES:
-        g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
-        spec = dwc._spec(op, (2, h, h, c), (c, r, r, 1), g, "float32")
+    for h, c, r, stride, m, dilation in (shape + (1, 1)[len(shape) - 4:] for shape in CUDA_FORM_SHAPES):
+        g = conv_op.Geometry((r // 2 * dilation,) * 4, (stride, stride), (dilation, dilation))
+        spec = dwc._spec(op, (2, h, h, c), (c * m, r, r, 1), g, "float32")
         func = dwc.gpu_primfunc(spec, lanes=lanes).with_attr("global_symbol", "main")
         kernel = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
         p = g.out((h, h), (r, r))[0]
-        x, w = rng.standard_normal((2, h, h, c), "float32"), rng.standard_normal((c, r, r, 1), "float32")
-        dy = rng.standard_normal((2, p, p, c), "float32")
+        x, w = rng.standard_normal((2, h, h, c), "float32"), rng.standard_normal((c * m, r, r, 1), "float32")
+        dy = rng.standard_normal((2, p, p, c * m), "float32")
         want = dict(zip(("fprop", "dgrad", "wgrad"), _torch_reference(x, w, dy, c, g.pad, g.stride, g.dilation)))[op]
         operands = {"fprop": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}[op]
         out = tvm.runtime.tensor(np.zeros(want.shape[:3] + (spec.get("groups", 1),) if op == "wgrad"
@@ -176,7 +177,7 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
         kernel(*(tvm.runtime.tensor(a) for a in operands), out)
         got = out.numpy().sum(-1, keepdims=True) if op == "wgrad" else out.numpy()
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= 1e-5, f"{op} {(h, c, r, stride)}: {err:.2e}"
+        assert err <= 1e-5, f"{op} {(h, c, r, stride, m, dilation)}: {err:.2e}"
 
 
 # ---------------------------------------------------------------------------------- GPU tier

@@ -18,20 +18,24 @@ grouped ``conv2d`` over the batch (dw), which DLight's fallback runs with one th
 and the whole N·P·Q reduction in its serial loop: torchvision's MobileNetV2, batch 128, took
 1391 ms a step on H200 (one weight gradient 524 ms; eager 20.7 ms).
 
-The kernels read channels-last, a thread per (pixel, channel):
+The kernels read channels-last; consecutive threads take consecutive channel pairs (one 4-byte bf16
+load), so every load of a warp is one contiguous row of channels:
 
-* ``fprop`` / ``dgrad``: an output element sums its R·S taps in float32 registers; consecutive threads take consecutive channels,
-  so every load of a warp is one contiguous row of channels, and neighbouring pixels' windows
-  overlap in L1.
-* ``dgrad`` of a stride > 1 (dilation 1) visits only the taps whose output position the stride
-  reaches: for a 3x3/2, 4 of 9 a pixel at most.
+* ``fprop`` and a stride-1 ``dgrad`` (the cross-correlation of zero-padded dy with the flipped
+  filter): a thread sums a strip of up to ``STRIP`` output pixels of a row in float32 registers.
+  The window of the padded input the strip reads (R rows of strip + (S-1)·dilation pixels: the
+  ``pad`` stage, whose loads are the only guarded ones) and the filter's taps are loaded into
+  registers once: for a 3x3, 30 loads for 8 pixels where each pixel's 9 taps were 9 loads, for
+  EfficientNet's 5x5 55 for 7 pixels.
+* a strided ``dgrad`` (dilation 1) visits only the taps whose output position the stride reaches:
+  for a 3x3/2, 4 of 9 a pixel at most; a thread a pixel.
 * ``wgrad``: the N·P·Q reduction in two stages: float32 partial sums of groups of output lines (N·P
   rows of Q pixels; ``wgrad_grid``: groups that divide the lines, enough to fill the GPU), written
   ``[K, R, S, G]``; then a sum over the groups (a plain ``relax.sum`` over the last axis: a row
   reduction, a block a filter tap), rounded and shaped ``[K, R, S, 1]``.  A first-stage thread
   takes two channels (one 4-byte bf16 load) and walks its lines a strip of up to ``STRIP`` output
   pixels at a time: the strip's dy and the input window it reads (R rows of (strip-1)·stride + S
-  pixels, the padding as zeros: the ``xpad`` stage) go to registers once, where reading x for each
+  pixels, the padding as zeros: the ``pad`` stage) go to registers once, where reading x for each
   of a pixel's R·S taps took 9 loads a pixel for a 3x3 (MobileNetV2 at batch 128 on H200: the
   weight gradients 3.2 ms a step against cuDNN's 0.87).
 
@@ -120,12 +124,33 @@ def _shape64(shape) -> tuple:
 def _spec(op: str, x, w, g: Geometry, dtype: str) -> dict:
     spec = {"op": op, "x": [int(d) for d in x], "w": [int(d) for d in w], "dtype": dtype,
             "geometry": [*g.pad, *g.stride, *g.dilation]}
+    (n, h, wd, _), (k, r, s, _) = x, w
+    p, q = g.out((h, wd), (r, s))
     if op == "wgrad":
-        (n, h, wd, _), (k, r, s, _) = x, w
-        p, q = g.out((h, wd), (r, s))
         spec["groups"], spec["lines"] = wgrad_grid(n * p, q, k)
         spec["strip"] = strip_width(q)
+    elif op == "fprop":
+        spec["strip"] = strip_width(q)
+    elif _flipped_pads(g, r, s) is not None:  # a stride-1 dgrad: the convolution of padded dy
+        spec["strip"] = strip_width(wd)
     return spec
+
+
+def _flipped_pads(g: Geometry, r: int, s: int) -> tuple[int, int] | None:
+    """(top, left) zero padding of dy that makes a stride-1 dgrad the cross-correlation of padded dy
+    with the flipped filter; None for strides > 1 or a padding wider than the filter reaches."""
+    (pt, pl, _, _), (dh, dw) = g.pad, g.dilation
+    top, left = (r - 1) * dh - pt, (s - 1) * dw - pl
+    return (top, left) if g.stride == (1, 1) and top >= 0 and left >= 0 else None
+
+
+def _padded(t: te.Tensor, top: int, left: int, rows: int, cols: int, name: str) -> te.Tensor:
+    """`t` [N, H, W, C] placed at (top, left) in zeros of [N, rows, cols, C]: a stage of its own,
+    which the CUDA forms compute a strip's window of into registers (the only guarded loads)."""
+    n, h, wd, c = (int(d) for d in t.shape)
+    zero = tirx.const(0, t.dtype)
+    return te.compute(_shape64((n, rows, cols, c)), lambda b, y, xx, ch: tirx.if_then_else(
+        tirx.all(y >= top, y < h + top, xx >= left, xx < wd + left), t[b, y - top, xx - left, ch], zero), name=name)
 
 
 def _tensors(spec: dict) -> list[te.Tensor]:
@@ -145,15 +170,26 @@ def _tensors(spec: dict) -> list[te.Tensor]:
         x = te.placeholder(_shape64((n, h, wd, c)), dtype, name="x")
         w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
         rr, ss = te.reduce_axis((0, _i64(r)), "r"), te.reduce_axis((0, _i64(s)), "s")
-
-        def tap(b, i, j, o):
-            y, xx = i * sh - pt + rr * dh, j * sw - pl + ss * dw
-            inside = tirx.all(y >= 0, y < h, xx >= 0, xx < wd)
-            return tirx.if_then_else(inside, x[b, y, xx, o // m if m > 1 else o], zero)
-
+        xpad = _padded(x, pt, pl, h + pt + g.pad[2], wd + pl + g.pad[3], "pad")
         acc = te.compute(_shape64((n, p, q, k)), lambda b, i, j, o: te.sum(
-            f32(tap(b, i, j, o)) * f32(w[o, rr, ss, 0]), axis=[rr, ss]), name="acc")
+            f32(xpad[b, i * sh + rr * dh, j * sw + ss * dw, o // m if m > 1 else o]) * f32(w[o, rr, ss, 0]),
+            axis=[rr, ss]), name="acc")
         return [x, w, rounded(acc)]
+
+    if spec["op"] == "dgrad" and "strip" in spec:  # stride 1: padded dy against the flipped filter
+        dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
+        w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
+        top, left = _flipped_pads(g, r, s)
+        dypad = _padded(dy, top, left, h + (r - 1) * dh, wd + (s - 1) * dw, "pad")
+        rr, ss = te.reduce_axis((0, _i64(r)), "r"), te.reduce_axis((0, _i64(s)), "s")
+        jj = te.reduce_axis((0, _i64(m)), "j") if m > 1 else None
+
+        def flipped(b, a, cc, ch):
+            o = ch * m + jj if m > 1 else ch
+            return te.sum(f32(dypad[b, a + rr * dh, cc + ss * dw, o]) * f32(w[o, r - 1 - rr, s - 1 - ss, 0]),
+                          axis=[*([jj] if m > 1 else []), rr, ss])
+
+        return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), flipped, name="acc"))]
 
     if spec["op"] == "dgrad":
         dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
@@ -191,9 +227,7 @@ def _tensors(spec: dict) -> list[te.Tensor]:
     dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
     # x with its zero padding, as a stage of its own: the CUDA form computes the window a strip of
     # output pixels reads into registers once (its loads are the only guarded ones)
-    (_, _, pb, pr) = g.pad
-    xpad = te.compute(_shape64((n, h + pt + pb, wd + pl + pr, c)), lambda b, y, xx, ch: tirx.if_then_else(
-        tirx.all(y >= pt, y < h + pt, xx >= pl, xx < wd + pl), x[b, y - pt, xx - pl, ch], zero), name="xpad")
+    xpad = _padded(x, pt, pl, h + pt + g.pad[2], wd + pl + g.pad[3], "pad")
     u, jo = te.reduce_axis((0, _i64(lines)), "u"), te.reduce_axis((0, _i64(q // strip)), "jo")
     ji = te.reduce_axis((0, _i64(strip)), "ji")
 
@@ -222,7 +256,7 @@ def _vector_lanes(spec: dict) -> int:
 
 
 def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
-    """fprop / dgrad: a thread per output pixel and `lanes` channels, its taps summed in registers.
+    """A strided dgrad: a thread per output pixel and `lanes` channels, its taps summed in registers.
 
     ``blockIdx.x`` is an (image, row), ``blockIdx.y · THREADS + threadIdx.x`` a (column, channel
     group) of it. Rows and columns come from different indices on purpose: with all four axes fused
@@ -251,11 +285,52 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
         sch.unroll(loop)
 
 
+def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int) -> None:
+    """fprop / stride-1 dgrad: a thread per `strip` output pixels of a row and `lanes` channels; the
+    window of the padded input they read (``pad``: R rows of strip + (S-1)·dilation pixels) in
+    registers, loaded once, and strip·lanes float32 sums. ``blockIdx.x`` is an (image, row),
+    ``blockIdx.y · THREADS + threadIdx.x`` a (strip, channel group) of it."""
+    out, acc, pad = sch.get_sblock("out"), sch.get_sblock("acc"), sch.get_sblock("pad")
+    b, i, j, ch = sch.get_loops(out)
+    jo, ji = sch.split(j, [None, strip])
+    co, lane = sch.split(ch, [None, lanes])
+    sch.reorder(b, i, jo, co, ji, lane)
+    by, tx = sch.split(sch.fuse(jo, co), [None, THREADS])
+    sch.bind(sch.fuse(b, i), "blockIdx.x")
+    sch.bind(by, "blockIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.compute_at(acc, tx)
+    sch.set_scope(acc, 0, "local")
+    sch.compute_at(pad, tx)
+    sch.set_scope(pad, 0, "local")
+    _unroll_window(sch, pad, 3, lanes)
+    weights = sch.cache_read(acc, 1, "local")  # the lanes' R·S taps, loaded once a strip
+    sch.compute_at(weights, tx)
+    for loop in sch.get_loops(weights)[3:]:
+        sch.unroll(loop)
+    for loop in sch.get_loops(acc)[3:]:
+        sch.unroll(loop)
+    sch.unroll(ji)
+    if lanes > 1:
+        sch.vectorize(lane)
+
+
+def _unroll_window(sch: s_tir.Schedule, block, outer: int, lanes: int) -> None:
+    """Unroll a register window's loops (those under its `outer` ones), the channels' as a vector."""
+    *window, channels = sch.get_loops(block)[outer:]
+    for loop in window:
+        sch.unroll(loop)
+    if lanes > 1 and int(sch.get(channels).extent) == lanes:
+        sch.vectorize(channels)
+    else:
+        sch.unroll(channels)
+
+
 def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
     """wgrad's first stage: a block (line groups of TY, channel groups of TX), a thread `lanes`
     channels of a group's lines, walked a strip of output pixels at a time: the strip's input
     window (``xpad``) and its dy in registers, R·S·lanes float32 sums."""
-    part, xpad = sch.get_sblock("partial"), sch.get_sblock("xpad")
+    part, xpad = sch.get_sblock("partial"), sch.get_sblock("pad")
     o, ri, si, gi, u, jo, ji = sch.get_loops(part)
     o, lane = sch.split(o, [None, lanes])
     bo, tx = sch.split(o, [None, TX])
@@ -271,12 +346,8 @@ def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
     sch.compute_at(xpad, jo)
     sch.set_scope(xpad, 0, "local")
     sch.decompose_reduction(part, u)
-    for block in (dy, xpad):  # its own loops under (block, ty, tx, u, jo): unrolled, the lanes one vector
-        *window, channels = sch.get_loops(block)[5:]
-        for loop in window:
-            sch.unroll(loop)
-        if lanes > 1:
-            sch.vectorize(channels)
+    for block in (dy, xpad):  # under (block, ty, tx, u, jo)
+        _unroll_window(sch, block, 5, lanes)
     for loop in (ji, ri, si, lane):
         sch.unroll(loop)
 
@@ -287,6 +358,8 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
     if spec["op"] == "wgrad":
         _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1))
+    elif "strip" in spec:
+        _schedule_strips(sch, lanes or _vector_lanes(spec), spec["strip"])
     else:
         _schedule_direct(sch, lanes or _vector_lanes(spec))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
