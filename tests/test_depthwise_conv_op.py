@@ -182,20 +182,15 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
 
 # ---------------------------------------------------------------------------------- GPU tier
 
-MOBILENET_V2 = [  # torchvision mobilenet_v2 at batch 32, 224^2: (H, C, stride) of its depthwise 3x3s
-    (112, 32, 1), (112, 96, 2), (56, 144, 1), (56, 144, 2), (28, 192, 1), (28, 192, 2), (14, 384, 1),
-    (14, 576, 1), (14, 576, 2), (7, 960, 1),
-]
-
-
-def _kernels(n, h, c, stride, dtype):
-    """The three ops of a 3x3 depthwise convolution, one function each (``fprop(x, w)``,
-    ``dgrad(dy, w)``, ``wgrad(x, dy)``), compiled for sm_90 on the evt pipeline's CUDA route."""
+def _kernels(n, h, c, r, stride, dtype):
+    """The three ops of an R x R depthwise convolution (padding R // 2), one function each
+    (``fprop(x, w)``, ``dgrad(dy, w)``, ``wgrad(x, dy)``), compiled for sm_90 on the evt pipeline's
+    CUDA route."""
     import tvm_evt  # noqa: F401  (registers the "evt" pipeline)
 
-    g = conv_op.Geometry((1, 1, 1, 1), (stride, stride), (1, 1))
-    p, q = g.out((h, h), (3, 3))
-    shapes = {"x": [n, h, h, c], "w": [c, 3, 3, 1], "dy": [n, p, q, c]}
+    g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
+    p, q = g.out((h, h), (r, r))
+    shapes = {"x": [n, h, h, c], "w": [c, r, r, 1], "dy": [n, p, q, c]}
     ops = {"fprop": (("x", "w"), lambda a, b: dwc.depthwise_conv2d(a, b, g)),
            "dgrad": (("dy", "w"), lambda a, b: dwc.depthwise_conv2d_dgrad(a, b, g, shapes["x"])),
            "wgrad": (("x", "dy"), lambda a, b: dwc.depthwise_conv2d_wgrad(a, b, g, shapes["w"]))}
@@ -212,10 +207,10 @@ def _kernels(n, h, c, stride, dtype):
 
 @pytest.mark.gpu
 def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
-    """MobileNetV2's depthwise shapes in bf16: y, dx and dw against torch float64 (norm-wise error
-    <= 1e-2 of the reference's norm), then the median time of the three kernels against torch's
-    bf16 conv2d forward and autograd backward (cuDNN) on the same channels-last inputs, written to
-    $OUT/depthwise_times.json when OUT is set."""
+    """MobileNetV2's and EfficientNet-B0's depthwise shapes in bf16: y, dx and dw at batch 4 against
+    torch float64 (norm-wise error <= 1e-2 of the reference's norm); then at batch 128 the median
+    time of each kernel, and of torch's bf16 conv2d forward and autograd backward (cuDNN) on the
+    same channels-last inputs, written to $OUT/depthwise_times.json when OUT is set."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from tvm_evt.bench_e2e import time_steps
@@ -225,39 +220,46 @@ def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
             step()
         return float(np.median(time_steps(step, 20)))
 
+    def operands(n, h, c, r, stride):
+        p = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1)).out((h, h), (r, r))[0]
+        return (torch.randn(n, h, h, c, device="cuda").bfloat16(), torch.randn(c, r, r, 1, device="cuda").bfloat16(),
+                torch.randn(n, p, p, c, device="cuda").bfloat16())
+
     rows = []
-    for h, c, stride in MOBILENET_V2:
-        n = 32
-        vm = _kernels(n, h, c, stride, "bfloat16")
-        p = conv_op.Geometry((1, 1, 1, 1), (stride, stride), (1, 1)).out((h, h), (3, 3))[0]
-        x = torch.randn(n, h, h, c, device="cuda").bfloat16()
-        w = torch.randn(c, 3, 3, 1, device="cuda").bfloat16()
-        dy = torch.randn(n, p, p, c, device="cuda").bfloat16()
+    for h, c, r, stride in [shape for shape in CUDA_FORM_SHAPES if len(shape) == 4 and shape[1] >= 32]:
+        vm = _kernels(4, h, c, r, stride, "bfloat16")
+        x, w, dy = operands(4, h, c, r, stride)
         tx, tw, tdy = (tvm.runtime.from_dlpack(t) for t in (x, w, dy))
         got = {"y": vm["fprop"](tx, tw), "dx": vm["dgrad"](tdy, tw), "dw": vm["wgrad"](tx, tdy)}
-        reference = _torch_reference(*(t.float().cpu().numpy() for t in (x, w, dy)), c, (1, 1, 1, 1),
+        reference = _torch_reference(*(t.float().cpu().numpy() for t in (x, w, dy)), c, (r // 2,) * 4,
                                      (stride, stride), (1, 1))
-        want = {name: torch.from_numpy(r) for name, r in zip(("y", "dx", "dw"), reference)}
+        want = {name: torch.from_numpy(ref) for name, ref in zip(("y", "dx", "dw"), reference)}
         for name in got:
             out = torch.from_dlpack(got[name]).double().cpu()
             assert out.shape == want[name].shape and torch.isfinite(out).all(), name
             err = float((out - want[name]).norm() / want[name].norm())
-            assert err <= 1e-2, f"{(h, c, stride)} {name}: {err:.2e}"
+            assert err <= 1e-2, f"{(h, c, r, stride)} {name}: {err:.2e}"
 
+        n = 128
+        vm = _kernels(n, h, c, r, stride, "bfloat16")
+        x, w, dy = operands(n, h, c, r, stride)
+        tx, tw, tdy = (tvm.runtime.from_dlpack(t) for t in (x, w, dy))
         xc = x.permute(0, 3, 1, 2).requires_grad_()  # channels-last memory, as the ops read it
         wc = w.permute(0, 3, 1, 2).contiguous().requires_grad_()
         dyc = dy.permute(0, 3, 1, 2)
-
-        def torch_step():
-            out = torch.nn.functional.conv2d(xc, wc, stride=stride, padding=1, groups=c)
-            torch.autograd.grad(out, (xc, wc), dyc)
-
-        def ours():
-            vm["fprop"](tx, tw), vm["dgrad"](tdy, tw), vm["wgrad"](tx, tdy)
-
-        mine, theirs = cuda_time_ms(ours), cuda_time_ms(torch_step)
-        rows.append({"h": h, "c": c, "stride": stride, "batch": n, "tvm_evt_ms": round(mine, 4),
-                     "torch_ms": round(theirs, 4), "speedup": round(theirs / mine, 3)})
+        out = torch.nn.functional.conv2d(xc, wc, stride=stride, padding=r // 2, groups=c)
+        mine = {"fprop": cuda_time_ms(lambda: vm["fprop"](tx, tw)),
+                "dgrad": cuda_time_ms(lambda: vm["dgrad"](tdy, tw)),
+                "wgrad": cuda_time_ms(lambda: vm["wgrad"](tx, tdy))}
+        theirs = {"forward": cuda_time_ms(lambda: torch.nn.functional.conv2d(xc, wc, stride=stride, padding=r // 2,
+                                                                             groups=c)),
+                  "backward": cuda_time_ms(lambda: torch.autograd.grad(out, (xc, wc), dyc, retain_graph=True))}
+        total, torch_total = sum(mine.values()), sum(theirs.values())
+        rows.append({"h": h, "c": c, "r": r, "stride": stride, "batch": n,
+                     **{f"{k}_ms": round(v, 4) for k, v in mine.items()},
+                     **{f"torch_{k}_ms": round(v, 4) for k, v in theirs.items()},
+                     "tvm_evt_ms": round(total, 4), "torch_ms": round(torch_total, 4),
+                     "speedup": round(torch_total / total, 3)})
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "depthwise_times.json"), "w") as f:
             json.dump(rows, f, indent=1)
