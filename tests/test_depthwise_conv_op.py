@@ -182,25 +182,27 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
 
 # ---------------------------------------------------------------------------------- GPU tier
 
-def _kernels(n, h, c, r, stride, dtype):
-    """The three ops of an R x R depthwise convolution (padding R // 2), one function each
-    (``fprop(x, w)``, ``dgrad(dy, w)``, ``wgrad(x, dy)``), compiled for sm_90 on the evt pipeline's
-    CUDA route."""
+def _kernels(cases, dtype):
+    """The three ops of each R x R depthwise convolution `cases` lists as (N, H, C, R, stride)
+    (padding R // 2), one function each (``fprop{i}(x, w)``, ``dgrad{i}(dy, w)``, ``wgrad{i}(x, dy)``),
+    compiled for sm_90 on the evt pipeline's CUDA route in one module (one nvcc run: a module a case
+    took over 150 s for 32 cases on the H200 host)."""
     import tvm_evt  # noqa: F401  (registers the "evt" pipeline)
 
-    g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
-    p, q = g.out((h, h), (r, r))
-    shapes = {"x": [n, h, h, c], "w": [c, r, r, 1], "dy": [n, p, q, c]}
-    ops = {"fprop": (("x", "w"), lambda a, b: dwc.depthwise_conv2d(a, b, g)),
-           "dgrad": (("dy", "w"), lambda a, b: dwc.depthwise_conv2d_dgrad(a, b, g, shapes["x"])),
-           "wgrad": (("x", "dy"), lambda a, b: dwc.depthwise_conv2d_wgrad(a, b, g, shapes["w"]))}
     bb = relax.BlockBuilder()
-    for name, (operands, call) in ops.items():
-        params = [relax.Var(v, relax.TensorType(shapes[v], dtype)) for v in operands]
-        with bb.function(name, params):
-            with bb.dataflow():
-                out = bb.emit_output(call(*params))
-            bb.emit_func_output(out)
+    for i, (n, h, c, r, stride) in enumerate(cases):
+        g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
+        p, q = g.out((h, h), (r, r))
+        shapes = {"x": [n, h, h, c], "w": [c, r, r, 1], "dy": [n, p, q, c]}
+        ops = {"fprop": (("x", "w"), lambda a, b, g=g: dwc.depthwise_conv2d(a, b, g)),
+               "dgrad": (("dy", "w"), lambda a, b, g=g, s=shapes: dwc.depthwise_conv2d_dgrad(a, b, g, s["x"])),
+               "wgrad": (("x", "dy"), lambda a, b, g=g, s=shapes: dwc.depthwise_conv2d_wgrad(a, b, g, s["w"]))}
+        for name, (operands, call) in ops.items():
+            params = [relax.Var(v, relax.TensorType(shapes[v], dtype)) for v in operands]
+            with bb.function(f"{name}{i}", params):
+                with bb.dataflow():
+                    out = bb.emit_output(call(*params))
+                bb.emit_func_output(out)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     return relax.VirtualMachine(tvm.compile(bb.get(), target=target, relax_pipeline="evt"), tvm.cuda())
 
@@ -225,12 +227,14 @@ def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
         return (torch.randn(n, h, h, c, device="cuda").bfloat16(), torch.randn(c, r, r, 1, device="cuda").bfloat16(),
                 torch.randn(n, p, p, c, device="cuda").bfloat16())
 
+    shapes = [shape for shape in CUDA_FORM_SHAPES if len(shape) == 4 and shape[1] >= 32]
+    small, n = 4, 128
+    vm = _kernels([(b, *shape) for b in (small, n) for shape in shapes], "bfloat16")
     rows = []
-    for h, c, r, stride in [shape for shape in CUDA_FORM_SHAPES if len(shape) == 4 and shape[1] >= 32]:
-        vm = _kernels(4, h, c, r, stride, "bfloat16")
-        x, w, dy = operands(4, h, c, r, stride)
+    for i, (h, c, r, stride) in enumerate(shapes):
+        x, w, dy = operands(small, h, c, r, stride)
         tx, tw, tdy = (tvm.runtime.from_dlpack(t) for t in (x, w, dy))
-        got = {"y": vm["fprop"](tx, tw), "dx": vm["dgrad"](tdy, tw), "dw": vm["wgrad"](tx, tdy)}
+        got = {"y": vm[f"fprop{i}"](tx, tw), "dx": vm[f"dgrad{i}"](tdy, tw), "dw": vm[f"wgrad{i}"](tx, tdy)}
         reference = _torch_reference(*(t.float().cpu().numpy() for t in (x, w, dy)), c, (r // 2,) * 4,
                                      (stride, stride), (1, 1))
         want = {name: torch.from_numpy(ref) for name, ref in zip(("y", "dx", "dw"), reference)}
@@ -240,17 +244,16 @@ def test_depthwise_kernels_match_torch_and_time_against_cudnn_on_gpu():
             err = float((out - want[name]).norm() / want[name].norm())
             assert err <= 1e-2, f"{(h, c, r, stride)} {name}: {err:.2e}"
 
-        n = 128
-        vm = _kernels(n, h, c, r, stride, "bfloat16")
+        j = i + len(shapes)  # the same shape at batch n
         x, w, dy = operands(n, h, c, r, stride)
         tx, tw, tdy = (tvm.runtime.from_dlpack(t) for t in (x, w, dy))
         xc = x.permute(0, 3, 1, 2).requires_grad_()  # channels-last memory, as the ops read it
         wc = w.permute(0, 3, 1, 2).contiguous().requires_grad_()
         dyc = dy.permute(0, 3, 1, 2)
         out = torch.nn.functional.conv2d(xc, wc, stride=stride, padding=r // 2, groups=c)
-        mine = {"fprop": cuda_time_ms(lambda: vm["fprop"](tx, tw)),
-                "dgrad": cuda_time_ms(lambda: vm["dgrad"](tdy, tw)),
-                "wgrad": cuda_time_ms(lambda: vm["wgrad"](tx, tdy))}
+        mine = {"fprop": cuda_time_ms(lambda: vm[f"fprop{j}"](tx, tw)),
+                "dgrad": cuda_time_ms(lambda: vm[f"dgrad{j}"](tdy, tw)),
+                "wgrad": cuda_time_ms(lambda: vm[f"wgrad{j}"](tx, tdy))}
         theirs = {"forward": cuda_time_ms(lambda: torch.nn.functional.conv2d(xc, wc, stride=stride, padding=r // 2,
                                                                              groups=c)),
                   "backward": cuda_time_ms(lambda: torch.autograd.grad(out, (xc, wc), dyc, retain_graph=True))}
