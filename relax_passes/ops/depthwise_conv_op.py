@@ -255,22 +255,31 @@ def _vector_lanes(spec: dict) -> int:
     return 2 if spec["dtype"] != F32 and channels % 2 == 0 else 1
 
 
-def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
-    """A strided dgrad: a thread per output pixel and `lanes` channels, its taps summed in registers.
+def _row_grid(sch: s_tir.Schedule, out, lanes: int, strip: int) -> tuple:
+    """Bind `out` [N, rows, columns, channels]: ``blockIdx.x`` an (image, row), ``blockIdx.y ·
+    THREADS + threadIdx.x`` a (strip of `strip` columns, group of `lanes` channels) of it; returns
+    the thread's loop and the strip's and the lanes' loops under it.
 
-    ``blockIdx.x`` is an (image, row), ``blockIdx.y · THREADS + threadIdx.x`` a (column, channel
-    group) of it. Rows and columns come from different indices on purpose: with all four axes fused
+    Rows and columns come from different indices on purpose: with all four axes fused
     into one thread index, TVM 0.27's ``IterMapSimplify`` (in ``FlattenBuffer``) rewrote the sum of
     a strided dgrad's two tap phases, ``((t % A // B + 1) % 2) * 3 + (t % B // C + 1) % 2``, with the
     row's offset in both terms: the 14x14x576 stride-2 dgrad read the wrong taps (tested on the CPU
     with the threads as serial loops, ``test_cuda_forms_compute_what_torch_does``)."""
-    out, acc = sch.get_sblock("out"), sch.get_sblock("acc")
     b, i, j, ch = sch.get_loops(out)
-    outer, vec = sch.split(ch, [None, lanes])
-    by, tx = sch.split(sch.fuse(j, outer), [None, THREADS])
+    jo, ji = sch.split(j, [None, strip])
+    co, lane = sch.split(ch, [None, lanes])
+    sch.reorder(b, i, jo, co, ji, lane)
+    by, tx = sch.split(sch.fuse(jo, co), [None, THREADS])
     sch.bind(sch.fuse(b, i), "blockIdx.x")
     sch.bind(by, "blockIdx.y")
     sch.bind(tx, "threadIdx.x")
+    return tx, ji, lane
+
+
+def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
+    """A strided dgrad: a thread per input pixel and `lanes` channels, its taps summed in registers."""
+    out, acc = sch.get_sblock("out"), sch.get_sblock("acc")
+    tx, _, vec = _row_grid(sch, out, lanes, 1)
     sch.compute_at(acc, tx)
     sch.set_scope(acc, 0, "local")
     reductions = sum(1 for v in sch.get(acc).iter_vars if v.iter_type == tirx.IterVar.CommReduce)
@@ -288,17 +297,9 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
 def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int) -> None:
     """fprop / stride-1 dgrad: a thread per `strip` output pixels of a row and `lanes` channels; the
     window of the padded input they read (``pad``: R rows of strip + (S-1)·dilation pixels) in
-    registers, loaded once, and strip·lanes float32 sums. ``blockIdx.x`` is an (image, row),
-    ``blockIdx.y · THREADS + threadIdx.x`` a (strip, channel group) of it."""
+    registers, loaded once, and strip·lanes float32 sums (the grid: ``_row_grid``)."""
     out, acc, pad = sch.get_sblock("out"), sch.get_sblock("acc"), sch.get_sblock("pad")
-    b, i, j, ch = sch.get_loops(out)
-    jo, ji = sch.split(j, [None, strip])
-    co, lane = sch.split(ch, [None, lanes])
-    sch.reorder(b, i, jo, co, ji, lane)
-    by, tx = sch.split(sch.fuse(jo, co), [None, THREADS])
-    sch.bind(sch.fuse(b, i), "blockIdx.x")
-    sch.bind(by, "blockIdx.y")
-    sch.bind(tx, "threadIdx.x")
+    tx, ji, lane = _row_grid(sch, out, lanes, strip)
     sch.compute_at(acc, tx)
     sch.set_scope(acc, 0, "local")
     sch.compute_at(pad, tx)
