@@ -26,6 +26,7 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 GEOMETRIES = [  # n, h, w, c, multiplier, r, s, pad (top, left, bottom, right), stride, dilation
     (2, 9, 11, 6, 1, 3, 3, (1, 1, 1, 1), (1, 1), (1, 1)),
     (2, 10, 9, 4, 1, 3, 3, (1, 1, 1, 1), (2, 2), (1, 1)),  # stride 2, odd width: a column no window reads
+    (2, 12, 12, 4, 2, 5, 5, (2, 2, 2, 2), (2, 2), (1, 1)),  # stride 2, even width: dgrad in phase strips
     (2, 11, 11, 8, 1, 5, 5, (2, 2, 2, 2), (2, 2), (1, 1)),  # EfficientNet's 5x5/2
     (1, 12, 10, 3, 2, 3, 5, (2, 1, 2, 2), (2, 1), (1, 1)),  # channel multiplier 2, uneven padding and stride
     (2, 9, 9, 4, 1, 3, 3, (2, 2, 2, 2), (1, 1), (2, 2)),  # dilation

@@ -27,8 +27,11 @@ load), so every load of a warp is one contiguous row of channels:
   ``pad`` stage, whose loads are the only guarded ones) and the filter's taps are loaded into
   registers once: for a 3x3, 30 loads for 8 pixels where each pixel's 9 taps were 9 loads, for
   EfficientNet's 5x5 55 for 7 pixels.
-* a strided ``dgrad`` (dilation 1) visits only the taps whose output position the stride reaches:
-  for a 3x3/2, 4 of 9 a pixel at most; a thread a pixel.
+* a strided ``dgrad`` (dilation 1) visits only the taps whose output position the stride reaches
+  (for a 3x3/2, 4 of 9 a pixel at most): input row a sees taps (a + pad) % stride + t·stride. Where
+  a strip of whole stride periods divides the width it runs in strips too, its window of dy (padded
+  by the taps' reach) and the filter (padded to whole periods) in registers: MobileNetV2's
+  112²x96 layer, 12 loads for 8 pixels. Else a thread a pixel.
 * ``wgrad``: the N·P·Q reduction in two stages: float32 partial sums of groups of output lines (N·P
   rows of Q pixels; ``wgrad_grid``: groups that divide the lines, enough to fill the GPU), written
   ``[K, R, S, G]``; then a sum over the groups (a plain ``relax.sum`` over the last axis: a row
@@ -104,10 +107,11 @@ def wgrad_grid(lines: int, width: int, channels: int) -> tuple[int, int]:
     return lines // per, per
 
 
-def strip_width(width: int) -> int:
-    """Output pixels of one row a wgrad thread takes at once (their input window in registers): the
-    largest divisor of `width` up to ``STRIP``."""
-    return max(d for d in range(1, min(width, STRIP) + 1) if width % d == 0)
+def strip_width(width: int, multiple: int = 1) -> int:
+    """Pixels of one row a thread takes at once (their input window in registers): the largest
+    divisor of `width` up to ``STRIP`` that is a multiple of `multiple` (a strided dgrad's strips
+    hold whole stride periods), or 1."""
+    return max([d for d in range(multiple, min(width, STRIP) + 1, multiple) if width % d == 0], default=1)
 
 
 # ----------------------------------------------------------------------------- TE kernels
@@ -133,6 +137,8 @@ def _spec(op: str, x, w, g: Geometry, dtype: str) -> dict:
         spec["strip"] = strip_width(q)
     elif _flipped_pads(g, r, s) is not None:  # a stride-1 dgrad: the convolution of padded dy
         spec["strip"] = strip_width(wd)
+    elif g.dilation == (1, 1) and strip_width(wd, g.stride[1]) > 1:  # a strided one, in stride phases
+        spec["phase_strip"] = strip_width(wd, g.stride[1])
     return spec
 
 
@@ -190,6 +196,28 @@ def _tensors(spec: dict) -> list[te.Tensor]:
                           axis=[*([jj] if m > 1 else []), rr, ss])
 
         return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), flipped, name="acc"))]
+
+    if spec["op"] == "dgrad" and "phase_strip" in spec:  # strided, dilation 1: in stride phases
+        dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
+        w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
+        # input row a sees the taps (a + pt) % sh + t·sh of dy row (a + pt) // sh - t; dy padded by
+        # the taps' reach (top, left) so every such row is inside, the filter by zero taps up to
+        # whole stride periods (both stages computed into registers at the thread on CUDA)
+        taps_r, taps_s = -(-r // sh), -(-s // sw)
+        top, left = taps_r - 1, taps_s - 1
+        dypad = _padded(dy, top, left, (h - 1 + pt) // sh + top + 1, (wd - 1 + pl) // sw + left + 1, "pad")
+        wpad = te.compute(_shape64((k, taps_r * sh, taps_s * sw)), lambda o, ri, si: tirx.if_then_else(
+            tirx.all(ri < r, si < s), w[o, ri, si, 0], zero), name="wpad")
+        rr, ss = te.reduce_axis((0, _i64(taps_r)), "r"), te.reduce_axis((0, _i64(taps_s)), "s")
+        jj = te.reduce_axis((0, _i64(m)), "j") if m > 1 else None
+
+        def phased(b, a, cc, ch):
+            o = ch * m + jj if m > 1 else ch
+            y, xx = (a + pt) // sh - rr + top, (cc + pl) // sw - ss + left
+            tap = wpad[o, (a + pt) % sh + rr * sh, (cc + pl) % sw + ss * sw]
+            return te.sum(f32(dypad[b, y, xx, o]) * f32(tap), axis=[*([jj] if m > 1 else []), rr, ss])
+
+        return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), phased, name="acc"))]
 
     if spec["op"] == "dgrad":
         dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
@@ -294,9 +322,10 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
         sch.unroll(loop)
 
 
-def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int) -> None:
-    """fprop / stride-1 dgrad: a thread per `strip` output pixels of a row and `lanes` channels; the
-    window of the padded input they read (``pad``: R rows of strip + (S-1)·dilation pixels) in
+def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int, phases: bool = False) -> None:
+    """fprop / dgrad: a thread per `strip` output pixels of a row and `lanes` channels; the window of
+    the padded input they read (``pad``: R rows of strip + (S-1)·dilation pixels; a strided
+    dgrad's, `phases`, R / stride rows of strip / stride + S / stride) and the filter's taps in
     registers, loaded once, and strip·lanes float32 sums (the grid: ``_row_grid``)."""
     out, acc, pad = sch.get_sblock("out"), sch.get_sblock("acc"), sch.get_sblock("pad")
     tx, ji, lane = _row_grid(sch, out, lanes, strip)
@@ -305,8 +334,13 @@ def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int) -> None:
     sch.compute_at(pad, tx)
     sch.set_scope(pad, 0, "local")
     _unroll_window(sch, pad, 3, lanes)
-    weights = sch.cache_read(acc, 1, "local")  # the lanes' R·S taps, loaded once a strip
-    sch.compute_at(weights, tx)
+    if phases:  # the filter padded to whole stride periods: a stage of its own
+        weights = sch.get_sblock("wpad")
+        sch.compute_at(weights, tx)
+        sch.set_scope(weights, 0, "local")
+    else:  # the lanes' R·S taps, read once a strip
+        weights = sch.cache_read(acc, 1, "local")
+        sch.compute_at(weights, tx)
     for loop in sch.get_loops(weights)[3:]:
         sch.unroll(loop)
     for loop in sch.get_loops(acc)[3:]:
@@ -359,8 +393,9 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
     if spec["op"] == "wgrad":
         _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1))
-    elif "strip" in spec:
-        _schedule_strips(sch, lanes or _vector_lanes(spec), spec["strip"])
+    elif "strip" in spec or "phase_strip" in spec:
+        _schedule_strips(sch, lanes or _vector_lanes(spec), spec.get("strip") or spec["phase_strip"],
+                         phases="phase_strip" in spec)
     else:
         _schedule_direct(sch, lanes or _vector_lanes(spec))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
