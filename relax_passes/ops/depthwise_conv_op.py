@@ -69,7 +69,7 @@ TX, TY = 32, 4  # wgrad's first stage: channels and row groups a block
 TARGET_THREADS = 132 * 1024  # wgrad's first stage: threads in all (half an H100's resident threads)
 MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 WGRAD_LANES = 2  # channels a wgrad thread (a bf16 pair: one 4-byte load)
-STRIP = 8  # output pixels of a row a wgrad thread sums at once, their input window in registers
+STRIP = 8  # pixels of a row a thread of any of the kernels sums at once, their input window in registers
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -364,7 +364,7 @@ def _unroll_window(sch: s_tir.Schedule, block, outer: int, lanes: int) -> None:
 def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
     """wgrad's first stage: a block (line groups of TY, channel groups of TX), a thread `lanes`
     channels of a group's lines, walked a strip of output pixels at a time: the strip's input
-    window (``xpad``) and its dy in registers, R·S·lanes float32 sums."""
+    window (``pad``) and its dy in registers, R·S·lanes float32 sums."""
     part, xpad = sch.get_sblock("partial"), sch.get_sblock("pad")
     o, ri, si, gi, u, jo, ji = sch.get_loops(part)
     o, lane = sch.split(o, [None, lanes])
