@@ -137,8 +137,8 @@ def _spec(op: str, x, w, g: Geometry, dtype: str) -> dict:
         spec["strip"] = strip_width(q)
     elif _flipped_pads(g, r, s) is not None:  # a stride-1 dgrad: the convolution of padded dy
         spec["strip"] = strip_width(wd)
-    elif g.dilation == (1, 1) and strip_width(wd, g.stride[1]) > 1:  # a strided one, in stride phases
-        spec["phase_strip"] = strip_width(wd, g.stride[1])
+    elif g.dilation == (1, 1) and (periods := strip_width(wd, g.stride[1])) > 1:  # a strided one, in phases
+        spec["phase_strip"] = periods
     return spec
 
 
@@ -163,99 +163,91 @@ def _tensors(spec: dict) -> list[te.Tensor]:
     """The TE placeholders and computes of `spec`'s kernel: inputs, then outputs (module docstring)."""
     (n, h, wd, c), (k, r, s, _) = spec["x"], spec["w"]
     g = Geometry(tuple(spec["geometry"][:4]), tuple(spec["geometry"][4:6]), tuple(spec["geometry"][6:]))
-    (pt, pl, _, _), (sh, sw), (dh, dw) = g.pad, g.stride, g.dilation
+    (pt, pl, pb, pr), (sh, sw), (dh, dw) = g.pad, g.stride, g.dilation
     p, q = g.out((h, wd), (r, s))
     m, dtype = k // c, spec["dtype"]
     zero = tirx.const(0, dtype)
     f32 = lambda v: v.astype(F32) if dtype != F32 else v  # noqa: E731
+    x = te.placeholder(_shape64((n, h, wd, c)), dtype, name="x")
+    w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
+    dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
 
     def rounded(acc: te.Tensor) -> te.Tensor:
         return te.compute(acc.shape, lambda *i: acc(*i).astype(dtype), name="out")
 
+    def padded_x() -> te.Tensor:
+        """x with its zero padding, as a stage of its own: the CUDA forms compute the window a strip
+        of output pixels reads into registers once (its loads are the only guarded ones)."""
+        return _padded(x, pt, pl, h + pt + pb, wd + pl + pr, "pad")
+
     if spec["op"] == "fprop":
-        x = te.placeholder(_shape64((n, h, wd, c)), dtype, name="x")
-        w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
         rr, ss = te.reduce_axis((0, _i64(r)), "r"), te.reduce_axis((0, _i64(s)), "s")
-        xpad = _padded(x, pt, pl, h + pt + g.pad[2], wd + pl + g.pad[3], "pad")
+        xpad = padded_x()
         acc = te.compute(_shape64((n, p, q, k)), lambda b, i, j, o: te.sum(
             f32(xpad[b, i * sh + rr * dh, j * sw + ss * dw, o // m if m > 1 else o]) * f32(w[o, rr, ss, 0]),
             axis=[rr, ss]), name="acc")
         return [x, w, rounded(acc)]
 
-    if spec["op"] == "dgrad" and "strip" in spec:  # stride 1: padded dy against the flipped filter
-        dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
-        w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
-        top, left = _flipped_pads(g, r, s)
-        dypad = _padded(dy, top, left, h + (r - 1) * dh, wd + (s - 1) * dw, "pad")
-        rr, ss = te.reduce_axis((0, _i64(r)), "r"), te.reduce_axis((0, _i64(s)), "s")
-        jj = te.reduce_axis((0, _i64(m)), "j") if m > 1 else None
+    if spec["op"] == "dgrad":  # input channel ch sums its m output channels ch·m + j, and the taps
+        jj = [te.reduce_axis((0, _i64(m)), "j")] if m > 1 else []
+        channel = lambda ch: ch * m + jj[0] if m > 1 else ch  # noqa: E731
+        if "strip" in spec:  # stride 1: padded dy against the flipped filter
+            top, left = _flipped_pads(g, r, s)
+            dypad = _padded(dy, top, left, h + (r - 1) * dh, wd + (s - 1) * dw, "pad")
+            rr, ss = te.reduce_axis((0, _i64(r)), "r"), te.reduce_axis((0, _i64(s)), "s")
 
-        def flipped(b, a, cc, ch):
-            o = ch * m + jj if m > 1 else ch
-            return te.sum(f32(dypad[b, a + rr * dh, cc + ss * dw, o]) * f32(w[o, r - 1 - rr, s - 1 - ss, 0]),
-                          axis=[*([jj] if m > 1 else []), rr, ss])
+            def value(b, a, cc, ch):
+                o = channel(ch)
+                return te.sum(f32(dypad[b, a + rr * dh, cc + ss * dw, o]) * f32(w[o, r - 1 - rr, s - 1 - ss, 0]),
+                              axis=[*jj, rr, ss])
 
-        return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), flipped, name="acc"))]
+        elif "phase_strip" in spec:  # strided, dilation 1: in stride phases
+            # input row a sees the taps (a + pt) % sh + t·sh of dy row (a + pt) // sh - t; dy padded
+            # by the taps' reach (top, left) so every such row is inside, the filter by zero taps up
+            # to whole stride periods (both stages computed into registers at the thread on CUDA)
+            taps_r, taps_s = -(-r // sh), -(-s // sw)
+            top, left = taps_r - 1, taps_s - 1
+            dypad = _padded(dy, top, left, (h - 1 + pt) // sh + top + 1, (wd - 1 + pl) // sw + left + 1, "pad")
+            wpad = te.compute(_shape64((k, taps_r * sh, taps_s * sw)), lambda o, ri, si: tirx.if_then_else(
+                tirx.all(ri < r, si < s), w[o, ri, si, 0], zero), name="wpad")
+            rr, ss = te.reduce_axis((0, _i64(taps_r)), "r"), te.reduce_axis((0, _i64(taps_s)), "s")
 
-    if spec["op"] == "dgrad" and "phase_strip" in spec:  # strided, dilation 1: in stride phases
-        dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
-        w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
-        # input row a sees the taps (a + pt) % sh + t·sh of dy row (a + pt) // sh - t; dy padded by
-        # the taps' reach (top, left) so every such row is inside, the filter by zero taps up to
-        # whole stride periods (both stages computed into registers at the thread on CUDA)
-        taps_r, taps_s = -(-r // sh), -(-s // sw)
-        top, left = taps_r - 1, taps_s - 1
-        dypad = _padded(dy, top, left, (h - 1 + pt) // sh + top + 1, (wd - 1 + pl) // sw + left + 1, "pad")
-        wpad = te.compute(_shape64((k, taps_r * sh, taps_s * sw)), lambda o, ri, si: tirx.if_then_else(
-            tirx.all(ri < r, si < s), w[o, ri, si, 0], zero), name="wpad")
-        rr, ss = te.reduce_axis((0, _i64(taps_r)), "r"), te.reduce_axis((0, _i64(taps_s)), "s")
-        jj = te.reduce_axis((0, _i64(m)), "j") if m > 1 else None
+            def value(b, a, cc, ch):
+                o = channel(ch)
+                y, xx = (a + pt) // sh - rr + top, (cc + pl) // sw - ss + left
+                tap = wpad[o, (a + pt) % sh + rr * sh, (cc + pl) % sw + ss * sw]
+                return te.sum(f32(dypad[b, y, xx, o]) * f32(tap), axis=[*jj, rr, ss])
 
-        def phased(b, a, cc, ch):
-            o = ch * m + jj if m > 1 else ch
-            y, xx = (a + pt) // sh - rr + top, (cc + pl) // sw - ss + left
-            tap = wpad[o, (a + pt) % sh + rr * sh, (cc + pl) % sw + ss * sw]
-            return te.sum(f32(dypad[b, y, xx, o]) * f32(tap), axis=[*([jj] if m > 1 else []), rr, ss])
+        else:
+            # input row a is reached by the taps r with a + pad - r·dilation a multiple of the
+            # stride: with dilation 1, r = (a + pad) mod stride + t·stride (2 of 3 taps a 3x3/2 row),
+            # else every tap, tested
+            phased = (sh > 1 and dh == 1, sw > 1 and dw == 1)
+            rr = te.reduce_axis((0, _i64(-(-r // sh) if phased[0] else r)), "r")
+            ss = te.reduce_axis((0, _i64(-(-s // sw) if phased[1] else s)), "s")
 
-        return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), phased, name="acc"))]
+            def axis(a, t, pad, stride, dil, taps, out, phase):
+                """(the tap, the output index it reads, the conditions) for input index `a`, tap `t`."""
+                if phase:
+                    tap = (a + pad) % stride + t * stride
+                    return tap, (a + pad - tap) // stride, [tap < taps, a + pad - tap >= 0,
+                                                             (a + pad - tap) // stride < out]
+                pos = a + pad - t * dil
+                conds = [pos >= 0, pos < out * stride] + ([pos % stride == 0] if stride > 1 else [])
+                return t, pos // stride if stride > 1 else pos, conds
 
-    if spec["op"] == "dgrad":
-        dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
-        w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
-        # input row a is reached by the taps r with a + pad - r·dilation a multiple of the stride:
-        # with dilation 1, r = (a + pad) mod stride + t·stride (2 of 3 taps a 3x3/2 row), else every
-        # tap, tested
-        phased = (sh > 1 and dh == 1, sw > 1 and dw == 1)
-        rr = te.reduce_axis((0, _i64(-(-r // sh) if phased[0] else r)), "r")
-        ss = te.reduce_axis((0, _i64(-(-s // sw) if phased[1] else s)), "s")
-        jj = te.reduce_axis((0, _i64(m)), "j") if m > 1 else None
+            def value(b, i, j, ch):
+                ri, yi, ci = axis(i, rr, pt, sh, dh, r, p, phased[0])
+                si, xi, cj = axis(j, ss, pl, sw, dw, s, q, phased[1])
+                o = channel(ch)
+                v = tirx.if_then_else(tirx.all(*ci, *cj), dy[b, yi, xi, o], zero)
+                wv = tirx.if_then_else(tirx.all(ri < r, si < s), w[o, ri, si, 0], zero)
+                return te.sum(f32(v) * f32(wv), axis=[*jj, rr, ss])
 
-        def axis(a, t, pad, stride, dil, taps, out, phase):
-            """(the tap, the output index it reads, the conditions) for input index `a`, tap `t`."""
-            if phase:
-                tap = (a + pad) % stride + t * stride
-                return tap, (a + pad - tap) // stride, [tap < taps, a + pad - tap >= 0, (a + pad - tap) // stride < out]
-            pos = a + pad - t * dil
-            conds = [pos >= 0, pos < out * stride] + ([pos % stride == 0] if stride > 1 else [])
-            return t, pos // stride if stride > 1 else pos, conds
-
-        def value(b, i, j, ch):
-            ri, yi, ci = axis(i, rr, pt, sh, dh, r, p, phased[0])
-            si, xi, cj = axis(j, ss, pl, sw, dw, s, q, phased[1])
-            o = ch * m + jj if m > 1 else ch
-            v = tirx.if_then_else(tirx.all(*ci, *cj), dy[b, yi, xi, o], zero)
-            wv = tirx.if_then_else(tirx.all(ri < r, si < s), w[o, ri, si, 0], zero)
-            return te.sum(f32(v) * f32(wv), axis=[*([jj] if m > 1 else []), rr, ss])
-
-        acc = te.compute(_shape64((n, h, wd, c)), value, name="acc")
-        return [dy, w, rounded(acc)]
+        return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), value, name="acc"))]
 
     groups, lines, strip = spec["groups"], spec["lines"], spec["strip"]
-    x = te.placeholder(_shape64((n, h, wd, c)), dtype, name="x")
-    dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
-    # x with its zero padding, as a stage of its own: the CUDA form computes the window a strip of
-    # output pixels reads into registers once (its loads are the only guarded ones)
-    xpad = _padded(x, pt, pl, h + pt + g.pad[2], wd + pl + g.pad[3], "pad")
+    xpad = padded_x()
     u, jo = te.reduce_axis((0, _i64(lines)), "u"), te.reduce_axis((0, _i64(q // strip)), "jo")
     ji = te.reduce_axis((0, _i64(strip)), "ji")
 
