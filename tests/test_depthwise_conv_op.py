@@ -144,7 +144,6 @@ def test_cuda_forms_are_scheduled_and_build_for_sm90(op):
     assert "__global__" in src
 
 
-
 # (H, C, R, stride[, multiplier, dilation]) of torchvision MobileNetV2's and timm EfficientNet-B0's
 # depthwise convolutions (padding (R // 2) · dilation), and small odd ones
 CUDA_FORM_SHAPES = [
@@ -183,6 +182,7 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
 
 # ---------------------------------------------------------------------------------- GPU tier
 
+
 def _kernels(cases, dtype):
     """The three ops of each R x R depthwise convolution `cases` lists as (N, H, C, R, stride)
     (padding R // 2), one function each (``fprop{i}(x, w)``, ``dgrad{i}(dy, w)``, ``wgrad{i}(x, dy)``),
@@ -204,8 +204,7 @@ def _kernels(cases, dtype):
                 with bb.dataflow():
                     out = bb.emit_output(call(*params))
                 bb.emit_func_output(out)
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    return relax.VirtualMachine(tvm.compile(bb.get(), target=target, relax_pipeline="evt"), tvm.cuda())
+    return relax.VirtualMachine(tvm.compile(bb.get(), target=CUDA, relax_pipeline="evt"), tvm.cuda())
 
 
 @pytest.mark.gpu
