@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"tvm_evt": ROOT / "python" / "tvm_evt", "tvm_evt.relax_passes": ROOT / "relax_passes",
                 "tvm_evt.codegen": ROOT / "codegen"}
 # the bench, tuning and inspection drivers: they use the library, and the library never uses them
-DRIVERS = {"tvm_evt.bench_e2e", "tvm_evt.bench_dp", "tvm_evt.bench_tir", "tvm_evt.tuning", "tvm_evt.cli", "tvm_evt.fingerprint"}
+DRIVERS = {"tvm_evt.bench_e2e", "tvm_evt.bench_memory", "tvm_evt.bench_dp", "tvm_evt.bench_tir", "tvm_evt.tuning", "tvm_evt.cli", "tvm_evt.fingerprint"}
 PASS_NAME = re.compile(r"@tvm\.transform\.module_pass\([^)]*name=\"(\w+)\"")
 
 

@@ -79,6 +79,15 @@ SYSTEMS = {
     "tvm_evt_tuned": "tvm_evt (evt pipeline, tuned)",
     "tvm_evt_launched": "tvm_evt (evt pipeline, untuned, kernel by kernel: no CUDA graphs)",
 }
+# --max-batch (bench_memory.py): the largest batch each trains in a memory limit
+MAX_BATCH_SYSTEMS = {
+    "eager": "PyTorch eager",
+    "eager_checkpoint": "PyTorch eager, the library's activation checkpointing per layer",
+    "compile": "torch.compile default",
+    "tvm_evt": "tvm_evt",
+    "tvm_evt_budget": "tvm_evt, memory_budget from the limit (rematerialisation)",
+    "tvm_evt_at_eager_batch": "tvm_evt at eager's largest batch",
+}
 # measured unless --systems says otherwise (tvm_evt_launched: an A/B of the CUDA graphs, asked for by name)
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "tvm_evt_launched"]
 BASELINE = "eager"
@@ -97,7 +106,8 @@ def parser() -> argparse.ArgumentParser:
         "for PyTorch eager, torch.compile and TVM (default pipeline, tvm_evt untuned/tuned) on one GPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=None, help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all "
+                    f"but tvm_evt_launched); with --max-batch of {', '.join(MAX_BATCH_SYSTEMS)} (default: all)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per measurement (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compiling) one")
     ap.add_argument("--out", default="./bench_out", help="output directory (JSON, Markdown, PNG)")
@@ -115,14 +125,22 @@ def parser() -> argparse.ArgumentParser:
                     help="also report each tvm_evt system's memory plan (TrainingStep.memory_report): planned peak, "
                          "activations saved for the backward, gradients, optimizer state")
     ap.add_argument("--replot", action="store_true", help="only rewrite the table and chart from --out's JSON")
+    ap.add_argument("--max-batch", type=float, default=None, metavar="GB",
+                    help="instead of step times at the models' batches: the largest batch each system trains in GB "
+                         "(1e9 bytes) of device memory, and its samples/s there (tvm_evt/bench_memory.py; "
+                         "--timeout is then per trial)")
+    ap.add_argument("--start-batch", type=int, default=1, help="--max-batch: the first batch tried")
+    ap.add_argument("--max-trials", type=int, default=8, help="--max-batch: trials (or estimates) per system at most")
     return ap
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = parser().parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
-    args.systems = [s for s in args.systems.split(",") if s]
-    for kind, names, known in (("model", args.models, MODELS), ("system", args.systems, SYSTEMS)):
+    systems = MAX_BATCH_SYSTEMS if args.max_batch is not None else SYSTEMS
+    default = list(MAX_BATCH_SYSTEMS) if args.max_batch is not None else DEFAULT_SYSTEMS
+    args.systems = [s for s in args.systems.split(",") if s] if args.systems is not None else default
+    for kind, names, known in (("model", args.models, MODELS), ("system", args.systems, systems)):
         unknown = [n for n in names if n not in known]
         if unknown:
             parser().error(f"unknown {kind}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -163,6 +181,9 @@ def main(argv=None) -> int:
     why = gpu_problem()
     if why:
         print(f"bench: cannot run: {why}; this benchmark needs a CUDA GPU (H100).", file=sys.stderr)
+        return 2
+    if args.max_batch is not None:  # (bench_memory.main takes it, and the rest to here)
+        print("bench: --max-batch is tvm_evt.bench_memory.main's (scripts/bench.py calls it)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     data = {"meta": {}, "rows": []} if args.fresh else load_results(out)
@@ -447,7 +468,7 @@ def _torch_step(entry, inputs, system: str, channels_last: bool = False, wrap=No
     return step, None
 
 
-def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
+def _tvm_step(entry, inputs, system: str, tuning_dir: str | None, memory_budget: int | None = None):
     import tvm
 
     from . import optim
@@ -467,7 +488,8 @@ def _tvm_step(entry, inputs, system: str, tuning_dir: str | None):
     else:
         ts = compile_training(entry.model, example, loss_fn=entry.loss_fn, optimizer=optimizer, precision="bf16",
                               tuning_dir=tuning_dir if system == "tvm_evt_tuned" else None,
-                              cuda_graph=False if system == "tvm_evt_launched" else None)
+                              cuda_graph=False if system == "tvm_evt_launched" else None,
+                              memory_budget=memory_budget)
     compile_s = time.perf_counter() - start
     return (lambda: ts(*inputs)), compile_s, ts
 

@@ -1,0 +1,365 @@
+"""The largest batch each system trains in a memory limit, and its samples/s there
+(``scripts/bench.py --max-batch GB``).
+
+Systems (``MAX_BATCH_SYSTEMS``), each as `bench_e2e` builds it (bf16 autocast or precision="bf16",
+AdamW):
+
+* ``eager``, ``compile`` (torch.compile default mode);
+* ``eager_checkpoint``: eager with the library's own activation checkpointing, which wraps each
+  layer in ``torch.utils.checkpoint`` (transformers' ``gradient_checkpointing_enable``, timm's
+  ``set_grad_checkpointing``); not applicable to a model without it;
+* ``tvm_evt``: ``compile_training`` as the bench's tvm_evt row;
+* ``tvm_evt_budget``: ``compile_training(..., memory_budget=BUDGET_SHARE * limit)``: forward values
+  recomputed where that makes the step fit (``Rematerialize``);
+* ``tvm_evt_at_eager_batch``: tvm_evt at the batch eager found, the throughput the budget's
+  batch is compared against.
+
+One *trial* (a subprocess, so that an out-of-memory state or a crash loses only itself) builds the
+model at one batch, runs ``--warmup`` steps and times ``--steps``.  It fits when
+
+* torch systems: no ``torch.OutOfMemoryError`` with the caching allocator capped at the limit
+  (``torch.cuda.set_per_process_memory_fraction``); its peak is ``max_memory_allocated``;
+* tvm_evt systems: the device memory in use after the steps, less what was in use before the model
+  was built (``cudaMemGetInfo``: TVM's pooled allocator, the kernels' workspaces and the step's
+  state), is at most the limit.  TVM's allocator is not capped, so a trial over the limit runs and
+  says by how much.
+
+The search (``largest_batch``) tries ``start`` and ``2 * start`` (doubling while a peak is under
+the limit), then the batch the last two fitting trials' peaks predict (a peak affine in the batch),
+then bisects between the largest batch that fit and the smallest that did not, until they are
+within ``RESOLUTION`` of each other or ``--max-trials`` trials ran.  The tvm_evt systems'
+first trials are not run but estimated (``tvm_evt.budget.estimate_step_peak``: the passes up to
+the rematerialisation, no kernel built); only the estimated largest batch is compiled and run, and
+a batch whose measured memory is over the limit is scaled down by the excess and run again.
+
+Each system's row: the batch, its trial's peak and step time, samples/s, and the trials made.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import bench_e2e as e2e
+from .bench_e2e import MAX_BATCH_SYSTEMS  # noqa: F401 - the systems, named with the bench's
+
+TORCH_SYSTEMS = ("eager", "eager_checkpoint", "compile")
+BUDGET_SHARE = 0.9  # of the limit, for the step's plan: the rest for the CUDA context's and kernels' workspaces
+RESOLUTION = 1 / 32  # the search stops once the largest fitting batch is known within this share of itself
+RESULTS_JSON, RESULTS_MD = "bench_memory.json", "bench_memory.md"
+
+
+# ----------------------------------------------------------------------------------------- search
+def largest_batch(peak_at: Callable[[int], int | None], limit: int, start: int = 1, max_trials: int = 8,
+                  ceiling: int = 1 << 16, resolution: float = RESOLUTION) -> tuple[int | None, dict]:
+    """(the largest batch whose peak `peak_at` says is at most `limit` bytes, or None when not even
+    `start` fits; the trials: {batch: peak bytes, or None where it did not fit at all}).
+
+    `peak_at(batch)` runs or estimates one trial.  Doubling from `start` until a peak is over the
+    limit, then the batch the two largest fitting trials predict (peaks affine in the batch), then
+    bisection, until the largest fitting and smallest failing batch are within `resolution` of the
+    former (or adjacent), or `max_trials` ran.  Where the line says the largest fitting batch is
+    one already tried, the next one up is tried to confirm it; a line that overshoots is not used
+    again."""
+    trials: dict[int, int | None] = {}
+
+    def fits(batch: int) -> bool:
+        trials[batch] = peak_at(batch)
+        return trials[batch] is not None and trials[batch] <= limit
+
+    if not fits(start):
+        return None, trials
+    lo, hi, overshot = start, None, False
+    while len(trials) < max_trials and lo < ceiling:
+        if hi is not None and hi - lo <= max(1, math.floor(lo * resolution)):
+            break
+        guess = None if overshot else _prediction(trials, limit)
+        if guess is not None and (guess <= lo or guess in trials or (hi is not None and guess >= hi)):
+            guess = lo + 1 if lo + 1 not in trials else None  # the line says lo: one more confirms it
+        from_line = guess is not None
+        if guess is None:  # no line (or it overshot once): double, or bisect the bracket
+            guess = 2 * lo if hi is None else (lo + hi) // 2
+        guess = min(max(guess, lo + 1), (hi - 1) if hi is not None else ceiling)
+        if fits(guess):
+            lo = guess
+        else:
+            hi, overshot = guess, overshot or (from_line and guess > lo + 1)
+    return lo, trials
+
+
+def _prediction(trials: dict, limit: int) -> int | None:
+    """The batch at which the line through the two largest fitting trials reaches `limit`, once
+    two trials fit (else None)."""
+    fit = sorted((b, p) for b, p in trials.items() if p is not None and p <= limit)
+    if len(fit) < 2:
+        return None
+    (b0, p0), (b1, p1) = fit[-2], fit[-1]
+    slope = (p1 - p0) / (b1 - b0)
+    if slope <= 0:
+        return None
+    return b1 + int((limit - p1) / slope)
+
+
+# ------------------------------------------------------------------------------------- one trial
+def checkpointing(module) -> str | None:
+    """Switch on the activation checkpointing the library of `module` (or a submodule) offers;
+    what was switched on, or None where there is none."""
+    for m in module.modules():
+        if getattr(m, "supports_gradient_checkpointing", False):  # transformers' PreTrainedModel
+            for name, kwargs in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),  # >= 5.2x
+                                 ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
+                if callable(getattr(m, name, None)):
+                    getattr(m, name)(**{kwargs: {"use_reentrant": False}})
+                    return f"{type(m).__name__}.{name}"
+        if callable(getattr(m, "set_grad_checkpointing", None)):  # timm
+            m.set_grad_checkpointing(True)
+            return f"{type(m).__name__}.set_grad_checkpointing"
+    return None
+
+
+def trial(job: dict) -> dict:
+    """Run in the trial subprocess: the model at ``job["batch"]`` under ``job["system"]``."""
+    import torch
+
+    model, system, batch, limit = job["model"], job["system"], job["batch"], job["limit_bytes"]
+    row = {"model": model, "system": system, "batch": batch, "ok": False}
+    torch.cuda.init()
+    free0, total = torch.cuda.mem_get_info()
+    torch.cuda.reset_peak_memory_stats()
+    entry = e2e.build_entry(model, job.get("quick", False), batch=batch)
+    channels_last = model in e2e.CHANNELS_LAST
+    try:
+        if system in TORCH_SYSTEMS:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
+            if system == "eager_checkpoint":
+                how = checkpointing(entry.model)
+                if how is None:
+                    return {**row, "ok": True, "skipped": "the model's library offers no activation checkpointing"}
+                row["checkpointing"] = how
+            inputs = [t.cuda() for t in entry.example_inputs()]
+            step, _ = e2e._torch_step(entry, inputs, "compile" if system == "compile" else "eager",
+                                      channels_last=channels_last)
+        else:
+            inputs = [t.cuda() for t in entry.example_inputs()]
+            budget = int(BUDGET_SHARE * limit) if system == "tvm_evt_budget" else None
+            step, compile_s, _ts = e2e._tvm_step(entry, inputs, "tvm_evt", None, memory_budget=budget)
+            row["compile_s"] = round(compile_s, 1)
+        for _ in range(max(1, job.get("warmup", 2))):
+            step()
+        torch.cuda.synchronize()
+        times = e2e.time_steps(step, job.get("steps", 10))
+    except torch.OutOfMemoryError as err:
+        return {**row, "ok": True, "fits": False, "error": e2e.error_summary(err, 200)}
+    used = free0 - torch.cuda.mem_get_info()[0]
+    peak = torch.cuda.max_memory_allocated() if system in TORCH_SYSTEMS else used
+    step_ms = sorted(times)[len(times) // 2]
+    return {**row, "ok": True, "fits": peak <= limit, "peak_bytes": int(peak), "device_used_bytes": int(used),
+            "step_ms": round(step_ms, 3), "samples_per_s": round(batch * 1e3 / step_ms, 1)}
+
+
+def run_trial(args, model: str, system: str, batch: int, limit: int) -> dict:
+    """One trial in a subprocess (its errors and time-outs come back as the row's error)."""
+    job = {"model": model, "system": system, "batch": batch, "limit_bytes": limit, "steps": args.steps,
+           "warmup": args.warmup, "quick": args.quick}
+    cmd = [sys.executable, "-m", "tvm_evt.bench_memory", "--trial", json.dumps(job)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "system": system, "batch": batch, "ok": False,
+                "error": f"timed out after {args.timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"model": model, "system": system, "batch": batch, "ok": False,
+            "error": f"exit code {proc.returncode}: {proc.stderr[-400:]}"}
+
+
+def estimated_peak(model: str, system: str, batch: int, limit: int, quick: bool = False) -> int | None:
+    """The tvm_evt step's estimated peak at `batch` (no kernel built); None where the budget's
+    rematerialisation cannot meet it."""
+    from . import optim
+    from .budget import estimate_step_peak
+    from .errors import MemoryBudgetError
+
+    from .training import as_target
+
+    entry = e2e.build_entry(model, quick, batch=batch)
+    budget = int(BUDGET_SHARE * limit) if system == "tvm_evt_budget" else None
+    try:
+        return estimate_step_peak(entry.model, entry.example_inputs(), entry.loss_fn, optim.AdamW(lr=1e-4),
+                                  as_target(None), "bf16", budget)
+    except MemoryBudgetError:
+        return None
+
+
+# --------------------------------------------------------------------------------- one system
+def search_system(args, model: str, system: str, limit: int, eager_batch: int | None,
+                  trial_fn=None, estimate_fn=None) -> dict:
+    """Row for one (model, system): the largest batch found and its trial."""
+    trial_fn = trial_fn or (lambda b: run_trial(args, model, system, b, limit))
+    estimate_fn = estimate_fn or (lambda b: estimated_peak(model, system, b, limit, args.quick))
+    runs: dict[int, dict] = {}
+    if system == "tvm_evt_at_eager_batch":
+        if eager_batch is None:
+            return {"model": model, "system": system, "skipped": "no eager batch"}
+        runs[eager_batch] = trial_fn(eager_batch)
+        return _row(model, system, eager_batch, runs, {})
+    if system in TORCH_SYSTEMS:
+        def peak_at(b: int) -> int | None:
+            runs[b] = r = trial_fn(b)
+            if r.get("skipped"):
+                raise _Skip(r["skipped"])
+            if not r.get("ok"):
+                raise _Failed(r.get("error", "failed"))
+            return r["peak_bytes"] if r.get("fits") is not None and "peak_bytes" in r else None
+        try:
+            batch, trials = largest_batch(peak_at, limit, args.start_batch, args.max_trials)
+        except _Skip as why:
+            return {"model": model, "system": system, "skipped": str(why)}
+        except _Failed as why:
+            return {"model": model, "system": system, "ok": False, "error": str(why), "trials": _trials(runs)}
+        return _row(model, system, batch, runs, trials)
+    # tvm_evt: the estimate finds the batch, runs confirm it
+    batch, estimates = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
+    for _ in range(3):
+        if batch is None or batch < 1:
+            break
+        runs[batch] = r = trial_fn(batch)
+        if not r.get("ok") or r.get("fits"):
+            break
+        used = r.get("peak_bytes")
+        smaller = int(batch * limit / used) if used else batch // 2
+        batch = min(batch - 1, smaller)
+    row = _row(model, system, batch if batch and batch in runs and runs[batch].get("fits") else None, runs, {})
+    row["estimates"] = {str(b): p for b, p in sorted(estimates.items())}
+    return row
+
+
+class _Skip(Exception):
+    pass
+
+
+class _Failed(Exception):
+    pass
+
+
+def _trials(runs: dict) -> dict:
+    return {str(b): {k: r.get(k) for k in ("fits", "peak_bytes", "step_ms", "error") if r.get(k) is not None}
+            for b, r in sorted(runs.items())}
+
+
+def _row(model: str, system: str, batch: int | None, runs: dict, trials: dict) -> dict:
+    row = {"model": model, "system": system, "trials": _trials(runs)}
+    failed = [r for r in runs.values() if not r.get("ok")]
+    if batch is None or batch not in runs or not runs[batch].get("fits"):
+        why = failed[-1].get("error") if failed else "no batch fits the limit"
+        return {**row, "ok": False, "error": why}
+    best = runs[batch]
+    return {**row, "ok": True, "batch": batch, **{k: best[k] for k in ("peak_bytes", "device_used_bytes", "step_ms",
+                                                                          "samples_per_s", "compile_s",
+                                                                          "checkpointing") if k in best}}
+
+
+# ------------------------------------------------------------------------------------------ run
+def run(args) -> int:
+    """``bench.py --max-batch GB``: every model and system, rows written as they come."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = int(args.max_batch * 1e9)
+    data = e2e.load_results(out, RESULTS_JSON) if not args.fresh else {"meta": {}, "rows": []}
+    data["meta"] = {**e2e.meta(args), "limit_bytes": limit}
+    run_info = e2e.run_id()
+    started = time.monotonic()
+    for model in args.models:
+        done = {r["system"]: r for r in data["rows"] if r["model"] == model and (r.get("ok") or r.get("skipped"))}
+        for system in args.systems:
+            if system in done:
+                continue
+            if not e2e.fits(time.monotonic() - started, args.timeout, args.deadline):
+                e2e._log(f"--deadline {args.deadline:.0f} s: not started: {model} / {system}")
+                continue
+
+            def trial_fn(batch: int, model=model, system=system) -> dict:
+                if not e2e.fits(time.monotonic() - started, args.timeout, args.deadline):
+                    return {"model": model, "system": system, "batch": batch, "ok": False,
+                            "error": f"--deadline {args.deadline:.0f} s reached before this trial"}
+                return run_trial(args, model, system, batch, limit)
+
+            eager = done.get("eager", {}).get("batch")
+            row = {**search_system(args, model, system, limit, eager, trial_fn), **run_info}
+            done[system] = row
+            data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
+            e2e.save_results(data, out, RESULTS_JSON)
+            (out / RESULTS_MD).write_text(markdown(data))
+            e2e._log(f"{model} / {system}: " + (f"batch {row['batch']}" if row.get("ok") else
+                                                row.get("skipped") or f"FAILED: {row.get('error')}"))
+    print(markdown(data))
+    return 0
+
+
+def markdown(data: dict) -> str:
+    """The table: per model and system the largest batch, its peak, step time and samples/s, with
+    the batch and throughput against eager's and the budget's samples/s against tvm_evt at eager's batch."""
+    m = data.get("meta", {})
+    limit = m.get("limit_bytes", 0)
+    lines = [f"# Largest batch in {limit / 1e9:.0f} GB — {m.get('gpu', 'GPU')}", "",
+             f"torch {m.get('torch')}; {m.get('precision', 'bf16')}; {m.get('optimizer', 'AdamW')}. Peak: torch's "
+             "max_memory_allocated (torch systems, allocator capped at the limit) or the device memory the step "
+             "took (tvm_evt systems). samples/s at each system's own largest batch.", "",
+             "| model | system | largest batch | × eager's | peak GB | ms/step | samples/s | vs eager | trials | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    rows = data.get("rows", [])
+    by = {(r["model"], r["system"]): r for r in rows}
+    for r in rows:
+        eager = by.get((r["model"], "eager"), {})
+        note = r.get("skipped") or r.get("error") or r.get("checkpointing") or ""
+        ok = r.get("ok") and "batch" in r
+        ratio = lambda key: (f"{r[key] / eager[key]:.2f}×" if ok and eager.get("ok") and eager.get(key) else "–")  # noqa: E731
+        lines.append("| " + " | ".join([
+            r["model"], r["system"], str(r["batch"]) if ok else "–", ratio("batch"),
+            f"{r['peak_bytes'] / 1e9:.1f}" if ok and r.get("peak_bytes") else "–",
+            f"{r['step_ms']:.1f}" if ok else "–", f"{r['samples_per_s']:.1f}" if ok else "–",
+            ratio("samples_per_s"), str(len(r.get("trials", {}))), str(note)[:120].replace("|", "/")]) + " |")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        budget, base = by.get((model, "tvm_evt_budget"), {}), by.get((model, "tvm_evt_at_eager_batch"), {})
+        if budget.get("ok") and base.get("ok"):
+            lines.append(f"\n{model}: tvm_evt_budget's batch {budget['batch']} at "
+                         f"{budget['samples_per_s'] / base['samples_per_s']:.2f}× the samples/s of tvm_evt at eager's "
+                         f"batch {base['batch']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """``scripts/bench.py``: with ``--max-batch`` the search here, else `bench_e2e.main`'s step times."""
+    args = e2e.parse_args(argv)
+    if args.max_batch is None:
+        return e2e.main(argv)
+    why = e2e.gpu_problem()
+    if why:
+        print(f"bench: cannot run: {why}; --max-batch needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def _trial_main(job_json: str) -> int:
+    job = json.loads(job_json)
+    try:
+        row = trial(job)
+    except Exception as err:  # noqa: BLE001 - reported as the trial's error
+        import traceback
+
+        traceback.print_exc()
+        row = {"model": job["model"], "system": job["system"], "batch": job["batch"], "ok": False,
+               "error": e2e.error_summary(err)}
+    print("RESULT " + json.dumps(row, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--trial":
+        sys.exit(_trial_main(sys.argv[2]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,164 @@
+"""The largest-batch benchmark (tvm_evt/bench_memory.py, ``scripts/bench.py --max-batch``): its search
+finds the largest fitting batch of affine, noisy and stepped peak curves in few trials, each system's
+row keeps the trial at that batch, the tvm_evt systems confirm the estimate with runs, and the
+libraries' own activation checkpointing is found and switched on (CPU; the trials themselves need a GPU)."""
+import argparse
+
+import pytest
+
+from tvm_evt import bench_e2e, bench_memory
+from tvm_evt.bench_memory import largest_batch, search_system
+
+GB = 10**9
+
+
+def _truth(peak, limit, ceiling=1 << 16):
+    fitting = [b for b in range(1, ceiling) if peak(b) is not None and peak(b) <= limit]
+    return max(fitting) if fitting else None
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("affine", lambda b: 3 * GB + b * 370_000_000),
+    ("affine, start over the line", lambda b: 50 * GB + b * 2 * GB),
+    # the allocator's rounding: peaks in 512 MiB steps
+    ("stepped", lambda b: ((2 * GB + b * 300_000_000) // 2**29 + 1) * 2**29),
+    # faster than linear (a workspace that grows with the batch squared)
+    ("convex", lambda b: GB + b * 100_000_000 + b * b * 2_000_000),
+    # out of memory (None) well before the peak says so
+    ("oom early", lambda b: None if b > 150 else 5 * GB + b * 10_000_000),
+])
+def test_search_finds_the_largest_fitting_batch_within_its_resolution(name, peak):
+    limit = 80 * GB
+    calls = []
+    batch, trials = largest_batch(lambda b: calls.append(b) or peak(b), limit, start=1, max_trials=16)
+    truth = _truth(peak, limit, 4096)
+    assert batch is not None and peak(batch) is not None and peak(batch) <= limit
+    assert truth - max(1, int(truth * bench_memory.RESOLUTION)) <= batch <= truth, (name, batch, truth, trials)
+    assert len(calls) == len(set(calls)) == len(trials)  # no batch tried twice
+    assert len(trials) <= 14, (name, trials)
+
+
+def test_an_affine_peak_is_found_exactly_in_four_trials():
+    limit, peak = 80 * GB, lambda b: 3 * GB + b * 370_000_000
+    batch, trials = largest_batch(peak, limit, start=8)
+    assert batch == (limit - 3 * GB) // 370_000_000
+    assert sorted(trials) == [8, 16, batch, batch + 1]
+
+
+def test_nothing_fits():
+    batch, trials = largest_batch(lambda b: None, 80 * GB, start=4)
+    assert batch is None and trials == {4: None}
+
+
+def test_the_search_stops_at_max_trials_with_the_largest_batch_seen_to_fit():
+    peak = lambda b: 1000 * b**3  # noqa: E731  (no line predicts it)
+    batch, trials = largest_batch(peak, 10**15, start=1, max_trials=5)
+    assert len(trials) == 5 and batch == max(b for b, p in trials.items() if p <= 10**15) < 10**4
+
+
+def _args(**kw):
+    return argparse.Namespace(start_batch=kw.get("start", 4), max_trials=kw.get("trials", 10), quick=False,
+                              steps=5, warmup=2, timeout=100)
+
+
+def _torch_trial(peak, limit):
+    def run(b):
+        p = peak(b)
+        if p > limit:
+            return {"ok": True, "fits": False, "batch": b, "error": "OutOfMemoryError"}
+        return {"ok": True, "fits": True, "batch": b, "peak_bytes": p, "step_ms": 10.0 * b, "samples_per_s": 100.0}
+    return run
+
+
+def test_a_torch_systems_row_is_its_largest_fitting_trial():
+    limit, peak = 80 * GB, lambda b: 2 * GB + b * GB
+    row = search_system(_args(), "hf_bert_large", "eager", limit, None, _torch_trial(peak, limit))
+    assert row["ok"] and row["batch"] == 78 and row["peak_bytes"] == 80 * GB and row["step_ms"] == 780.0
+    assert row["trials"]["79"]["fits"] is False
+
+
+def test_a_failing_trial_fails_the_row_with_its_error():
+    row = search_system(_args(), "m", "compile", 80 * GB, None,
+                        lambda b: {"ok": False, "batch": b, "error": "exit code 1: boom"})
+    assert not row["ok"] and "boom" in row["error"]
+
+
+def test_a_model_without_checkpointing_is_skipped():
+    row = search_system(_args(), "m", "eager_checkpoint", 80 * GB, None,
+                        lambda b: {"ok": True, "skipped": "no checkpointing"})
+    assert row["skipped"] == "no checkpointing"
+
+
+def test_tvm_evt_runs_the_estimated_batch_and_scales_down_what_is_over_the_limit():
+    limit = 80 * GB
+    estimate = lambda b: GB + b * GB  # noqa: E731  (the plan: 79 fits)
+    measured = lambda b: 5 * GB + b * GB  # noqa: E731  (the device: 75 fits)
+    ran = []
+
+    def trial(b):
+        ran.append(b)
+        p = measured(b)
+        return {"ok": True, "fits": p <= limit, "batch": b, "peak_bytes": p, "step_ms": 1.0, "samples_per_s": b * 1e3}
+
+    row = search_system(_args(start=8), "m", "tvm_evt", limit, None, trial, estimate)
+    assert ran[0] == 79 and row["ok"] and measured(row["batch"]) <= limit and row["batch"] >= 74
+    assert len(ran) <= 3 and set(row["estimates"]) >= {"8", "16", "79"}
+
+
+def test_tvm_evt_at_eager_batch_runs_that_batch_once():
+    trial = lambda b: {"ok": True, "fits": True, "batch": b, "peak_bytes": GB, "step_ms": 2.0,  # noqa: E731
+                       "samples_per_s": b * 500.0}
+    row = search_system(_args(), "m", "tvm_evt_at_eager_batch", 80 * GB, 24, trial)
+    assert row["ok"] and row["batch"] == 24 and list(row["trials"]) == ["24"]
+    assert search_system(_args(), "m", "tvm_evt_at_eager_batch", 80 * GB, None, trial)["skipped"]
+
+
+def test_markdown_compares_with_eager_and_the_budget_with_tvm_evt_at_eagers_batch():
+    rows = [{"model": "m", "system": "eager", "ok": True, "batch": 20, "peak_bytes": 79 * GB, "step_ms": 100.0,
+             "samples_per_s": 200.0, "trials": {}},
+            {"model": "m", "system": "tvm_evt_budget", "ok": True, "batch": 44, "peak_bytes": 78 * GB,
+             "step_ms": 200.0, "samples_per_s": 220.0, "trials": {}},
+            {"model": "m", "system": "tvm_evt_at_eager_batch", "ok": True, "batch": 20, "peak_bytes": 30 * GB,
+             "step_ms": 80.0, "samples_per_s": 250.0, "trials": {}},
+            {"model": "m", "system": "eager_checkpoint", "skipped": "no checkpointing"}]
+    text = bench_memory.markdown({"meta": {"limit_bytes": 80 * GB}, "rows": rows})
+    assert "| m | tvm_evt_budget | 44 | 2.20× | 78.0 | 200.0 | 220.0 | 1.10× |" in text
+    assert "batch 44 at 0.88× the samples/s of tvm_evt at eager's batch 20" in text
+    assert "| m | eager_checkpoint | – |" in text and "no checkpointing" in text
+
+
+def test_bench_cli_takes_max_batch_with_its_own_systems():
+    args = bench_e2e.parse_args(["--max-batch", "80", "--models", "hf_bert_large"])
+    assert args.systems == list(bench_e2e.MAX_BATCH_SYSTEMS) and args.max_batch == 80
+    assert "tvm_evt_budget" not in bench_e2e.parse_args([]).systems
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--max-batch", "80", "--systems", "tvm_default"])
+
+
+def test_checkpointing_finds_the_librarys_own_switch():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64)
+    model = transformers.BertForMaskedLM(config)
+    wrapped = torch_module_list(model)
+    assert bench_memory.checkpointing(wrapped).startswith("BertForMaskedLM.")
+    assert any(m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+    assert bench_memory.checkpointing(torch_module_list(__import__("torch").nn.Linear(2, 2))) is None
+
+
+def torch_module_list(*modules):
+    import torch
+
+    return torch.nn.ModuleList(modules)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
+def test_script_with_max_batch_without_gpu(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+    out = subprocess.run([sys.executable, str(script), "--max-batch", "80", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--max-batch needs a CUDA GPU" in out.stderr
