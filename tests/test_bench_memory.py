@@ -45,6 +45,15 @@ def test_an_affine_peak_is_found_exactly_in_four_trials():
     assert sorted(trials) == [8, 16, batch, batch + 1]
 
 
+def test_a_flat_peak_that_ends_in_out_of_memory_is_bisected_in_few_trials():
+    """The peak of a step whose update outweighs its activations barely grows with the batch (a
+    budget's rematerialisation recomputes them), so the line points far past where the estimate
+    first fails: the bracket it leaves is bisected geometrically."""
+    peak = lambda b: None if b > 300 else 1_625_623_156 + 2048 * b  # noqa: E731
+    batch, trials = largest_batch(peak, 3 * GB, start=2, max_trials=16)
+    assert 300 - 300 // 32 <= batch <= 300 and len(trials) <= 12, trials
+
+
 def test_nothing_fits():
     batch, trials = largest_batch(lambda b: None, 80 * GB, start=4)
     assert batch is None and trials == {4: None}
@@ -103,6 +112,21 @@ def test_tvm_evt_runs_the_estimated_batch_and_scales_down_what_is_over_the_limit
     row = search_system(_args(start=8), "m", "tvm_evt", limit, None, trial, estimate)
     assert ran[0] == 79 and row["ok"] and measured(row["batch"]) <= limit and row["batch"] >= 74
     assert len(ran) <= 3 and set(row["estimates"]) >= {"8", "16", "79"}
+
+
+def test_tvm_evt_grows_an_estimate_that_errs_high_once():
+    limit = 80 * GB
+    estimate = lambda b: 10 * GB + 2 * b * GB  # noqa: E731  (the plan: 35)
+    measured = lambda b: 4 * GB + b * GB  # noqa: E731  (the device: 76)
+    ran = []
+
+    def trial(b):
+        ran.append(b)
+        p = measured(b)
+        return {"ok": True, "fits": p <= limit, "batch": b, "peak_bytes": p, "step_ms": 1.0, "samples_per_s": b * 1e3}
+
+    row = search_system(_args(start=4), "m", "tvm_evt", limit, None, trial, estimate)
+    assert ran == [35, 71] and row["batch"] == 71  # 35 * 80 / 39: under the limit, as an affine peak must be
 
 
 def test_tvm_evt_at_eager_batch_runs_that_batch_once():

@@ -29,8 +29,10 @@ the limit), then the batch the last two fitting trials' peaks predict (a peak af
 then bisects between the largest batch that fit and the smallest that did not, until they are
 within ``RESOLUTION`` of each other or ``--max-trials`` trials ran.  The tvm_evt systems'
 first trials are not run but estimated (``tvm_evt.budget.estimate_step_peak``: the passes up to
-the rematerialisation, no kernel built); only the estimated largest batch is compiled and run, and
-a batch whose measured memory is over the limit is scaled down by the excess and run again.
+the rematerialisation, no kernel built); only the estimated largest batch is compiled and run.  A
+batch whose measured memory is over the limit is scaled down by the excess and run again; one under
+it (the estimate errs high) is scaled up once by the room left, and kept if that fits
+(``CONFIRM_RUNS`` runs at most).
 
 Each system's row: the batch, its trial's peak and step time, samples/s, and the trials made.
 """
@@ -49,6 +51,7 @@ from .bench_e2e import MAX_BATCH_SYSTEMS  # noqa: F401 - the systems, named with
 
 TORCH_SYSTEMS = ("eager", "eager_checkpoint", "compile")
 BUDGET_SHARE = 0.9  # of the limit, for the step's plan: the rest for the CUDA context's and kernels' workspaces
+CONFIRM_RUNS = 3  # tvm_evt systems: compiled runs at most to confirm (and grow or shrink) the estimated batch
 RESOLUTION = 1 / 32  # the search stops once the largest fitting batch is known within this share of itself
 RESULTS_JSON, RESULTS_MD = "bench_memory.json", "bench_memory.md"
 
@@ -81,8 +84,9 @@ def largest_batch(peak_at: Callable[[int], int | None], limit: int, start: int =
         if guess is not None and (guess <= lo or guess in trials or (hi is not None and guess >= hi)):
             guess = lo + 1 if lo + 1 not in trials else None  # the line says lo: one more confirms it
         from_line = guess is not None
-        if guess is None:  # no line (or it overshot once): double, or bisect the bracket
-            guess = 2 * lo if hi is None else (lo + hi) // 2
+        if guess is None:  # no line (or it overshot once): double, or bisect the bracket (in log
+            # space while it spans more than a factor 4: a line far past the limit leaves a wide one)
+            guess = 2 * lo if hi is None else int(math.sqrt(lo * hi)) if hi > 4 * lo else (lo + hi) // 2
         guess = min(max(guess, lo + 1), (hi - 1) if hi is not None else ceiling)
         if fits(guess):
             lo = guess
@@ -152,7 +156,9 @@ def trial(job: dict) -> dict:
             step()
         torch.cuda.synchronize()
         times = e2e.time_steps(step, job.get("steps", 10))
-    except torch.OutOfMemoryError as err:
+    except (torch.OutOfMemoryError, RuntimeError) as err:  # (an allocation inside a compiled kernel's launcher)
+        if not isinstance(err, torch.OutOfMemoryError) and "out of memory" not in str(err).lower():
+            raise
         return {**row, "ok": True, "fits": False, "error": e2e.error_summary(err, 200)}
     used = free0 - torch.cuda.mem_get_info()[0]
     peak = torch.cuda.max_memory_allocated() if system in TORCH_SYSTEMS else used
@@ -225,16 +231,26 @@ def search_system(args, model: str, system: str, limit: int, eager_batch: int | 
         return _row(model, system, batch, runs, trials)
     # tvm_evt: the estimate finds the batch, runs confirm it
     batch, estimates = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
-    for _ in range(3):
-        if batch is None or batch < 1:
+    best, grown = None, False
+    for _ in range(CONFIRM_RUNS):
+        if batch is None or batch < 1 or batch in runs:
             break
         runs[batch] = r = trial_fn(batch)
-        if not r.get("ok") or r.get("fits"):
+        if not r.get("ok"):
             break
-        used = r.get("peak_bytes")
-        smaller = int(batch * limit / used) if used else batch // 2
-        batch = min(batch - 1, smaller)
-    row = _row(model, system, batch if batch and batch in runs and runs[batch].get("fits") else None, runs, {})
+        used = r.get("peak_bytes") or 0
+        if r.get("fits"):
+            best = max(best or 0, batch)
+            # the estimate errs high: grow once by what the device says is left (a peak affine in
+            # the batch with a positive intercept stays under the limit scaled so)
+            if grown or used <= 0 or used >= (1 - RESOLUTION) * limit:
+                break
+            batch, grown = int(batch * limit / used), True
+        elif best is not None:
+            break
+        else:
+            batch = min(batch - 1, int(batch * limit / used) if used else batch // 2)
+    row = _row(model, system, best, runs, {})
     row["estimates"] = {str(b): p for b, p in sorted(estimates.items())}
     return row
 
