@@ -2,7 +2,8 @@
 torch build, so they are written here after its definitions): under the default rewrites every
 one compiles on the CPU route and its loss and every gradient equal torch fp32 — the 7x7/2 stem,
 depthwise convolutions (direct kernels: ``tvm_evt.depthwise_conv2d``), grouped ones that stay
-convolutions, stride-2 downsamples, dilation."""
+convolutions, stride-2 downsamples, dilation; and torchvision's other ``norm_layer`` choices: group
+norm, instance norm, batch norm without running statistics."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,15 @@ def _stem(width: int = 16) -> nn.Module:  # torchvision.models.resnet: conv1, bn
 
 
 class _BasicBlock(nn.Module):  # torchvision.models.resnet.BasicBlock with a 1x1/2 downsample
-    def __init__(self, cin: int, cout: int, stride: int = 1, groups: int = 1, dilation: int = 1):
+    def __init__(self, cin: int, cout: int, stride: int = 1, groups: int = 1, dilation: int = 1,
+                 norm=nn.BatchNorm2d):  # (torchvision's norm_layer)
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, dilation, dilation=dilation, groups=groups, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
+        self.bn1 = norm(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
+        self.bn2 = norm(cout)
         self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -126,6 +128,13 @@ MODELS = {
     "basic_block_stride2": lambda: _classifier(_BasicBlock(8, 16, stride=2), 16),
     "resnext_grouped": lambda: _classifier(_BasicBlock(16, 16, groups=4), 16),
     "dilated": lambda: _classifier(_BasicBlock(8, 8, dilation=2), 8),
+    # other norm_layers: group norm (timm's resnet*_gn), one without affine parameters; instance
+    # norm; batch norm without running statistics (normalised over the batch, like training mode)
+    "group_norm": lambda: _classifier(_BasicBlock(8, 16, stride=2, norm=lambda c: nn.GroupNorm(4, c)), 16),
+    "group_norm_no_affine": lambda: _classifier(_BasicBlock(8, 8, norm=lambda c: nn.GroupNorm(2, c, affine=False)), 8),
+    "instance_norm": lambda: _classifier(_BasicBlock(8, 8, norm=lambda c: nn.InstanceNorm2d(c, affine=True)), 8),
+    "batch_norm_no_running_stats": lambda: _classifier(
+        _BasicBlock(8, 16, stride=2, norm=lambda c: nn.BatchNorm2d(c, track_running_stats=False)), 16),
     "mobilenet_v2_blocks": lambda: _classifier(nn.Sequential(
         nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(),
         _InvertedResidual(8, 8, 1, 4), _InvertedResidual(8, 16, 2, 4)), 16),

@@ -32,8 +32,8 @@ LLVM = tvm.target.Target({"kind": "llvm"})
 UNSERIALIZABLE = ("storage_sync", "launch_thread", "thread_allreduce")  # explicit thread cooperation
 
 
-def _cnn(name: str, batch: int, size: int):
-    x = torch.randn(batch, 3, size, size).contiguous(memory_format=torch.channels_last)
+def _cnn(name: str, batch: int, size: int, channels: int = 3):
+    x = torch.randn(batch, channels, size, size).contiguous(memory_format=torch.channels_last)
     return from_torch(MODELS[name](), (x, torch.randint(0, 10, (batch,))), F.cross_entropy)
 
 
@@ -43,7 +43,7 @@ def _bert_layer():
 
 
 STEPS = {"resnet_stem": lambda: _cnn("resnet_stem", 2, 32), "mobilenet_v2_blocks": lambda: _cnn("mobilenet_v2_blocks", 4, 32),
-         "bert_layer": _bert_layer}
+         "bert_layer": _bert_layer, "group_norm": lambda: _cnn("group_norm", 2, 16, channels=8)}
 
 
 def _serial(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:

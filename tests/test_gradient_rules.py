@@ -219,6 +219,55 @@ def test_batch_norm(rng, training):
     check(rng, build, reference, x, g, b, mean, var, wrt=[0, 1, 2])
 
 
+@pytest.mark.parametrize("ndim", [3, 4])
+def test_group_norm(rng, ndim):
+    groups = int(rng.integers(1, 4))
+    shape = [2, groups * int(rng.integers(1, 4))] + [int(d) for d in rng.integers(2, 5, size=ndim - 2)]
+    c = shape[1]
+    x, g, b = randn(rng, *shape), randn(rng, c), randn(rng, c)
+    axes = list(range(2, ndim))
+    check(
+        rng,
+        lambda v, gv, bv: R.nn.group_norm(v, gv, bv, groups, 1, axes, 1e-5),
+        lambda t, gt, bt: F.group_norm(t, groups, gt, bt, 1e-5),
+        x, g, b,
+    )
+
+
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+def test_norms_without_scale_or_center_are_refused(op):
+    """TVM's legalization applies gamma and beta whatever ``scale``/``center`` say: a gradient rule
+    that honoured them would differentiate something else than what runs."""
+    x = relax.Var("x", relax.TensorType((2, 4, 3), "float32"))
+    g, b = (relax.Var(n, relax.TensorType((4,), "float32")) for n in "gb")
+    make = (lambda: R.nn.group_norm(x, g, b, 2, 1, [2], 1e-5, center=False, scale=False)) if op == "group_norm" \
+        else (lambda: R.nn.instance_norm(x, g, b, 1, [2], 1e-5, center=False, scale=False))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g, b]):
+        with bb.dataflow():
+            loss = bb.emit_output(bb.emit(R.sum(make())))
+        bb.emit_func_output(loss)
+    with pytest.raises(Exception, match="scale=False or center=False"):
+        relax.transform.Gradient("main", require_grads=[x, g, b])(bb.get())
+
+
+@pytest.mark.parametrize("over_batch", [False, True])
+def test_instance_norm(rng, over_batch):
+    """Per instance (InstanceNorm), and over the batch too: a training-mode BatchNorm without running
+    statistics, which TVM's importer writes as this op with axes (0, 2, ...)."""
+    shape = [int(rng.integers(2, 4)), int(rng.integers(1, 5)), 3, int(rng.integers(2, 5))]
+    c = shape[1]
+    x, g, b = randn(rng, *shape), randn(rng, c), randn(rng, c)
+    axes = ([0] if over_batch else []) + [2, 3]
+
+    def reference(t, gt, bt):
+        if over_batch:
+            return F.batch_norm(t, None, None, gt, bt, training=True, eps=1e-5)
+        return F.instance_norm(t, weight=gt, bias=bt, eps=1e-5)
+
+    check(rng, lambda v, gv, bv: R.nn.instance_norm(v, gv, bv, 1, axes, 1e-5), reference, x, g, b)
+
+
 def test_dropout(rng):
     """With a deterministic training lowering: out = x * mask / (1 - p), mask 0/1."""
     rate = float(rng.uniform(0.1, 0.6))

@@ -27,6 +27,8 @@ What the stock importer gets wrong, and what the converters here emit instead:
 * **Missing pools.** ``adaptive_max_pool1d`` and ``adaptive_max_pool2d`` (XML-CNN's dynamic max
   pooling) become ``max_pool2d`` with kernel = stride = the window, preceded by a ``take`` that
   lays out the overlapping windows when the input length is not a multiple of the output length.
+* **GroupNorm without affine parameters** fails to import (a null weight); here it gets ones and
+  zeros, as the stock importer gives an instance norm.
 * **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
   ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
 * **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``.  Here it becomes
@@ -469,6 +471,19 @@ def _convert_embedding(node: fx.Node, importer) -> relax.Expr:
     return bb.emit(relax.op.where(pad, frozen, looked_up))
 
 
+def _convert_native_group_norm(node: fx.Node, importer) -> relax.Expr:
+    """``native_group_norm(x, weight, bias, N, C, HxW, groups, eps)``'s output.  The stock converter
+    passes a missing weight or bias (``GroupNorm(affine=False)``) on as a null expression; here they
+    are ones and zeros, as the stock importer writes an instance norm's."""
+    x = importer.env[node.args[0]]
+    channels, ndim = _shape(x)[1], len(_shape(x))
+    weight, bias = (importer.env[a] if a is not None else relax.const(np.full(channels, fill), _dtype(x))
+                    for a, fill in ((_arg(node, 1, "weight"), 1.0), (_arg(node, 2, "bias"), 0.0)))
+    return importer.block_builder.emit(relax.op.nn.group_norm(
+        x, weight, bias, num_groups=int(_arg(node, 6, "group")), channel_axis=1, axes=list(range(2, ndim)),
+        epsilon=float(_arg(node, 7, "eps", 1e-5))))
+
+
 # --------------------------------------------------------------------------------------------
 # Scaled dot-product attention
 # --------------------------------------------------------------------------------------------
@@ -624,6 +639,8 @@ CONVERT_MAP: dict[str, Converter] = {
     "hardtanh_.default": _convert_hardtanh,
     "_native_batch_norm_legit_functional.default": _convert_batch_norm_functional,
     "batch_norm.default": _convert_batch_norm,
+    # group norm without affine parameters
+    "native_group_norm.default": _convert_native_group_norm,
     # XML-CNN's dynamic max pooling
     "adaptive_max_pool1d.default": _make_adaptive_max_pool(spatial=1),
     "adaptive_max_pool2d.default": _make_adaptive_max_pool(spatial=2),

@@ -269,6 +269,52 @@ def rms_norm_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, _param_grad(output_grad * xhat, weight, axes, ndim, orig_call)]
 
 
+def _affine_attrs(call: Call):
+    """The attributes of a group or instance norm whose gamma and beta apply: TVM's legalization of
+    both applies them whatever ``scale`` and ``center`` say, so a gradient that honoured those would
+    not be the gradient of what runs (TVM's importer always sets both, with ones and zeros where the
+    module has no affine parameters)."""
+    if not (call.attrs.scale and call.attrs.center):
+        raise _fail(call, "scale=False or center=False: TVM's legalization applies gamma and beta regardless")
+    return call.attrs
+
+
+def instance_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """y = xhat * gamma + beta, xhat normalized over ``axes``, gamma and beta along ``channel_axis``:
+    InstanceNorm, and a training-mode BatchNorm without running statistics (its ``axes`` take the
+    batch too), as TVM's importer writes them."""
+    x, gamma, beta = orig_call.args
+    attrs = _affine_attrs(orig_call)
+    shape = _shape(x, orig_call)
+    ndim = len(shape)
+    axes, channel = _norm_axes(attrs.axes, ndim), int(attrs.channel_axis) % ndim
+    bshape = [shape[a] if a == channel else 1 for a in range(ndim)]
+    dx, xhat = _normalize_backward(output_grad, x, R.reshape(gamma, bshape), axes, float(attrs.epsilon))
+    return [dx, _param_grad(output_grad * xhat, gamma, [channel], ndim, orig_call),
+            _param_grad(output_grad, beta, [channel], ndim, orig_call)]
+
+
+def group_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """GroupNorm: the channel axis split into (groups, channels of a group), each group normalized
+    over its channels and ``axes``; gamma and beta per channel.  The layer norm's gradient on that
+    view, reshaped back."""
+    x, gamma, beta = orig_call.args
+    attrs = _affine_attrs(orig_call)
+    shape = _shape(x, orig_call)
+    ndim = len(shape)
+    channel, groups = int(attrs.channel_axis) % ndim, int(attrs.num_groups)
+    if shape[channel] % groups:
+        raise _fail(orig_call, f"{shape[channel]} channels in {groups} groups")
+    view = shape[:channel] + [groups, shape[channel] // groups] + shape[channel + 1:]
+    axes = [channel + 1] + [a + 1 if a > channel else a for a in _norm_axes(attrs.axes, ndim)]
+    bshape = [d if a in (channel, channel + 1) else 1 for a, d in enumerate(view)]
+    dy = R.reshape(output_grad, view)
+    dx, xhat = _normalize_backward(dy, R.reshape(x, view), R.reshape(gamma, bshape), axes, float(attrs.epsilon))
+    keep = [channel, channel + 1]
+    return [R.reshape(dx, shape), _param_grad(dy * xhat, gamma, keep, ndim + 1, orig_call),
+            _param_grad(dy, beta, keep, ndim + 1, orig_call)]
+
+
 def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
     """Gradient w.r.t. data, gamma and beta through the normalized output (tuple field 0).
 
@@ -751,6 +797,8 @@ GRADIENT_RULES: dict[str, GradientRule] = {
     "relax.nn.layer_norm": layer_norm_grad,
     "relax.nn.rms_norm": rms_norm_grad,
     "relax.nn.batch_norm": batch_norm_grad,
+    "relax.nn.instance_norm": instance_norm_grad,
+    "relax.nn.group_norm": group_norm_grad,
     "relax.nn.dropout": dropout_grad,
     "relax.nn.attention": attention_grad,
     "relax.nn.attention_bias": attention_grad,
