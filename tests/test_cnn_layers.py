@@ -3,7 +3,8 @@ torch build, so they are written here after its definitions): under the default 
 one compiles on the CPU route and its loss and every gradient equal torch fp32 — the 7x7/2 stem,
 depthwise convolutions (direct kernels: ``tvm_evt.depthwise_conv2d``), grouped ones that stay
 convolutions, stride-2 downsamples, dilation; and torchvision's other ``norm_layer`` choices: group
-norm, instance norm, batch norm without running statistics."""
+norm, instance norm, batch norm without running statistics; and upsampling as an FPN's top-down step
+and a segmentation head write it (``F.interpolate``, nearest and bilinear)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,6 +120,22 @@ def _mobilenet_v3_block(cin: int, hidden: int, cout: int, stride: int) -> nn.Mod
         _SqueezeExcitation(hidden, 8), nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout))
 
 
+class _TopDown(nn.Module):
+    """torchvision.ops.FeaturePyramidNetwork's top-down step (the coarser map upsampled to the
+    finer one's size, nearest, added to its lateral 1x1), then a bilinear x1.5 (``F.interpolate``
+    as segmentation heads use it; not an integer factor)."""
+
+    def __init__(self, cin: int, width: int):
+        super().__init__()
+        self.down, self.lateral = nn.Conv2d(cin, width, 3, 2, 1), nn.Conv2d(cin, width, 1)
+        self.out = nn.Conv2d(width, width, 3, 1, 1)
+
+    def forward(self, x):
+        coarse = F.relu(self.down(x))
+        fine = self.lateral(x) + F.interpolate(coarse, size=x.shape[-2:], mode="nearest")
+        return F.interpolate(self.out(fine), scale_factor=1.5, mode="bilinear", align_corners=False)
+
+
 def _classifier(body: nn.Module, channels: int, classes: int = 10) -> nn.Module:
     return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
 
@@ -133,6 +150,7 @@ MODELS = {
     "group_norm": lambda: _classifier(_BasicBlock(8, 16, stride=2, norm=lambda c: nn.GroupNorm(4, c)), 16),
     "group_norm_no_affine": lambda: _classifier(_BasicBlock(8, 8, norm=lambda c: nn.GroupNorm(2, c, affine=False)), 8),
     "instance_norm": lambda: _classifier(_BasicBlock(8, 8, norm=lambda c: nn.InstanceNorm2d(c, affine=True)), 8),
+    "fpn_upsample": lambda: _classifier(nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), _TopDown(8, 8)), 8),
     "batch_norm_no_running_stats": lambda: _classifier(
         _BasicBlock(8, 16, stride=2, norm=lambda c: nn.BatchNorm2d(c, track_running_stats=False)), 16),
     "mobilenet_v2_blocks": lambda: _classifier(nn.Sequential(
@@ -149,8 +167,9 @@ MODELS = {
 def test_cnn_layers_match_torch(name, channels_last):
     torch.manual_seed(0)
     model = MODELS[name]()
-    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks") else model[0].conv1.in_channels
-    x, y = torch.randn(2, cin, 16, 16), torch.randint(0, 10, (2,))
+    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks", "fpn_upsample") \
+        else model[0].conv1.in_channels
+    x, y = torch.randn(2, cin, 15 if name == "fpn_upsample" else 16, 16), torch.randint(0, 10, (2,))
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     reference = {k: v.clone() for k, v in model.state_dict().items()}

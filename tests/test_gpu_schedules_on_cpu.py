@@ -43,7 +43,8 @@ def _bert_layer():
 
 
 STEPS = {"resnet_stem": lambda: _cnn("resnet_stem", 2, 32), "mobilenet_v2_blocks": lambda: _cnn("mobilenet_v2_blocks", 4, 32),
-         "bert_layer": _bert_layer, "group_norm": lambda: _cnn("group_norm", 2, 16, channels=8)}
+         "bert_layer": _bert_layer, "group_norm": lambda: _cnn("group_norm", 2, 16, channels=8),
+         "fpn_upsample": lambda: _cnn("fpn_upsample", 2, 15)}
 
 
 def _serial(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:

@@ -29,6 +29,10 @@ What the stock importer gets wrong, and what the converters here emit instead:
   lays out the overlapping windows when the input length is not a multiple of the output length.
 * **GroupNorm without affine parameters** fails to import (a null weight); here it gets ones and
   zeros, as the stock importer gives an instance norm.
+* **Upsampling** (``F.interpolate``, nearest, nearest-exact and bilinear) is a ``resize2d`` without
+  a gradient rule, whose nearest mode also picks other rows than torch's for non-integer scales.
+  Here it is ``take``s of constant rows and columns with torch's coordinates (bilinear: two a
+  coordinate, weighted), whose gradient is a scatter-add.
 * **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
   ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
 * **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``.  Here it becomes
@@ -428,6 +432,66 @@ def _convert_hardtanh(node: fx.Node, importer) -> relax.Expr:
     return importer.block_builder.emit(hardtanh(x, lo, hi))
 
 
+# --------------------------------------------------------------------------------------------
+# Upsampling
+# --------------------------------------------------------------------------------------------
+
+
+def _source_index(size_in: int, size_out: int, scale, align_corners: bool, exact: bool, linear: bool):
+    """torch's source coordinate of each output position along one axis (ATen's
+    ``area_pixel_compute_scale`` / ``area_pixel_compute_source_index`` and the nearest modes'
+    ``nearest_idx``), in float32 as ATen computes it for float32 tensors."""
+    f32 = np.float32
+    dst = np.arange(size_out, dtype=f32)
+    if align_corners:
+        step = f32((size_in - 1) / (size_out - 1)) if size_out > 1 else f32(0)
+        return dst * step
+    step = f32(1.0 / scale) if scale else f32(size_in / size_out)
+    if not linear:  # nearest: floor(dst * step); nearest-exact: floor((dst + 0.5) * step)
+        return np.floor((dst + f32(0.5 if exact else 0.0)) * step)
+    return np.maximum(step * (dst + f32(0.5)) - f32(0.5), f32(0))
+
+
+def _make_upsample(linear: bool, exact: bool = False) -> Converter:
+    """``upsample_{nearest,bilinear}2d`` and ``_upsample_nearest_exact2d`` (``.vec``: output size or
+    scale factors) with torch's coordinates, as ``take``s of constant rows and columns (bilinear: two
+    per axis, weighted).  TVM's ``resize2d`` has no gradient rule, and its nearest mode rounds
+    half-pixel coordinates where torch floors (``size=10`` from 7 picks other rows); a ``take``'s
+    gradient is a scatter-add, which the CUDA route has a kernel for."""
+
+    def convert(node: fx.Node, importer) -> relax.Expr:
+        x = importer.env[node.args[0]]
+        shape = _shape(x)
+        if len(shape) != 4:
+            raise NotImplementedError(f"upsample: a {len(shape)}-D input (2-D images only)")
+        size = _arg(node, 1, "output_size")
+        align_corners = bool(_arg(node, 2, "align_corners", False)) if linear else False
+        scales = _arg(node, 3 if linear else 2, "scale_factors")
+        if size is None and scales is None:
+            raise NotImplementedError("upsample: neither an output size nor scale factors")
+        bb = importer.block_builder
+        y = x
+        for k, axis in enumerate((2, 3)):
+            scale = float(scales[k]) if scales is not None and size is None else None
+            out = int(size[k]) if size is not None else int(math.floor(shape[axis] * scale))
+            src = _source_index(shape[axis], out, scale, align_corners, exact, linear)
+            if not linear:
+                rows = np.minimum(src.astype("int64"), shape[axis] - 1)
+                y = bb.emit(relax.op.take(y, relax.const(rows.astype("int32")), axis=axis))
+                continue
+            lo = np.minimum(np.floor(src).astype("int64"), shape[axis] - 1)
+            hi = np.minimum(lo + 1, shape[axis] - 1)
+            frac = (src - lo.astype(np.float32)).astype(np.float32)
+            weights = [relax.const((w.reshape([-1] + [1] * (3 - axis))).astype(_dtype(x)))
+                       for w in (np.float32(1) - frac, frac)]
+            taken = [bb.emit(relax.op.multiply(bb.emit(relax.op.take(y, relax.const(i.astype("int32")), axis=axis)), w))
+                     for i, w in zip((lo, hi), weights)]
+            y = bb.emit(relax.op.add(*taken))
+        return y
+
+    return convert
+
+
 def _convert_cat(node: fx.Node, importer) -> relax.Expr:
     """``cat(tensors, dim)`` with torch's legacy rule: 1-D tensors of shape (0,) are skipped
     (a key/value cache starts as ``torch.tensor([])``, then each layer concatenates its keys)."""
@@ -644,6 +708,10 @@ CONVERT_MAP: dict[str, Converter] = {
     # XML-CNN's dynamic max pooling
     "adaptive_max_pool1d.default": _make_adaptive_max_pool(spatial=1),
     "adaptive_max_pool2d.default": _make_adaptive_max_pool(spatial=2),
+    # interpolation with torch's coordinates, as takes
+    "upsample_nearest2d.vec": _make_upsample(linear=False),
+    "_upsample_nearest_exact2d.vec": _make_upsample(linear=False, exact=True),
+    "upsample_bilinear2d.vec": _make_upsample(linear=True),
     # concatenation that skips legacy empty (0,) tensors
     "cat.default": _convert_cat,
     # embedding lookups: padding_idx's row gets no gradient
