@@ -242,3 +242,60 @@ def test_parameter_vars_are_c_identifiers_and_keep_torch_names():
     names = [p.name for p in imported.mod["main"].params]
     assert all(re.fullmatch(r"[A-Za-z_]\w*", n) for n in names), names
     assert "p_0_weight" in names
+
+
+def test_amax_amin_and_logsumexp_train_as_torch():
+    """``amax``/``amin`` (which the stock importer lacks; ``logsumexp`` decomposes into ``amax``):
+    the loss and gradients of torch, the gradient split over ties as ``torch.amax`` splits it."""
+    import tvm_evt
+
+    class Extrema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            tied = torch.stack([h, h.detach()])  # every element tied with a copy that takes no gradient
+            return torch.logsumexp(h, 1, keepdim=True) + h.amax(dim=(0, 1)) - tied.amin(0).sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    model, x, y = Extrema(), torch.randn(6, 8), torch.randn(6, 1)
+    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.mse_loss, target="llvm")
+    loss, grads = step.loss_and_grads(x, y)
+    ref = F.mse_loss(model(x), y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
+    largest = max(float(p.grad.norm()) for p in model.parameters())
+    for n, p in model.named_parameters():
+        assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
+
+
+class _Detached(nn.Module):
+    """Gradients torch does not take: through ``x.detach()`` and out of a ``torch.no_grad()`` block
+    (a target built from the model's own output, as self-distillation and EMA teachers do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            target = torch.softmax(self.head(h) * 2, -1)
+        return (h * h.detach()).mean(-1, keepdim=True) + (torch.log_softmax(self.head(h), -1) * target).sum(-1, keepdim=True)
+
+
+def test_detach_and_no_grad_blocks_take_no_gradient():
+    import tvm_evt
+
+    torch.manual_seed(0)
+    model, x, y = _Detached(), torch.randn(6, 8), torch.randn(6, 1)
+    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.mse_loss, target="llvm")
+    loss, grads = step.loss_and_grads(x, y)
+    ref = F.mse_loss(model(x), y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
+    largest = max(float(p.grad.norm()) for p in model.parameters())
+    for n, p in model.named_parameters():
+        assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n

@@ -29,6 +29,9 @@ What the stock importer gets wrong, and what the converters here emit instead:
   lays out the overlapping windows when the input length is not a multiple of the output length.
 * **GroupNorm without affine parameters** fails to import (a null weight); here it gets ones and
   zeros, as the stock importer gives an instance norm.
+* **detach is the identity**, so the gradient flows through ``x.detach()`` (and through a
+  ``torch.no_grad()`` block, which ``run_decompositions`` inlines: ``frontend.detach_no_grad_blocks``
+  detaches its outputs first).  Here it is ``relax.grad.no_grad``.
 * **Upsampling** (``F.interpolate``, nearest, nearest-exact and bilinear) is a ``resize2d`` without
   a gradient rule, whose nearest mode also picks other rows than torch's for non-integer scales.
   Here it is ``take``s of constant rows and columns with torch's coordinates (bilinear: two a
@@ -492,6 +495,26 @@ def _make_upsample(linear: bool, exact: bool = False) -> Converter:
     return convert
 
 
+def _make_extremum(op: Callable) -> Converter:
+    """``amax`` / ``amin`` (``dim`` a list, empty for all; ``keepdim``), which the stock importer lacks
+    (``logsumexp`` decomposes into ``amax``, ``exp``, ``sum``, ``log``)."""
+
+    def convert(node: fx.Node, importer) -> relax.Expr:
+        x = importer.env[node.args[0]]
+        dims = _arg(node, 1, "dim", []) or None
+        dims = [int(dims)] if isinstance(dims, int) else dims
+        return importer.block_builder.emit(op(x, dims, bool(_arg(node, 2, "keepdim", False))))
+
+    return convert
+
+
+def _convert_detach(node: fx.Node, importer) -> relax.Expr:
+    """``detach`` (``x.detach()``, and what `frontend.detach_no_grad_blocks` puts after a
+    ``torch.no_grad()`` block) as ``no_grad``: the same values, no gradient.  The stock importer
+    makes it the identity, and the gradient then flows where torch's does not."""
+    return importer.block_builder.emit(relax.op.grad.no_grad(importer.env[node.args[0]]))
+
+
 def _convert_cat(node: fx.Node, importer) -> relax.Expr:
     """``cat(tensors, dim)`` with torch's legacy rule: 1-D tensors of shape (0,) are skipped
     (a key/value cache starts as ``torch.tensor([])``, then each layer concatenates its keys)."""
@@ -712,6 +735,12 @@ CONVERT_MAP: dict[str, Converter] = {
     "upsample_nearest2d.vec": _make_upsample(linear=False),
     "_upsample_nearest_exact2d.vec": _make_upsample(linear=False, exact=True),
     "upsample_bilinear2d.vec": _make_upsample(linear=True),
+    # detach stops the gradient
+    "detach.default": _convert_detach,
+    "detach_.default": _convert_detach,
+    # reductions the stock importer lacks
+    "amax.default": _make_extremum(relax.op.max),
+    "amin.default": _make_extremum(relax.op.min),
     # concatenation that skips legacy empty (0,) tensors
     "cat.default": _convert_cat,
     # embedding lookups: padding_idx's row gets no gradient

@@ -18,6 +18,7 @@ that training needs are met:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import warnings
 from collections import OrderedDict
@@ -140,7 +141,9 @@ def _make_importer(convert_map: dict, origin_log: list, strip_prefix: str):
 # decomposition gives views wrong strides (pytorch issue 136543: "Cannot view a tensor with shape
 # [4, 64, 128] and strides (128, 512, 1)" on transformers' GPT2Attention), and attention is better
 # met whole than written out and matched back
-KEPT_WHOLE = ("scaled_dot_product_attention.default",)
+KEPT_WHOLE = ("scaled_dot_product_attention.default",
+              # decomposed, detach is an alias: the gradient would flow through it
+              "detach.default")
 
 
 def decomposition_table() -> dict:
@@ -154,6 +157,31 @@ def decomposition_table() -> dict:
     return table
 
 
+def detach_no_grad_blocks(ep):
+    """`ep` with each output of a ``torch.no_grad()`` block detached.  torch.export records such a
+    block as ``wrap_with_set_grad_enabled(False, block, ...)``, and ``run_decompositions`` inlines it
+    with no trace of the mode: its ops would then take gradients torch never computes.  A
+    ``detach`` after each output survives the decomposition and imports as ``no_grad``."""
+    import torch
+
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    graph = ep.graph_module.graph
+    blocks = [n for n in graph.nodes if n.op == "call_function" and n.target is hop and n.args and n.args[0] is False]
+    for block in blocks:
+        for user in list(block.users):
+            if not (user.op == "call_function" and user.target is operator.getitem):
+                raise UnsupportedOpError("torch.no_grad() block", _module_path(block, ""),
+                                         f"its result is read by {user.target} rather than by position")
+            with graph.inserting_after(user):
+                detached = graph.call_function(torch.ops.aten.detach.default, (user,))
+            detached.meta.update({k: v for k, v in user.meta.items() if k in ("val", "tensor_meta", "stack_trace",
+                                                                               "nn_module_stack")})
+            user.replace_all_uses_with(detached, delete_user_cb=lambda u, d=detached: u is not d)
+    if blocks:
+        ep.graph_module.recompile()
+    return ep
+
+
 def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: str = ""):
     """Translate an ExportedProgram into an `ImportedModel` (see module docstring)."""
     from torch.export.graph_signature import InputKind, OutputKind
@@ -161,7 +189,7 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     from .converters import CONVERT_MAP
 
     convert_map = dict(CONVERT_MAP, **(convert_map or {}))
-    ep = ep.run_decompositions(decomposition_table())
+    ep = detach_no_grad_blocks(ep).run_decompositions(decomposition_table())
     nodes = list(ep.graph.nodes)
 
     origin_log: list = []
