@@ -299,3 +299,50 @@ def test_detach_and_no_grad_blocks_take_no_gradient():
     largest = max(float(p.grad.norm()) for p in model.parameters())
     for n, p in model.named_parameters():
         assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounding with the identity as its gradient (quantisation-aware training's estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Quantised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        return _StraightThrough.apply(self.fc(x)) + self.head(x)
+
+
+class _QuantisedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Quantised()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_custom_autograd_function_is_refused_by_name(wrapped):
+    """torch.export keeps a custom Function's forward and drops its backward: differentiating the
+    forward would give another gradient than the model's (here zero for the rounding, not the
+    identity), so it is refused, naming the Function and the module that applies it."""
+    import tvm_evt
+    from tvm_evt.errors import UnsupportedOpError
+
+    model = _QuantisedHead() if wrapped else _Quantised()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(UnsupportedOpError, match="_StraightThrough") as err:
+        tvm_evt.compile_training(model, (x, y), loss_fn=F.mse_loss, target="llvm")
+    assert err.value.module_path == ("body" if wrapped else "")
+    # the hooks that found it are gone: the model runs as before
+    assert model(x).shape == (4, 8) and not torch.nn.modules.module._global_forward_hooks

@@ -17,6 +17,7 @@ that training needs are met:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import re
@@ -352,13 +353,53 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
         # torch's own pytree code trips its deprecation of LeafSpec while it exports (torch >= 2.10)
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
-        try:
-            ep = torch.export.export(traced, example_inputs)
-        except Exception as err:
-            raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
+        with _autograd_functions_applied(traced) as applied:
+            try:
+                ep = torch.export.export(traced, example_inputs)
+            except Exception as err:
+                raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
+        if applied:
+            (name, module), = applied[:1]
+            module = module[len(prefix):] if module.startswith(prefix) else "" if module + "." == prefix else module
+            raise UnsupportedOpError(f"torch.autograd.Function {name}", module, "torch.export records its forward "
+                                     "only, not its backward, so the gradient would be the forward's and not the "
+                                     "one it defines")
         imported = import_exported_program(ep, strip_prefix=prefix)
     flags = [is_channels_last(t) for t in example_inputs]
     return _take_channels_last(imported, flags) if any(flags) else imported
+
+
+@contextlib.contextmanager
+def _autograd_functions_applied(model):
+    """A list that collects ``(Function name, module path)`` for every custom
+    ``torch.autograd.Function`` applied while the block runs (``Function.apply`` wrapped; a
+    module-path stack from global forward hooks)."""
+    import torch
+    from torch.autograd.function import Function
+
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: list = []
+    applied: list = []
+    original = Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        applied.append((f"{cls.__module__}.{cls.__qualname__}", stack[-1] if stack else ""))
+        return original.__func__(cls, *args, **kwargs)
+
+    enter = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, _args: stack.append(names.get(id(m), stack[-1] if stack else "")))
+    def leave_module(_module, _args, _out):  # (a forward hook's result would replace the output)
+        if stack:
+            stack.pop()
+
+    leave = torch.nn.modules.module.register_module_forward_hook(leave_module)
+    Function.apply = classmethod(apply)
+    try:
+        yield applied
+    finally:
+        Function.apply = original
+        enter.remove()
+        leave.remove()
 
 
 NCHW_TO_NHWC = (0, 2, 3, 1)
