@@ -331,6 +331,65 @@ class _QuantisedHead(nn.Module):
         return self.body(x)
 
 
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+
+class _GradientHook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: 3 * g)
+        return self.out(h)
+
+
+def _backward_hooked():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model[2].register_full_backward_hook(lambda module, grad_in, grad_out: (0 * grad_in[0],))
+    return model
+
+
+@pytest.mark.parametrize("make,what,module", [
+    (_GradientHook, "Tensor.register_hook", ""),
+    (_backward_hooked, "register_full_backward_hook", "2"),
+], ids=["tensor_hook", "module_backward_hook"])
+def test_gradient_hooks_are_refused_by_name(make, what, module):
+    """A tensor's gradient hook and a module's backward hook change the gradient in code
+    torch.export does not record: refused, naming the hook and the module."""
+    import tvm_evt
+    from tvm_evt.errors import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError, match=what) as err:
+        tvm_evt.compile_training(make(), (torch.randn(4, 8), torch.randn(4, 8)), loss_fn=F.mse_loss, target="llvm")
+    assert err.value.module_path == module
+    assert torch.Tensor.register_hook is _REGISTER_HOOK  # the recording wrapper is gone
+
+
+def test_frozen_parameters_take_no_gradient_and_no_update():
+    """requires_grad=False (a frozen embedding or backbone, as fine-tuning has it): torch neither
+    differentiates nor updates it, and neither does the step; the trainable rest matches torch."""
+    import tvm_evt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model[0].weight.requires_grad_(False)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.mse_loss, target="llvm")
+    loss, grads = step.loss_and_grads(x, y)
+    F.mse_loss(model(x), y).backward()
+    assert set(grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert float((grads[n] - p.grad).norm()) <= RTOL * float(p.grad.norm()), n
+    frozen, trained = step.parameters()["0.weight"].clone(), step.parameters()["2.weight"].clone()
+    step(x, y)
+    assert torch.equal(step.parameters()["0.weight"], frozen)
+    assert not torch.equal(step.parameters()["2.weight"], trained)
+
+
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_a_custom_autograd_function_is_refused_by_name(wrapped):
     """torch.export keeps a custom Function's forward and drops its backward: differentiating the

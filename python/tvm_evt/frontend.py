@@ -212,6 +212,7 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     named_buffers = dict(ep.named_buffers())
     aliases = {}  # placeholder name -> var of an earlier placeholder of the same tensor
     seen = {}  # storage identity -> var (tied weights are one parameter)
+    var_of = {}  # placeholder name -> the parameter or buffer var main takes for it
     for spec in sig.input_specs:
         if spec.kind is InputKind.PARAMETER:
             var = params_buffers[spec.arg.name]
@@ -221,13 +222,17 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
                 aliases[spec.arg.name] = seen[key]
                 continue
             name = strip(spec.target)
-            param_vars.append(relax.Var(_identifier(name), var.ty))
-            seen[key] = param_vars[-1]
-            param_values[name] = tensor
+            # a frozen parameter (requires_grad=False) is state the step reads and neither
+            # differentiates nor updates: a buffer that is never written
+            frozen = not tensor.requires_grad
+            (buffer_vars if frozen else param_vars).append(relax.Var(_identifier(name), var.ty))
+            seen[key] = var_of[spec.arg.name] = (buffer_vars if frozen else param_vars)[-1]
+            (buffer_values if frozen else param_values)[name] = tensor
         elif spec.kind is InputKind.BUFFER:
             var = params_buffers[spec.arg.name]
             name = strip(spec.target)
             buffer_vars.append(relax.Var(_identifier(name), var.ty))
+            var_of[spec.arg.name] = buffer_vars[-1]
             buffer_values[name] = named_buffers[spec.target]
         elif spec.kind in (InputKind.CONSTANT_TENSOR,):
             const_binding[spec.arg.name] = ep.constants[spec.target]
@@ -239,16 +244,11 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
     # the importer resolves placeholders by node name; hand it our renamed vars
     renamed = OrderedDict(user_inputs)
     arg_to_var = {}
-    pi = bi = 0
     for spec in sig.input_specs:
         if spec.arg.name in aliases:
             arg_to_var[spec.arg.name] = aliases[spec.arg.name]
-        elif spec.kind is InputKind.PARAMETER:
-            arg_to_var[spec.arg.name] = param_vars[pi]
-            pi += 1
-        elif spec.kind is InputKind.BUFFER:
-            arg_to_var[spec.arg.name] = buffer_vars[bi]
-            bi += 1
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            arg_to_var[spec.arg.name] = var_of[spec.arg.name]
         elif spec.kind is InputKind.CONSTANT_TENSOR:
             arg_to_var[spec.arg.name] = params_buffers[spec.arg.name]
     renamed.update(arg_to_var)
@@ -353,51 +353,66 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
         # torch's own pytree code trips its deprecation of LeafSpec while it exports (torch >= 2.10)
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
-        with _autograd_functions_applied(traced) as applied:
+        with _backward_only_code(traced) as used:
             try:
                 ep = torch.export.export(traced, example_inputs)
             except Exception as err:
                 raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
-        if applied:
-            (name, module), = applied[:1]
+        if used:
+            (what, module), = used[:1]
             module = module[len(prefix):] if module.startswith(prefix) else "" if module + "." == prefix else module
-            raise UnsupportedOpError(f"torch.autograd.Function {name}", module, "torch.export records its forward "
-                                     "only, not its backward, so the gradient would be the forward's and not the "
-                                     "one it defines")
+            raise UnsupportedOpError(what, module, "torch.export records the forward only, so the gradient would be "
+                                     "the forward's and not the one the model defines")
         imported = import_exported_program(ep, strip_prefix=prefix)
     flags = [is_channels_last(t) for t in example_inputs]
     return _take_channels_last(imported, flags) if any(flags) else imported
 
 
+# what a forward can do to its backward that torch.export does not record: (what is patched
+# while exporting, how the error names a use of it)
+_BACKWARD_ONLY = {
+    "Function.apply": "torch.autograd.Function {name}",
+    "Tensor.register_hook": "a gradient hook (Tensor.register_hook)",
+}
+_HOOK_FUNCTION = "torch.nn.modules._functions.BackwardHookFunction"  # a module's backward hook
+
+
 @contextlib.contextmanager
-def _autograd_functions_applied(model):
-    """A list that collects ``(Function name, module path)`` for every custom
-    ``torch.autograd.Function`` applied while the block runs (``Function.apply`` wrapped; a
-    module-path stack from global forward hooks)."""
+def _backward_only_code(model):
+    """A list that collects ``(what, module path)`` for each use, while the block runs, of what
+    changes a gradient without a trace in torch.export's graph: a custom ``torch.autograd.Function``
+    (its backward; module backward hooks are one) or a tensor gradient hook.  ``Function.apply``
+    and ``Tensor.register_hook`` are wrapped, and global forward hooks keep the module path."""
     import torch
     from torch.autograd.function import Function
 
     names = {id(m): n for n, m in model.named_modules()}
     stack: list = []
-    applied: list = []
-    original = Function.__dict__["apply"]
+    used: list = []
+    apply, register_hook = Function.__dict__["apply"], torch.Tensor.register_hook
 
-    def apply(cls, *args, **kwargs):
-        applied.append((f"{cls.__module__}.{cls.__qualname__}", stack[-1] if stack else ""))
-        return original.__func__(cls, *args, **kwargs)
+    def recording_apply(cls, *args, **kwargs):
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        used.append(("a module backward hook (register_full_backward_hook)" if name == _HOOK_FUNCTION
+                     else _BACKWARD_ONLY["Function.apply"].format(name=name), stack[-1] if stack else ""))
+        return apply.__func__(cls, *args, **kwargs)
 
-    enter = torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda m, _args: stack.append(names.get(id(m), stack[-1] if stack else "")))
+    def recording_register_hook(tensor, hook):
+        used.append((_BACKWARD_ONLY["Tensor.register_hook"], stack[-1] if stack else ""))
+        return register_hook(tensor, hook)
+
     def leave_module(_module, _args, _out):  # (a forward hook's result would replace the output)
         if stack:
             stack.pop()
 
+    enter = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, _args: stack.append(names.get(id(m), stack[-1] if stack else "")))
     leave = torch.nn.modules.module.register_module_forward_hook(leave_module)
-    Function.apply = classmethod(apply)
+    Function.apply, torch.Tensor.register_hook = classmethod(recording_apply), recording_register_hook
     try:
-        yield applied
+        yield used
     finally:
-        Function.apply = original
+        Function.apply, torch.Tensor.register_hook = apply, register_hook
         enter.remove()
         leave.remove()
 
