@@ -405,3 +405,32 @@ def test_a_custom_autograd_function_is_refused_by_name(wrapped):
     assert err.value.module_path == ("body" if wrapped else "")
     # the hooks that found it are gone: the model runs as before
     assert model(x).shape == (4, 8) and not torch.nn.modules.module._global_forward_hooks
+
+
+def test_modules_run_in_their_own_mode():
+    """A batch norm frozen with ``eval()`` inside a training model normalises with its running
+    statistics and leaves them alone, a dropout in eval mode drops nothing, as torch runs them;
+    the rest trains (the step used to set every module to training mode)."""
+    import tvm_evt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5), nn.Conv2d(8, 8, 3),
+                          nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+    model[1].running_mean.normal_()
+    model[1].running_var.uniform_(0.5, 2.0)
+    model[1].eval()
+    model[3].eval()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.cross_entropy, target="llvm")
+    assert model[1].training is False and model[5].training is True  # the caller's model is untouched
+    loss, grads = step.loss_and_grads(x, y)
+    reference = copy.deepcopy(model)
+    ref = F.cross_entropy(reference(x), y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
+    largest = max(float(p.grad.norm()) for p in reference.parameters())
+    for n, p in reference.named_parameters():
+        assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
+    frozen_mean = step.parameters()["1.running_mean"].clone()
+    step(x, y)
+    assert torch.equal(step.parameters()["1.running_mean"], frozen_mean)  # eval: statistics not updated

@@ -331,7 +331,10 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
 def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
     """Import a torch model for training.
 
-    The model runs in training mode.  Without `loss_fn` it must return a scalar loss; with
+    Each module runs in the mode it is in, as torch would run it (a model built from a config is in
+    training mode; a batch norm set to ``eval()`` to freeze its statistics, or dropout switched
+    off, stays so; ``from_pretrained`` returns models in eval mode: call ``.train()`` for dropout,
+    as with torch).  Without `loss_fn` it must return a scalar loss; with
     `loss_fn` (a torch loss module such as ``nn.CrossEntropyLoss()``) the last example input
     is the loss target and `loss_fn(model(*inputs[:-1]), inputs[-1])` is traced as one graph.
     A Relax ``tvm.IRModule`` is accepted too and wrapped as is (its ``main`` must return a
@@ -348,7 +351,8 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
     traced = model
     if loss_fn is not None:
         traced, prefix = _WithLoss(model, loss_fn), "model."
-    traced.train()
+    if loss_fn is not None:
+        traced.training = model.training  # the wrapper's own flag: train() would set every submodule's
     with warnings.catch_warnings():
         # torch's own pytree code trips its deprecation of LeafSpec while it exports (torch >= 2.10)
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
