@@ -35,7 +35,7 @@ def test_zoo_loss_and_grads_match_torch(name, monkeypatch):
     assert_step_matches_torch(step, entry, entry.example_inputs())  # fresh inputs, not the ones traced
 
 
-def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None, inplace=False):
+def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None, inplace=False, clip=None):
     model = copy.deepcopy(entry.model)
     step = tvm_evt.compile_training(
         copy.deepcopy(model), entry.example_inputs(), loss_fn=entry.loss_fn,
@@ -57,6 +57,8 @@ def _trajectory(entry, opt_factory, tvm_opt, steps=5, lr=None, inplace=False):
             total = sum(float(p.grad.norm()) ** 2 for p in ref_model.parameters()) ** 0.5
             vanishing = {n for n, p in ref_model.named_parameters()
                          if float(p.grad.norm()) < 1e-6 * total}
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip)
         opt.step()
         loss = step(*batch)
         assert rel_err(loss, ref_loss.detach()) <= 1e-4
@@ -89,6 +91,22 @@ def test_adamw_trajectory(name):
         tvm_evt.optim.AdamW(lr=1e-3, weight_decay=0.05),
         lr=1e-3,
     )
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("clip", [0.05, 1e3], ids=["clipping", "under_the_norm"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_max_grad_norm_clips_as_torch_does(opt, clip, inplace):
+    """``max_grad_norm``: torch.nn.utils.clip_grad_norm_ before each update, in the step."""
+    entry = models.ZOO["mlp"]()
+    no_dropout(entry.model)
+    if opt == "sgd":
+        _trajectory(entry, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                    tvm_evt.optim.SGD(lr=0.05, momentum=0.9, max_grad_norm=clip), clip=clip, inplace=inplace)
+    else:
+        _trajectory(entry, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05),
+                    tvm_evt.optim.AdamW(lr=1e-3, weight_decay=0.05, max_grad_norm=clip), lr=1e-3, clip=clip,
+                    inplace=inplace)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -549,3 +567,12 @@ def test_quiet_known_warnings_passes_other_lines_through(capfd, monkeypatch):
     with quiet_known_warnings():
         os.write(2, f"{KNOWN_HARMLESS[1].text}\n".encode())
     assert KNOWN_HARMLESS[1].text in capfd.readouterr().err
+
+
+def test_max_grad_norm_is_refused_with_data_parallel():
+    """The data-parallel step updates each bucket as its all-reduce ends, before the norm over
+    every gradient exists: refused rather than clipped per bucket."""
+    entry = models.ZOO["mlp"]()
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        tvm_evt.compile_training(entry.model, entry.example_inputs(), loss_fn=entry.loss_fn, target=LLVM,
+                                 optimizer=tvm_evt.optim.AdamW(max_grad_norm=1.0), data_parallel=True)

@@ -554,6 +554,9 @@ def _compile_data_parallel(model, example_inputs, loss_fn, optimizer, tgt, preci
     """`compile_training` with ``data_parallel=True``: `tvm_evt.distributed` builds and runs it."""
     from . import distributed
 
+    if getattr(_resolve_optimizer(optimizer), "max_grad_norm", None) is not None:
+        raise ValueError("data_parallel=True with an optimizer's max_grad_norm: the data-parallel step updates each "
+                         "bucket as its all-reduce ends, before the norm over every gradient is known")
     if precision == "fp16":
         raise ValueError("data_parallel=True with precision='fp16': the dynamic loss scale would need one overflow "
                          "verdict across the ranks, which the data-parallel step does not compute; use bf16 or fp32")

@@ -124,6 +124,8 @@ class AppendOptimizer:
                     inv = bb.emit(R.divide(_c(1.0), scaler[0]))
                     loss = bb.emit(R.multiply(loss, inv))
                     grads = [bb.emit(R.multiply(g, inv)) for g in grads]
+                if getattr(self.optimizer, "max_grad_norm", None) is not None:
+                    grads = self._clip(bb, grads, float(self.optimizer.max_grad_norm))
                 p_vars = step_args[n_in : n_in + n_p]
                 seed = next((v for v in step_args[n_in + n_p:] if v.name == SEED_PARAM), None)
                 extra = []
@@ -163,6 +165,21 @@ class AppendOptimizer:
         gv = mod.get_global_var("train_step")
         mod[gv] = mod[gv].inline_functions({adj_gv: adj})
         return mod
+
+    @staticmethod
+    def _clip(bb, grads, max_norm: float) -> list:
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)``: every gradient times
+        ``min(1, max_norm / (norm + 1e-6))``, the norm the 2-norm over all of them (in float32).
+        A non-finite gradient makes them all NaN, as in torch; a loss scaler skips that step."""
+        as32 = lambda g: g if g.ty.dtype == "float32" else R.astype(g, "float32")  # noqa: E731
+        squares = [R.sum(R.multiply(as32(g), as32(g))) for g in grads]
+        total = squares[0]
+        for sq in squares[1:]:
+            total = R.add(total, sq)
+        norm = bb.emit(R.sqrt(total))
+        coef = bb.emit(R.minimum(R.divide(_c(max_norm), R.add(norm, _c(1e-6))), _c(1.0)))
+        return [bb.emit(R.multiply(g, coef if g.ty.dtype == "float32" else R.astype(coef, g.ty.dtype)))
+                for g in grads]
 
     @staticmethod
     def _found_inf(bb, grads):

@@ -1,7 +1,8 @@
 """Optimizers of the training step: the per-element update formula of each parameter.
 
-Each optimizer is a frozen dataclass with the hyper-parameters of its torch.optim twin and
-two methods: `slots` (per-parameter state tensors, zero-initialised) and `elementwise`, which
+Each optimizer is a frozen dataclass with the hyper-parameters of its torch.optim twin (and
+``max_grad_norm``: the gradients clipped to that 2-norm over all of them first, as
+``torch.nn.utils.clip_grad_norm_`` does before ``optimizer.step()``) and two methods: `slots` (per-parameter state tensors, zero-initialised) and `elementwise`, which
 gives one element's new parameter and state as float32 TIR expressions of the old ones, the
 gradient and the step count.  ``optimizer_update`` builds every parameter's update into one
 kernel from it (a deep model's into one a repeat of its layers).  Semantics follow torch.optim (``foreach``-free reference formulas) so a
@@ -28,6 +29,7 @@ class SGD:
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    max_grad_norm: float | None = None  # torch.nn.utils.clip_grad_norm_ before the update (AppendOptimizer)
 
     def slots(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.momentum else ()
@@ -54,6 +56,7 @@ class AdamW:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    max_grad_norm: float | None = None  # torch.nn.utils.clip_grad_norm_ before the update (AppendOptimizer)
 
     def slots(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
@@ -82,7 +85,8 @@ class DynamicLossScale:
 
 
 def from_torch_optimizer(opt) -> SGD | AdamW:
-    """The equivalent tvm_evt optimizer of a torch.optim.SGD / AdamW instance (group 0)."""
+    """The equivalent tvm_evt optimizer of a torch.optim.SGD / AdamW instance (group 0).  Gradient
+    clipping is not the torch optimizer's: pass a tvm_evt optimizer with ``max_grad_norm``."""
     import torch
 
     group = opt.param_groups[0]
