@@ -186,3 +186,33 @@ def test_script_with_max_batch_without_gpu(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--max-batch", "80", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "--max-batch needs a CUDA GPU" in out.stderr
+
+
+def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkeypatch):
+    """The driver over models and systems (trials and estimates faked): rows in the JSON and the
+    table, eager's batch taken by tvm_evt_at_eager_batch, rows already there not searched again."""
+    limit = 80 * GB
+    peaks = {"eager": lambda b: 10 * GB + 2 * GB * b, "eager_checkpoint": lambda b: 10 * GB + GB * b // 2,
+             "compile": lambda b: 10 * GB + GB * b, "tvm_evt": lambda b: 8 * GB + GB * b,
+             "tvm_evt_budget": lambda b: 8 * GB + GB * b // 3, "tvm_evt_at_eager_batch": lambda b: 8 * GB + GB * b}
+    ran = []
+
+    def fake_trial(args, model, system, batch, lim):
+        ran.append((system, batch))
+        p = peaks[system](batch)
+        return {"ok": True, "fits": p <= lim, "batch": batch, "peak_bytes": p, "step_ms": float(batch),
+                "samples_per_s": 1000.0}
+
+    monkeypatch.setattr(bench_memory, "run_trial", fake_trial)
+    monkeypatch.setattr(bench_memory, "estimated_peak", lambda model, system, b, lim, quick=False: peaks[system](b))
+    argv = ["--max-batch", "80", "--models", "hf_bert_large", "--out", str(tmp_path), "--start-batch", "2",
+            "--max-trials", "12"]
+    assert bench_memory.run(bench_e2e.parse_args(argv)) == 0
+    rows = {r["system"]: r for r in bench_e2e.load_results(tmp_path, bench_memory.RESULTS_JSON)["rows"]}
+    assert set(rows) == set(bench_e2e.MAX_BATCH_SYSTEMS)
+    assert rows["eager"]["batch"] == 35 and rows["tvm_evt_budget"]["batch"] >= 200
+    assert rows["tvm_evt_at_eager_batch"]["batch"] == 35
+    assert "| hf_bert_large | eager | 35 |" in (tmp_path / bench_memory.RESULTS_MD).read_text()
+    before = len(ran)
+    bench_memory.run(bench_e2e.parse_args(argv))
+    assert len(ran) == before  # resumed: nothing searched again
