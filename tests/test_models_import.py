@@ -244,11 +244,26 @@ def test_parameter_vars_are_c_identifiers_and_keep_torch_names():
     assert "p_0_weight" in names
 
 
+def _assert_trains_as_torch(model, x, y, loss_fn):
+    """`compile_training`'s loss and gradients (llvm) equal torch's on a copy of `model`; the step."""
+    import tvm_evt
+
+    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=loss_fn, target="llvm")
+    loss, grads = step.loss_and_grads(x, y)
+    reference = copy.deepcopy(model)
+    ref = loss_fn(reference(x), y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
+    largest = max(float(p.grad.norm()) for p in reference.parameters() if p.grad is not None)
+    for n, p in reference.named_parameters():
+        if p.grad is not None:
+            assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
+    return step
+
+
 def test_amax_amin_and_logsumexp_train_as_torch():
     """``amax``/``amin`` (which the stock importer lacks; ``logsumexp`` decomposes into ``amax``):
     the loss and gradients of torch, the gradient split over ties as ``torch.amax`` splits it."""
-    import tvm_evt
-
     class Extrema(nn.Module):
         def __init__(self):
             super().__init__()
@@ -260,15 +275,7 @@ def test_amax_amin_and_logsumexp_train_as_torch():
             return torch.logsumexp(h, 1, keepdim=True) + h.amax(dim=(0, 1)) - tied.amin(0).sum(-1, keepdim=True)
 
     torch.manual_seed(0)
-    model, x, y = Extrema(), torch.randn(6, 8), torch.randn(6, 1)
-    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.mse_loss, target="llvm")
-    loss, grads = step.loss_and_grads(x, y)
-    ref = F.mse_loss(model(x), y)
-    ref.backward()
-    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
-    largest = max(float(p.grad.norm()) for p in model.parameters())
-    for n, p in model.named_parameters():
-        assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
+    _assert_trains_as_torch(Extrema(), torch.randn(6, 8), torch.randn(6, 1), F.mse_loss)
 
 
 class _Detached(nn.Module):
@@ -287,18 +294,8 @@ class _Detached(nn.Module):
 
 
 def test_detach_and_no_grad_blocks_take_no_gradient():
-    import tvm_evt
-
     torch.manual_seed(0)
-    model, x, y = _Detached(), torch.randn(6, 8), torch.randn(6, 1)
-    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.mse_loss, target="llvm")
-    loss, grads = step.loss_and_grads(x, y)
-    ref = F.mse_loss(model(x), y)
-    ref.backward()
-    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
-    largest = max(float(p.grad.norm()) for p in model.parameters())
-    for n, p in model.named_parameters():
-        assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
+    _assert_trains_as_torch(_Detached(), torch.randn(6, 8), torch.randn(6, 1), F.mse_loss)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -411,8 +408,6 @@ def test_modules_run_in_their_own_mode():
     """A batch norm frozen with ``eval()`` inside a training model normalises with its running
     statistics and leaves them alone, a dropout in eval mode drops nothing, as torch runs them;
     the rest trains (the step used to set every module to training mode)."""
-    import tvm_evt
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5), nn.Conv2d(8, 8, 3),
                           nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
@@ -420,17 +415,8 @@ def test_modules_run_in_their_own_mode():
     model[1].running_var.uniform_(0.5, 2.0)
     model[1].eval()
     model[3].eval()
-    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
-    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=F.cross_entropy, target="llvm")
+    step = _assert_trains_as_torch(model, torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)), F.cross_entropy)
     assert model[1].training is False and model[5].training is True  # the caller's model is untouched
-    loss, grads = step.loss_and_grads(x, y)
-    reference = copy.deepcopy(model)
-    ref = F.cross_entropy(reference(x), y)
-    ref.backward()
-    assert abs(float(loss) - ref.item()) <= RTOL * max(1.0, ref.item())
-    largest = max(float(p.grad.norm()) for p in reference.parameters())
-    for n, p in reference.named_parameters():
-        assert float((grads[n] - p.grad).norm()) / largest <= RTOL, n
     frozen_mean = step.parameters()["1.running_mean"].clone()
-    step(x, y)
+    step(torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
     assert torch.equal(step.parameters()["1.running_mean"], frozen_mean)  # eval: statistics not updated
