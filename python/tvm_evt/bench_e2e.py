@@ -726,17 +726,23 @@ def error_summary(err: BaseException, limit: int = 400) -> str:
     return f"{type(err).__name__}: {picked[:limit]}"
 
 
-def _measure_main(job_json: str) -> int:
+def job_main(job_json: str, run, keys: tuple = ("model", "system")) -> int:
+    """A measurement subprocess's main: ``run(job)``'s row, or the job's `keys` with the error, on a
+    ``RESULT`` line of stdout (what the parent reads)."""
     job = json.loads(job_json)
     try:
-        row = measure(job)
+        row = run(job)
     except Exception as err:  # noqa: BLE001 - reported as the row's error
         import traceback
 
         traceback.print_exc()
-        row = {"model": job["model"], "system": job["system"], "ok": False, "error": error_summary(err)}
+        row = {**{k: job[k] for k in keys}, "ok": False, "error": error_summary(err)}
     print("RESULT " + json.dumps(row, default=str), flush=True)
     return 0
+
+
+def _measure_main(job_json: str) -> int:
+    return job_main(job_json, measure)
 
 
 if __name__ == "__main__":

@@ -362,17 +362,7 @@ def main(argv=None) -> int:
 
 
 def _trial_main(job_json: str) -> int:
-    job = json.loads(job_json)
-    try:
-        row = trial(job)
-    except Exception as err:  # noqa: BLE001 - reported as the trial's error
-        import traceback
-
-        traceback.print_exc()
-        row = {"model": job["model"], "system": job["system"], "batch": job["batch"], "ok": False,
-               "error": e2e.error_summary(err)}
-    print("RESULT " + json.dumps(row, default=str), flush=True)
-    return 0
+    return e2e.job_main(job_json, trial, keys=("model", "system", "batch"))
 
 
 if __name__ == "__main__":
