@@ -98,17 +98,22 @@ def test_a_model_without_checkpointing_is_skipped():
     assert row["skipped"] == "no checkpointing"
 
 
+def _tvm_trial(measured, limit, ran: list):
+    """A tvm_evt trial on a device whose memory use is `measured(batch)`: it runs whatever it
+    takes (TVM's allocator is not capped) and says whether that fit; the batches go to `ran`."""
+    def run(b):
+        ran.append(b)
+        p = measured(b)
+        return {"ok": True, "fits": p <= limit, "batch": b, "peak_bytes": p, "step_ms": 1.0, "samples_per_s": b * 1e3}
+    return run
+
+
 def test_tvm_evt_runs_the_estimated_batch_and_scales_down_what_is_over_the_limit():
     limit = 80 * GB
     estimate = lambda b: GB + b * GB  # noqa: E731  (the plan: 79 fits)
     measured = lambda b: 5 * GB + b * GB  # noqa: E731  (the device: 75 fits)
     ran = []
-
-    def trial(b):
-        ran.append(b)
-        p = measured(b)
-        return {"ok": True, "fits": p <= limit, "batch": b, "peak_bytes": p, "step_ms": 1.0, "samples_per_s": b * 1e3}
-
+    trial = _tvm_trial(measured, limit, ran)
     row = search_system(_args(start=8), "m", "tvm_evt", limit, None, trial, estimate)
     assert ran[0] == 79 and row["ok"] and measured(row["batch"]) <= limit and row["batch"] >= 74
     assert len(ran) <= 3 and set(row["estimates"]) >= {"8", "16", "79"}
@@ -119,12 +124,7 @@ def test_tvm_evt_grows_an_estimate_that_errs_high_once():
     estimate = lambda b: 10 * GB + 2 * b * GB  # noqa: E731  (the plan: 35)
     measured = lambda b: 4 * GB + b * GB  # noqa: E731  (the device: 76)
     ran = []
-
-    def trial(b):
-        ran.append(b)
-        p = measured(b)
-        return {"ok": True, "fits": p <= limit, "batch": b, "peak_bytes": p, "step_ms": 1.0, "samples_per_s": b * 1e3}
-
+    trial = _tvm_trial(measured, limit, ran)
     row = search_system(_args(start=4), "m", "tvm_evt", limit, None, trial, estimate)
     assert ran == [35, 71] and row["batch"] == 71  # 35 * 80 / 39: under the limit, as an affine peak must be
 

@@ -145,9 +145,9 @@ def run_measurement(args, model: str, system: str, ranks: int) -> dict:
         tail = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
         return {**row, "error": f"timed out after {args.timeout:.0f} s", "log_tail": tail[-1500:]}
     sys.stderr.write(proc.stderr[-3000:])
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+    result = bench_e2e.result_row(proc.stdout)
+    if result is not None:
+        return result
     return {**row, "error": f"exit code {proc.returncode}", "log_tail": proc.stderr[-1500:]}
 
 
@@ -286,7 +286,7 @@ def markdown(data: dict) -> str:
 def _measure_main(job_json: str) -> int:
     row = measure(json.loads(job_json))
     if row is not None:
-        print("RESULT " + json.dumps(row), flush=True)
+        print(bench_e2e.RESULT + json.dumps(row), flush=True)
     return 0
 
 

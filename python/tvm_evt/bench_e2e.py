@@ -266,9 +266,9 @@ def run_measurement(args, model: str, system: str) -> dict:
         return {"model": model, "system": system, "ok": False, "log_tail": tail,
                 "error": f"timed out after {args.timeout:.0f} s" + progress(tail, model, system)}
     sys.stderr.write(proc.stderr[-4000:])
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+    result = result_row(proc.stdout)
+    if result is not None:
+        return result
     return {"model": model, "system": system, "ok": False, "seconds": round(time.monotonic() - start, 1),
             "error": f"exit code {proc.returncode}", "log_tail": proc.stderr[-1500:]}
 
@@ -726,6 +726,17 @@ def error_summary(err: BaseException, limit: int = 400) -> str:
     return f"{type(err).__name__}: {picked[:limit]}"
 
 
+RESULT = "RESULT "  # the line a measurement subprocess prints its row on (job_main), for result_row
+
+
+def result_row(stdout: str) -> dict | None:
+    """The row a measurement subprocess printed last on its ``RESULT`` line, or None."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    return None
+
+
 def job_main(job_json: str, run, keys: tuple = ("model", "system")) -> int:
     """A measurement subprocess's main: ``run(job)``'s row, or the job's `keys` with the error, on a
     ``RESULT`` line of stdout (what the parent reads)."""
@@ -737,7 +748,7 @@ def job_main(job_json: str, run, keys: tuple = ("model", "system")) -> int:
 
         traceback.print_exc()
         row = {**{k: job[k] for k in keys}, "ok": False, "error": error_summary(err)}
-    print("RESULT " + json.dumps(row, default=str), flush=True)
+    print(RESULT + json.dumps(row, default=str), flush=True)
     return 0
 
 

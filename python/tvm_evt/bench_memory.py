@@ -144,13 +144,12 @@ def trial(job: dict) -> dict:
                 if how is None:
                     return {**row, "ok": True, "skipped": "the model's library offers no activation checkpointing"}
                 row["checkpointing"] = how
-            inputs = [t.cuda() for t in entry.example_inputs()]
+        inputs = [t.cuda() for t in entry.example_inputs()]
+        if system in TORCH_SYSTEMS:
             step, _ = e2e._torch_step(entry, inputs, "compile" if system == "compile" else "eager",
                                       channels_last=channels_last)
         else:
-            inputs = [t.cuda() for t in entry.example_inputs()]
-            budget = int(BUDGET_SHARE * limit) if system == "tvm_evt_budget" else None
-            step, compile_s, _ts = e2e._tvm_step(entry, inputs, "tvm_evt", None, memory_budget=budget)
+            step, compile_s, _ts = e2e._tvm_step(entry, inputs, "tvm_evt", None, memory_budget=_budget(system, limit))
             row["compile_s"] = round(compile_s, 1)
         for _ in range(max(1, job.get("warmup", 2))):
             step()
@@ -167,6 +166,11 @@ def trial(job: dict) -> dict:
             "step_ms": round(step_ms, 3), "samples_per_s": round(batch * 1e3 / step_ms, 1)}
 
 
+def _budget(system: str, limit: int) -> int | None:
+    """The ``memory_budget`` `system` compiles with under `limit` bytes."""
+    return int(BUDGET_SHARE * limit) if system == "tvm_evt_budget" else None
+
+
 def run_trial(args, model: str, system: str, batch: int, limit: int) -> dict:
     """One trial in a subprocess (its errors and time-outs come back as the row's error)."""
     job = {"model": model, "system": system, "batch": batch, "limit_bytes": limit, "steps": args.steps,
@@ -177,11 +181,8 @@ def run_trial(args, model: str, system: str, batch: int, limit: int) -> dict:
     except subprocess.TimeoutExpired:
         return {"model": model, "system": system, "batch": batch, "ok": False,
                 "error": f"timed out after {args.timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    return {"model": model, "system": system, "batch": batch, "ok": False,
-            "error": f"exit code {proc.returncode}: {proc.stderr[-400:]}"}
+    return e2e.result_row(proc.stdout) or {"model": model, "system": system, "batch": batch, "ok": False,
+                                          "error": f"exit code {proc.returncode}: {proc.stderr[-400:]}"}
 
 
 def estimated_peak(model: str, system: str, batch: int, limit: int, quick: bool = False) -> int | None:
@@ -190,14 +191,12 @@ def estimated_peak(model: str, system: str, batch: int, limit: int, quick: bool 
     from . import optim
     from .budget import estimate_step_peak
     from .errors import MemoryBudgetError
-
     from .training import as_target
 
     entry = e2e.build_entry(model, quick, batch=batch)
-    budget = int(BUDGET_SHARE * limit) if system == "tvm_evt_budget" else None
     try:
         return estimate_step_peak(entry.model, entry.example_inputs(), entry.loss_fn, optim.AdamW(lr=1e-4),
-                                  as_target(None), "bf16", budget)
+                                  as_target(None), "bf16", _budget(system, limit))
     except MemoryBudgetError:
         return None
 
@@ -213,7 +212,7 @@ def search_system(args, model: str, system: str, limit: int, eager_batch: int | 
         if eager_batch is None:
             return {"model": model, "system": system, "skipped": "no eager batch"}
         runs[eager_batch] = trial_fn(eager_batch)
-        return _row(model, system, eager_batch, runs, {})
+        return _row(model, system, eager_batch, runs)
     if system in TORCH_SYSTEMS:
         def peak_at(b: int) -> int | None:
             runs[b] = r = trial_fn(b)
@@ -221,14 +220,14 @@ def search_system(args, model: str, system: str, limit: int, eager_batch: int | 
                 raise _Skip(r["skipped"])
             if not r.get("ok"):
                 raise _Failed(r.get("error", "failed"))
-            return r["peak_bytes"] if r.get("fits") is not None and "peak_bytes" in r else None
+            return r.get("peak_bytes")  # (none where it ran out of memory)
         try:
-            batch, trials = largest_batch(peak_at, limit, args.start_batch, args.max_trials)
+            batch, _ = largest_batch(peak_at, limit, args.start_batch, args.max_trials)
         except _Skip as why:
             return {"model": model, "system": system, "skipped": str(why)}
         except _Failed as why:
             return {"model": model, "system": system, "ok": False, "error": str(why), "trials": _trials(runs)}
-        return _row(model, system, batch, runs, trials)
+        return _row(model, system, batch, runs)
     # tvm_evt: the estimate finds the batch, runs confirm it
     batch, estimates = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
     best, grown = None, False
@@ -250,7 +249,7 @@ def search_system(args, model: str, system: str, limit: int, eager_batch: int | 
             break
         else:
             batch = min(batch - 1, int(batch * limit / used) if used else batch // 2)
-    row = _row(model, system, best, runs, {})
+    row = _row(model, system, best, runs)
     row["estimates"] = {str(b): p for b, p in sorted(estimates.items())}
     return row
 
@@ -268,7 +267,7 @@ def _trials(runs: dict) -> dict:
             for b, r in sorted(runs.items())}
 
 
-def _row(model: str, system: str, batch: int | None, runs: dict, trials: dict) -> dict:
+def _row(model: str, system: str, batch: int | None, runs: dict) -> dict:
     row = {"model": model, "system": system, "trials": _trials(runs)}
     failed = [r for r in runs.values() if not r.get("ok")]
     if batch is None or batch not in runs or not runs[batch].get("fits"):

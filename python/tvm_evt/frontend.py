@@ -224,10 +224,10 @@ def import_exported_program(ep, convert_map: dict | None = None, strip_prefix: s
             name = strip(spec.target)
             # a frozen parameter (requires_grad=False) is state the step reads and neither
             # differentiates nor updates: a buffer that is never written
-            frozen = not tensor.requires_grad
-            (buffer_vars if frozen else param_vars).append(relax.Var(_identifier(name), var.ty))
-            seen[key] = var_of[spec.arg.name] = (buffer_vars if frozen else param_vars)[-1]
-            (buffer_values if frozen else param_values)[name] = tensor
+            kept, values = (param_vars, param_values) if tensor.requires_grad else (buffer_vars, buffer_values)
+            kept.append(relax.Var(_identifier(name), var.ty))
+            seen[key] = var_of[spec.arg.name] = kept[-1]
+            values[name] = tensor
         elif spec.kind is InputKind.BUFFER:
             var = params_buffers[spec.arg.name]
             name = strip(spec.target)
@@ -351,21 +351,18 @@ def from_torch(model, example_inputs: Sequence, loss_fn=None) -> ImportedModel:
     traced = model
     if loss_fn is not None:
         traced, prefix = _WithLoss(model, loss_fn), "model."
-    if loss_fn is not None:
         traced.training = model.training  # the wrapper's own flag: train() would set every submodule's
     with warnings.catch_warnings():
         # torch's own pytree code trips its deprecation of LeafSpec while it exports (torch >= 2.10)
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
-        with _backward_only_code(traced) as used:
+        with _backward_only_code(model) as used:  # (module paths of the model's, not of the loss wrapper's)
             try:
                 ep = torch.export.export(traced, example_inputs)
             except Exception as err:
                 raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {err}") from err
         if used:
-            (what, module), = used[:1]
-            module = module[len(prefix):] if module.startswith(prefix) else "" if module + "." == prefix else module
-            raise UnsupportedOpError(what, module, "torch.export records the forward only, so the gradient would be "
+            raise UnsupportedOpError(*used[0], "torch.export records the forward only, so the gradient would be "
                                      "the forward's and not the one the model defines")
         imported = import_exported_program(ep, strip_prefix=prefix)
     flags = [is_channels_last(t) for t in example_inputs]

@@ -59,6 +59,14 @@ def _c(value: float) -> relax.Constant:
     return relax.const(value, "float32")
 
 
+def _added(terms: list) -> relax.Expr:
+    """``terms[0] + terms[1] + ...`` (one per parameter: the sums the loss scaler and clipping read)."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = R.add(total, term)
+    return total
+
+
 @tvm.transform.module_pass(opt_level=0, name="AppendOptimizer")
 class AppendOptimizer:
     """Add ``train_step`` = forward + backward + `optimizer` update (+ loss scaling)."""
@@ -172,11 +180,7 @@ class AppendOptimizer:
         ``min(1, max_norm / (norm + 1e-6))``, the norm the 2-norm over all of them (in float32).
         A non-finite gradient makes them all NaN, as in torch; a loss scaler skips that step."""
         as32 = lambda g: g if g.ty.dtype == "float32" else R.astype(g, "float32")  # noqa: E731
-        squares = [R.sum(R.multiply(as32(g), as32(g))) for g in grads]
-        total = squares[0]
-        for sq in squares[1:]:
-            total = R.add(total, sq)
-        norm = bb.emit(R.sqrt(total))
+        norm = bb.emit(R.sqrt(_added([R.sum(R.multiply(as32(g), as32(g))) for g in grads])))
         coef = bb.emit(R.minimum(R.divide(_c(max_norm), R.add(norm, _c(1e-6))), _c(1.0)))
         return [bb.emit(R.multiply(g, coef if g.ty.dtype == "float32" else R.astype(coef, g.ty.dtype)))
                 for g in grads]
@@ -184,10 +188,7 @@ class AppendOptimizer:
     @staticmethod
     def _found_inf(bb, grads):
         bad = [R.sum(R.astype(R.logical_not(R.isfinite(g)), "float32")) for g in grads]
-        total = bad[0]
-        for b in bad[1:]:
-            total = R.add(total, b)
-        return bb.emit(R.greater(total, _c(0.0)))
+        return bb.emit(R.greater(_added(bad), _c(0.0)))
 
     def _update_scaler(self, bb, found_inf, scale, tracker):
         cfg = self.loss_scale
