@@ -216,3 +216,30 @@ def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkey
     before = len(ran)
     bench_memory.run(bench_e2e.parse_args(argv))
     assert len(ran) == before  # resumed: nothing searched again
+
+
+def test_estimates_made_without_a_gpu_are_kept_for_the_gpu_run(tmp_path, monkeypatch):
+    """--estimate-only searches the tvm_evt systems' estimates alone (no trial) and keeps them in
+    --out; the run that follows confirms with trials and estimates nothing again; another limit
+    estimates afresh."""
+    estimated, ran = [], []
+
+    def fake_estimate(model, system, b, lim, quick=False):
+        estimated.append((system, b))
+        return 8 * GB + GB * b
+
+    def fake_trial(args, model, system, batch, lim):
+        ran.append((system, batch))
+        return {"ok": True, "fits": True, "batch": batch, "peak_bytes": 8 * GB + GB * batch, "step_ms": 1.0,
+                "samples_per_s": 1.0}
+
+    monkeypatch.setattr(bench_memory, "estimated_peak", fake_estimate)
+    monkeypatch.setattr(bench_memory, "run_trial", fake_trial)
+    argv = ["--max-batch", "80", "--models", "hf_bert_large", "--out", str(tmp_path), "--systems", "eager,tvm_evt"]
+    assert bench_memory.main([*argv, "--estimate-only"]) == 0
+    assert not ran and estimated and {s for s, _ in estimated} == {"tvm_evt"}
+    before = len(estimated)
+    bench_memory.run(bench_e2e.parse_args(argv))
+    assert len(estimated) == before and ("tvm_evt", 72) in ran
+    bench_memory.run(bench_e2e.parse_args(["--max-batch", "40", *argv[2:], "--estimate-only"]))
+    assert len(estimated) > before

@@ -131,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
                          "--timeout is then per trial)")
     ap.add_argument("--start-batch", type=int, default=1, help="--max-batch: the first batch tried")
     ap.add_argument("--max-trials", type=int, default=8, help="--max-batch: trials (or estimates) per system at most")
+    ap.add_argument("--estimate-only", action="store_true",
+                    help="--max-batch: only the tvm_evt systems' estimated largest batches (no kernel built, no GPU "
+                         "needed), kept in --out: a later run there confirms them on the GPU without estimating again")
     return ap
 
 

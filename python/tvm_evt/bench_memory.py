@@ -32,7 +32,8 @@ first trials are not run but estimated (``tvm_evt.budget.estimate_step_peak``: t
 the rematerialisation, no kernel built); only the estimated largest batch is compiled and run.  A
 batch whose measured memory is over the limit is scaled down by the excess and run again; one under
 it (the estimate errs high) is scaled up once by the room left, and kept if that fits
-(``CONFIRM_RUNS`` runs at most).
+(``CONFIRM_RUNS`` runs at most).  Estimates are kept in ``--out``: ``--estimate-only`` makes them on
+any machine (no GPU: they build no kernel), and the GPU run that follows only confirms.
 
 Each system's row: the batch, its trial's peak and step time, samples/s, and the trials made.
 """
@@ -50,6 +51,7 @@ from . import bench_e2e as e2e
 from .bench_e2e import MAX_BATCH_SYSTEMS  # noqa: F401 - the systems, named with the bench's
 
 TORCH_SYSTEMS = ("eager", "eager_checkpoint", "compile")
+ESTIMATED_SYSTEMS = ("tvm_evt", "tvm_evt_budget")  # their batch is estimated first, then confirmed by trials
 BUDGET_SHARE = 0.9  # of the limit, for the step's plan: the rest for the CUDA context's and kernels' workspaces
 CONFIRM_RUNS = 3  # tvm_evt systems: compiled runs at most to confirm (and grow or shrink) the estimated batch
 RESOLUTION = 1 / 32  # the search stops once the largest fitting batch is known within this share of itself
@@ -292,6 +294,14 @@ def run(args) -> int:
     for model in args.models:
         done = {r["system"]: r for r in data["rows"] if r["model"] == model and (r.get("ok") or r.get("skipped"))}
         for system in args.systems:
+            estimate_fn = _kept_estimates(data, out, model, system, limit,
+                                          lambda b, model=model, system=system: estimated_peak(model, system, b, limit,
+                                                                                               args.quick))
+            if args.estimate_only:
+                if system in ESTIMATED_SYSTEMS:
+                    batch, _ = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
+                    e2e._log(f"{model} / {system}: estimated largest batch {batch}")
+                continue
             if system in done:
                 continue
             if not e2e.fits(time.monotonic() - started, args.timeout, args.deadline):
@@ -305,7 +315,7 @@ def run(args) -> int:
                 return run_trial(args, model, system, batch, limit)
 
             eager = done.get("eager", {}).get("batch")
-            row = {**search_system(args, model, system, limit, eager, trial_fn), **run_info}
+            row = {**search_system(args, model, system, limit, eager, trial_fn, estimate_fn), **run_info}
             done[system] = row
             data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
             e2e.save_results(data, out, RESULTS_JSON)
@@ -314,6 +324,23 @@ def run(args) -> int:
                                                 row.get("skipped") or f"FAILED: {row.get('error')}"))
     print(markdown(data))
     return 0
+
+
+def _kept_estimates(data: dict, out: Path, model: str, system: str, limit: int, estimate: Callable) -> Callable:
+    """`estimate` with its peaks kept in `data` (saved to `out` as they come), under the model, the
+    system and the limit: a run with ``--estimate-only`` (on any machine) leaves them for the GPU
+    run, and a resumed run does not estimate again."""
+    kept = data.setdefault("estimates", {}).setdefault(f"{model}/{system}", {})
+    if kept.get("limit_bytes") != limit:
+        kept.clear()
+        kept.update(limit_bytes=limit, peaks={})
+
+    def estimate_fn(batch: int) -> int | None:
+        if str(batch) not in kept["peaks"]:
+            kept["peaks"][str(batch)] = estimate(batch)
+            e2e.save_results(data, out, RESULTS_JSON)
+        return kept["peaks"][str(batch)]
+    return estimate_fn
 
 
 def markdown(data: dict) -> str:
@@ -353,7 +380,7 @@ def main(argv=None) -> int:
     args = e2e.parse_args(argv)
     if args.max_batch is None:
         return e2e.main(argv)
-    why = e2e.gpu_problem()
+    why = None if args.estimate_only else e2e.gpu_problem()
     if why:
         print(f"bench: cannot run: {why}; --max-batch needs a CUDA GPU.", file=sys.stderr)
         return 2
