@@ -243,3 +243,25 @@ def test_estimates_made_without_a_gpu_are_kept_for_the_gpu_run(tmp_path, monkeyp
     assert len(estimated) == before and ("tvm_evt", 72) in ran
     bench_memory.run(bench_e2e.parse_args(["--max-batch", "40", *argv[2:], "--estimate-only"]))
     assert len(estimated) > before
+
+
+def test_a_search_cut_short_resumes_without_running_its_trials_again(tmp_path, monkeypatch):
+    ran, cut = [], [True]
+
+    def fake_trial(args, model, system, batch, lim):
+        if cut[0] and len(ran) == 2:  # the third trial: the device call ends
+            return {"ok": False, "batch": batch, "error": "timed out after 1 s"}
+        ran.append(batch)
+        p = 10 * GB + 2 * GB * batch
+        return {"ok": True, "fits": p <= lim, "batch": batch, "peak_bytes": p, "step_ms": 1.0, "samples_per_s": 1.0}
+
+    monkeypatch.setattr(bench_memory, "run_trial", fake_trial)
+    argv = ["--max-batch", "80", "--models", "hf_bert_large", "--out", str(tmp_path), "--systems", "eager",
+            "--start-batch", "8"]
+    bench_memory.run(bench_e2e.parse_args(argv))
+    row, = bench_e2e.load_results(tmp_path, bench_memory.RESULTS_JSON)["rows"]
+    assert not row["ok"] and ran == [8, 16]
+    cut[0] = False
+    bench_memory.run(bench_e2e.parse_args(argv))
+    row, = bench_e2e.load_results(tmp_path, bench_memory.RESULTS_JSON)["rows"]
+    assert row["ok"] and row["batch"] == 35 and ran[:2] == [8, 16] and 8 not in ran[2:] and 16 not in ran[2:]

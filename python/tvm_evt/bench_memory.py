@@ -32,8 +32,9 @@ first trials are not run but estimated (``tvm_evt.budget.estimate_step_peak``: t
 the rematerialisation, no kernel built); only the estimated largest batch is compiled and run.  A
 batch whose measured memory is over the limit is scaled down by the excess and run again; one under
 it (the estimate errs high) is scaled up once by the room left, and kept if that fits
-(``CONFIRM_RUNS`` runs at most).  Estimates are kept in ``--out``: ``--estimate-only`` makes them on
-any machine (no GPU: they build no kernel), and the GPU run that follows only confirms.
+(``CONFIRM_RUNS`` runs at most).  Estimates and trials that ran are kept in ``--out``: a run cut
+short goes on where it stopped, and ``--estimate-only`` makes the estimates on any machine (no GPU:
+they build no kernel), so that the GPU run only confirms them.
 
 Each system's row: the batch, its trial's peak and step time, samples/s, and the trials made.
 """
@@ -294,9 +295,8 @@ def run(args) -> int:
     for model in args.models:
         done = {r["system"]: r for r in data["rows"] if r["model"] == model and (r.get("ok") or r.get("skipped"))}
         for system in args.systems:
-            estimate_fn = _kept_estimates(data, out, model, system, limit,
-                                          lambda b, model=model, system=system: estimated_peak(model, system, b, limit,
-                                                                                               args.quick))
+            estimate_fn = _kept(data, out, "estimates", model, system, limit,
+                                lambda b, model=model, system=system: estimated_peak(model, system, b, limit, args.quick))
             if args.estimate_only:
                 if system in ESTIMATED_SYSTEMS:
                     batch, _ = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
@@ -308,11 +308,12 @@ def run(args) -> int:
                 e2e._log(f"--deadline {args.deadline:.0f} s: not started: {model} / {system}")
                 continue
 
-            def trial_fn(batch: int, model=model, system=system) -> dict:
+            def run_one(batch: int, model=model, system=system) -> dict:
                 if not e2e.fits(time.monotonic() - started, args.timeout, args.deadline):
                     return {"model": model, "system": system, "batch": batch, "ok": False,
                             "error": f"--deadline {args.deadline:.0f} s reached before this trial"}
                 return run_trial(args, model, system, batch, limit)
+            trial_fn = _kept(data, out, "trials", model, system, limit, run_one, keep=lambda r: r.get("ok"))
 
             eager = done.get("eager", {}).get("batch")
             row = {**search_system(args, model, system, limit, eager, trial_fn, estimate_fn), **run_info}
@@ -326,21 +327,26 @@ def run(args) -> int:
     return 0
 
 
-def _kept_estimates(data: dict, out: Path, model: str, system: str, limit: int, estimate: Callable) -> Callable:
-    """`estimate` with its peaks kept in `data` (saved to `out` as they come), under the model, the
-    system and the limit: a run with ``--estimate-only`` (on any machine) leaves them for the GPU
-    run, and a resumed run does not estimate again."""
-    kept = data.setdefault("estimates", {}).setdefault(f"{model}/{system}", {})
+def _kept(data: dict, out: Path, kind: str, model: str, system: str, limit: int, fn: Callable,
+          keep: Callable = lambda value: True) -> Callable:
+    """`fn(batch)` with its values kept in `data[kind]` (saved to `out` as they come), under the
+    model, the system and the limit, where `keep(value)` says so: estimates made by
+    ``--estimate-only`` (on any machine) wait there for the GPU run, and a run cut short by its
+    deadline or a device call's end resumes without estimating or running a trial again."""
+    kept = data.setdefault(kind, {}).setdefault(f"{model}/{system}", {})
     if kept.get("limit_bytes") != limit:
         kept.clear()
-        kept.update(limit_bytes=limit, peaks={})
+        kept.update(limit_bytes=limit, values={})
 
-    def estimate_fn(batch: int) -> int | None:
-        if str(batch) not in kept["peaks"]:
-            kept["peaks"][str(batch)] = estimate(batch)
+    def kept_fn(batch: int):
+        if str(batch) in kept["values"]:
+            return kept["values"][str(batch)]
+        value = fn(batch)
+        if keep(value):
+            kept["values"][str(batch)] = value
             e2e.save_results(data, out, RESULTS_JSON)
-        return kept["peaks"][str(batch)]
-    return estimate_fn
+        return value
+    return kept_fn
 
 
 def markdown(data: dict) -> str:
