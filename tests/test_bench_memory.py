@@ -265,3 +265,25 @@ def test_a_search_cut_short_resumes_without_running_its_trials_again(tmp_path, m
     bench_memory.run(bench_e2e.parse_args(argv))
     row, = bench_e2e.load_results(tmp_path, bench_memory.RESULTS_JSON)["rows"]
     assert row["ok"] and row["batch"] == 35 and ran[:2] == [8, 16] and 8 not in ran[2:] and 16 not in ran[2:]
+
+
+def test_the_gpu_run_confirms_the_batch_the_estimate_only_run_found(tmp_path, monkeypatch):
+    """Other --start-batch / --max-trials on the GPU than in the --estimate-only run: no estimate is
+    made again, the trial runs at the batch found before."""
+    estimated, ran = [], []
+
+    def fake_estimate(model, system, b, lim, quick=False):
+        estimated.append(b)
+        return 8 * GB + GB * b
+
+    def fake_trial(args, model, system, batch, lim):
+        ran.append(batch)
+        return {"ok": True, "fits": True, "batch": batch, "peak_bytes": lim - GB, "step_ms": 1.0, "samples_per_s": 1.0}
+
+    monkeypatch.setattr(bench_memory, "estimated_peak", fake_estimate)
+    monkeypatch.setattr(bench_memory, "run_trial", fake_trial)
+    argv = ["--max-batch", "80", "--models", "hf_bert_large", "--out", str(tmp_path), "--systems", "tvm_evt"]
+    bench_memory.main([*argv, "--estimate-only", "--start-batch", "16"])
+    before = len(estimated)
+    bench_memory.run(bench_e2e.parse_args([*argv, "--start-batch", "32", "--max-trials", "3"]))
+    assert len(estimated) == before and ran[0] == 72

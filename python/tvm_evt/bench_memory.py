@@ -206,7 +206,7 @@ def estimated_peak(model: str, system: str, batch: int, limit: int, quick: bool 
 
 # --------------------------------------------------------------------------------- one system
 def search_system(args, model: str, system: str, limit: int, eager_batch: int | None,
-                  trial_fn=None, estimate_fn=None) -> dict:
+                  trial_fn=None, estimate_fn=None, estimated: tuple | None = None) -> dict:
     """Row for one (model, system): the largest batch found and its trial."""
     trial_fn = trial_fn or (lambda b: run_trial(args, model, system, b, limit))
     estimate_fn = estimate_fn or (lambda b: estimated_peak(model, system, b, limit, args.quick))
@@ -232,7 +232,7 @@ def search_system(args, model: str, system: str, limit: int, eager_batch: int | 
             return {"model": model, "system": system, "ok": False, "error": str(why), "trials": _trials(runs)}
         return _row(model, system, batch, runs)
     # tvm_evt: the estimate finds the batch, runs confirm it
-    batch, estimates = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
+    batch, estimates = estimated or largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
     best, grown = None, False
     for _ in range(CONFIRM_RUNS):
         if batch is None or batch < 1 or batch in runs:
@@ -289,6 +289,9 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     limit = int(args.max_batch * 1e9)
     data = e2e.load_results(out, RESULTS_JSON) if not args.fresh else {"meta": {}, "rows": []}
+    if data["meta"].get("limit_bytes", limit) != limit:  # rows found under another limit answer another question
+        e2e._log(f"{out / RESULTS_JSON}: rows for {data['meta']['limit_bytes'] / 1e9:g} GB dropped (--max-batch {args.max_batch:g})")
+        data["rows"] = []
     data["meta"] = {**e2e.meta(args), "limit_bytes": limit}
     run_info = e2e.run_id()
     started = time.monotonic()
@@ -297,12 +300,13 @@ def run(args) -> int:
         for system in args.systems:
             estimate_fn = _kept(data, out, "estimates", model, system, limit,
                                 lambda b, model=model, system=system: estimated_peak(model, system, b, limit, args.quick))
-            if args.estimate_only:
-                if system in ESTIMATED_SYSTEMS:
-                    batch, _ = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
-                    e2e._log(f"{model} / {system}: estimated largest batch {batch}")
-                continue
             if system in done:
+                continue
+            estimated = _estimated_batch(data, out, model, system, limit, args, estimate_fn) \
+                if system in ESTIMATED_SYSTEMS else None
+            if args.estimate_only:
+                if estimated:
+                    e2e._log(f"{model} / {system}: estimated largest batch {estimated[0]}")
                 continue
             if not e2e.fits(time.monotonic() - started, args.timeout, args.deadline):
                 e2e._log(f"--deadline {args.deadline:.0f} s: not started: {model} / {system}")
@@ -316,7 +320,7 @@ def run(args) -> int:
             trial_fn = _kept(data, out, "trials", model, system, limit, run_one, keep=lambda r: r.get("ok"))
 
             eager = done.get("eager", {}).get("batch")
-            row = {**search_system(args, model, system, limit, eager, trial_fn, estimate_fn), **run_info}
+            row = {**search_system(args, model, system, limit, eager, trial_fn, estimate_fn, estimated), **run_info}
             done[system] = row
             data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
             e2e.save_results(data, out, RESULTS_JSON)
@@ -347,6 +351,18 @@ def _kept(data: dict, out: Path, kind: str, model: str, system: str, limit: int,
             e2e.save_results(data, out, RESULTS_JSON)
         return value
     return kept_fn
+
+
+def _estimated_batch(data: dict, out: Path, model: str, system: str, limit: int, args, estimate_fn) -> tuple:
+    """(the estimated largest batch, the estimates made) of a tvm_evt system: the search's result
+    is kept with the estimates, so that the GPU run confirms the batch an ``--estimate-only`` run
+    found whatever its own ``--start-batch`` and ``--max-trials`` (a different walk would estimate
+    on the GPU's host, where each estimate takes about a minute of device time)."""
+    kept = data["estimates"][f"{model}/{system}"]
+    if "largest" not in kept:
+        kept["largest"], _ = largest_batch(estimate_fn, limit, args.start_batch, args.max_trials)
+        e2e.save_results(data, out, RESULTS_JSON)
+    return kept["largest"], {int(b): p for b, p in kept["values"].items()}
 
 
 def markdown(data: dict) -> str:

@@ -53,6 +53,7 @@ REPORT_ATTR = "evt_partition_report"
 MAX_CANDIDATES = 48  # epilogue candidates per cluster (breadth-first from the matmul)
 DEFAULT_TIME_LIMIT = 60.0  # seconds for the whole function; then the greedy fallback
 CACHE_VERSION = 2
+ILP_SOLVER = "HiGHS"  # python-mip's solver for every integer program here (highspy is a dependency; CBC needs cbcbox)
 
 
 # =============================================================================== codegen queries
@@ -855,7 +856,7 @@ def greedy(problem: Problem, comp: list[int], cuts: list) -> dict:
     return assign
 
 
-def solve(problem: Problem, time_limit: float = DEFAULT_TIME_LIMIT, solver: str = "HiGHS",
+def solve(problem: Problem, time_limit: float = DEFAULT_TIME_LIMIT, solver: str = ILP_SOLVER,
           use_cache: bool = True) -> Solution:
     """Optimal assignment of epilogue ops to clusters (see the module docstring)."""
     start = time.perf_counter()

@@ -52,6 +52,7 @@ from ...errors import MemoryBudgetError
 from .._rewrite import VIEWS, flat_bindings, op_name, sub_expressions
 from ..ops.attention_op import FORWARD as ATTENTION
 from .evt_cost import static_shape, tensor_bytes
+from .partition_evt import ILP_SOLVER
 
 BUDGET_ATTR = "tvm_evt.memory_budget"  # bytes, set on train_step by compile_training
 REPORT_ATTR = "tvm_evt.rematerialized"  # JSON: what this pass decided (TrainingStep.memory_report)
@@ -339,7 +340,7 @@ def ilp_plan(graph: StepGraph, room: dict, time_limit: float = TIME_LIMIT, lowes
 
     nodes = list(graph.nodes.values())
     start_of, end_of = graph.need
-    m = mip.Model(sense=mip.MINIMIZE, solver_name="CBC")
+    m = mip.Model(sense=mip.MINIMIZE, solver_name=ILP_SOLVER)
     m.verbose, m.threads, m.seed = 0, 1, 0
     keep = {n.var: m.add_var(var_type=mip.BINARY) for n in nodes}
     rec = {n.var: m.add_var(var_type=mip.BINARY, ub=1 if n.recomputable else 0) for n in nodes}
