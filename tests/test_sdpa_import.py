@@ -145,3 +145,15 @@ def test_lower_dropout_seeds_sdpa_dropout_after_the_sites_before_it():
     ops = attention_op.operands(call)
     assert ops.seed.same_as(func.params[-1]) and func.params[-1].name == SEED_PARAM
     assert (ops.attrs.site, ops.attrs.dropout) == (1, pytest.approx(0.2))
+
+
+def test_mask_form_reads_the_mask_not_its_broadcast_to_the_scores():
+    """A [1, 1, S, S] causal mask over scores of a large batch (GPT-2 medium at batch 52 once asked
+    numpy for 52 GB here): decided on the mask itself, as are masks differing by batch row."""
+    from tvm_evt.relax_passes.ops import attention_op
+
+    s = 1024
+    causal = np.tril(np.ones((s, s), bool))[None, None]
+    assert attention_op.mask_form(causal, [4096, 64, s, s])[0] is True
+    rows = np.stack([causal[0], ~causal[0] | np.eye(s, dtype=bool)[None]])
+    assert attention_op.mask_form(rows, [2, 64, s, s]) == "the mask differs between batch rows or heads"

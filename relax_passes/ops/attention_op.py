@@ -146,13 +146,17 @@ def mask_form(mask: np.ndarray, shape) -> tuple[bool, np.ndarray | None] | str:
     query."""
     mask = np.asarray(mask)
     try:
-        full = np.broadcast_to(mask, tuple(shape))
+        np.broadcast_shapes(mask.shape, tuple(shape))
     except ValueError:
         return f"mask {list(mask.shape)} does not broadcast to the scores {list(shape)}"
-    flat = full.reshape(-1, *shape[-2:])
-    if not (flat == flat[:1]).all():
+    if mask.ndim < 2:
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    # compared over the mask's own leading extents: broadcast to [B, H, Sq, Sk] it would be the size
+    # of the scores (GPT-2 medium at batch 52: 52 GB of bools)
+    rows = mask.reshape(-1, *mask.shape[-2:])
+    if not (rows == rows[:1]).all():
         return "the mask differs between batch rows or heads"
-    pattern = flat[0]
+    pattern = np.broadcast_to(rows[0], tuple(shape[-2:]))
     if pattern.dtype == np.bool_:
         visible, added = pattern, np.zeros(pattern.shape, np.float32)
     elif np.issubdtype(pattern.dtype, np.floating):
