@@ -141,12 +141,13 @@ def test_markdown_compares_with_eager_and_the_budget_with_tvm_evt_at_eagers_batc
     rows = [{"model": "m", "system": "eager", "ok": True, "batch": 20, "peak_bytes": 79 * GB, "step_ms": 100.0,
              "samples_per_s": 200.0, "trials": {}},
             {"model": "m", "system": "tvm_evt_budget", "ok": True, "batch": 44, "peak_bytes": 78 * GB,
-             "step_ms": 200.0, "samples_per_s": 220.0, "trials": {}},
+             "step_ms": 200.0, "samples_per_s": 220.0,
+             "trials": {"30": {"fits": True}, "50": {"fits": False}, "46": {"fits": False}, "45": {"error": "timed out"}}},
             {"model": "m", "system": "tvm_evt_at_eager_batch", "ok": True, "batch": 20, "peak_bytes": 30 * GB,
              "step_ms": 80.0, "samples_per_s": 250.0, "trials": {}},
             {"model": "m", "system": "eager_checkpoint", "skipped": "no checkpointing"}]
     text = bench_memory.markdown({"meta": {"limit_bytes": 80 * GB}, "rows": rows})
-    assert "| m | tvm_evt_budget | 44 | 2.20× | 78.0 | 200.0 | 220.0 | 1.10× |" in text
+    assert "| m | tvm_evt_budget | 44 | 46 | 2.20× | 78.0 | 200.0 | 220.0 | 1.10× |" in text
     assert "batch 44 at 0.88× the samples/s of tvm_evt at eager's batch 20" in text
     assert "| m | eager_checkpoint | – |" in text and "no checkpointing" in text
 
@@ -212,7 +213,7 @@ def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkey
     assert set(rows) == set(bench_e2e.MAX_BATCH_SYSTEMS)
     assert rows["eager"]["batch"] == 35 and rows["tvm_evt_budget"]["batch"] >= 200
     assert rows["tvm_evt_at_eager_batch"]["batch"] == 35
-    assert "| hf_bert_large | eager | 35 |" in (tmp_path / bench_memory.RESULTS_MD).read_text()
+    assert "| hf_bert_large | eager | 35 | 36 |" in (tmp_path / bench_memory.RESULTS_MD).read_text()
     before = len(ran)
     bench_memory.run(bench_e2e.parse_args(argv))
     assert len(ran) == before  # resumed: nothing searched again

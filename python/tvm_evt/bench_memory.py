@@ -374,8 +374,9 @@ def markdown(data: dict) -> str:
              f"torch {m.get('torch')}; {m.get('precision', 'bf16')}; {m.get('optimizer', 'AdamW')}. Peak: torch's "
              "max_memory_allocated (torch systems, allocator capped at the limit) or the device memory the step "
              "took (tvm_evt systems). samples/s at each system's own largest batch.", "",
-             "| model | system | largest batch | × eager's | peak GB | ms/step | samples/s | vs eager | trials | note |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| model | system | largest batch | smallest that did not fit | × eager's | peak GB | ms/step | samples/s | "
+             "vs eager | trials | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     rows = data.get("rows", [])
     by = {(r["model"], r["system"]): r for r in rows}
     for r in rows:
@@ -384,7 +385,7 @@ def markdown(data: dict) -> str:
         ok = r.get("ok") and "batch" in r
         ratio = lambda key: (f"{r[key] / eager[key]:.2f}×" if ok and eager.get("ok") and eager.get(key) else "–")  # noqa: E731
         lines.append("| " + " | ".join([
-            r["model"], r["system"], str(r["batch"]) if ok else "–", ratio("batch"),
+            r["model"], r["system"], str(r["batch"]) if ok else "–", str(_first_failing(r) or "–"), ratio("batch"),
             f"{r['peak_bytes'] / 1e9:.1f}" if ok and r.get("peak_bytes") else "–",
             f"{r['step_ms']:.1f}" if ok else "–", f"{r['samples_per_s']:.1f}" if ok else "–",
             ratio("samples_per_s"), str(len(r.get("trials", {}))), str(note)[:120].replace("|", "/")]) + " |")
@@ -395,6 +396,13 @@ def markdown(data: dict) -> str:
                          f"{budget['samples_per_s'] / base['samples_per_s']:.2f}× the samples/s of tvm_evt at eager's "
                          f"batch {base['batch']}.")
     return "\n".join(lines) + "\n"
+
+
+def _first_failing(row: dict) -> int | None:
+    """The smallest batch above the row's whose trial did not fit (the search's bracket: the
+    largest batch lies between the two)."""
+    return min((int(b) for b, t in row.get("trials", {}).items()
+                if t.get("fits") is False and int(b) > row.get("batch", 0)), default=None)
 
 
 def main(argv=None) -> int:
