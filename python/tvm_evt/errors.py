@@ -26,18 +26,20 @@ class DataParallelMismatchError(InputMismatchError):
 
 @tvm_ffi.register_error
 class MemoryBudgetError(ValueError):
-    """``compile_training(..., memory_budget=B)``: no rematerialisation plan brings the step's
-    estimated peak under B.  ``budget`` and ``smallest`` (the peak of the plan that recomputes all it
-    can: the smallest budget that can be met) are bytes.  Registered with the FFI, so raised inside
-    the build it reaches the caller as this class (rebuilt from its message)."""
+    """``compile_training(..., memory_budget=B)``: no rematerialisation plan the search found brings
+    the step's estimated peak under B.  ``budget`` and ``smallest`` (the smallest budget the search
+    met, stepping down from the step's own peak; a budget between the two may still be met by a plan
+    it did not find) are bytes.  Registered with the FFI, so raised inside the build it reaches the
+    caller as this class (rebuilt from its message)."""
 
     def __init__(self, message: str):
         super().__init__(message)
-        found = re.search(r"memory_budget=(\d+) .* the smallest budget that can be met is (\d+)", message, re.S)
+        found = re.search(r"memory_budget=(\d+) .* the smallest budget the search met is (\d+)", message, re.S)
         self.budget, self.smallest = (int(found[1]), int(found[2])) if found else (None, None)
 
     @classmethod
     def of(cls, budget: int, smallest: int) -> "MemoryBudgetError":
-        return cls(f"memory_budget={budget} bytes ({budget / 2**20:.1f} MiB) cannot be met: recomputing every forward "
-                   f"value that can be recomputed still needs {smallest} bytes ({smallest / 2**20:.1f} MiB) at the "
-                   f"peak; the smallest budget that can be met is {smallest}")
+        return cls(f"memory_budget={budget} bytes ({budget / 2**20:.1f} MiB) cannot be met: no rematerialisation plan "
+                   f"found (the integer program in its time limit, else the greedy plan, each validated on the "
+                   f"estimate) brings the step's estimated peak under it; the smallest budget the search met is "
+                   f"{smallest} ({smallest / 2**20:.1f} MiB)")

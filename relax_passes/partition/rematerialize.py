@@ -29,8 +29,12 @@ Every plan is validated on the rewritten function by ``estimate_peak`` (each ten
 binding to its last reader, the arguments all the step), and ``B_saved`` is lowered by what is
 still over until the estimate fits.  The solve has a time limit (``TIME_LIMIT``); without a
 solution by then a greedy plan (cheapest recompute seconds per byte first, operands recomputed with
-what needs them) stands in.  A budget the plan that recomputes everything it can still misses
-raises ``MemoryBudgetError`` naming that plan's peak: the smallest budget this pass can meet.
+what needs them) stands in.  A budget no plan found meets raises ``MemoryBudgetError`` naming the
+smallest budget the search met (``_smallest_met``: budgets stepping down from the step's own peak).
+That is what this search meets, not a bound: on BERT-Large at batch 187 (24 layers, seq 512) the
+integer program finds no solution in its time limit, even in 90 s, so the greedy plan decides, and
+its order (seconds per byte) decides whether 72 GB is met; costing an attention's recompute at the
+flash kernel's measured rate (a fifth of the GEMMs') instead of the roofline's made it miss.
 
 The estimate counts every Relax tensor as allocated; the build's fused kernels keep fewer
 intermediates (``TrainingStep.memory_report`` reads the real plan), so the estimate errs high.
