@@ -298,12 +298,14 @@ def run(args) -> int:
     for model in args.models:
         done = {r["system"]: r for r in data["rows"] if r["model"] == model and (r.get("ok") or r.get("skipped"))}
         for system in args.systems:
-            estimate_fn = _kept(data, out, "estimates", model, system, limit,
-                                lambda b, model=model, system=system: estimated_peak(model, system, b, limit, args.quick))
             if system in done:
                 continue
-            estimated = _estimated_batch(data, out, model, system, limit, args, estimate_fn) \
-                if system in ESTIMATED_SYSTEMS else None
+            estimate_fn = estimated = None
+            if system in ESTIMATED_SYSTEMS:
+                estimate_fn = _kept(data, out, "estimates", model, system, limit,
+                                    lambda b, model=model, system=system: estimated_peak(model, system, b, limit,
+                                                                                         args.quick))
+                estimated = _estimated_batch(data, out, model, system, limit, args, estimate_fn)
             if args.estimate_only:
                 if estimated:
                     e2e._log(f"{model} / {system}: estimated largest batch {estimated[0]}")
