@@ -322,7 +322,7 @@ def run(args) -> int:
             trial_fn = _kept(data, out, "trials", model, system, limit, run_one, keep=lambda r: r.get("ok"))
 
             eager = done.get("eager", {}).get("batch")
-            row = {**search_system(args, model, system, limit, eager, trial_fn, estimate_fn, estimated), **run_info}
+            row = {**search_system(args, model, system, limit, eager, trial_fn, estimated=estimated), **run_info}
             done[system] = row
             data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
             e2e.save_results(data, out, RESULTS_JSON)

@@ -106,6 +106,10 @@ class StepGraph:
     def saved_bytes(self) -> int:
         return sum(self.nodes[v].bytes for v in self.saved)
 
+    def seconds(self, plan: set) -> float:
+        """What recomputing the vars of `plan` costs (``recompute_seconds`` summed)."""
+        return sum(self.nodes[v].seconds for v in plan)
+
     @functools.cached_property
     def live(self) -> list:
         """`live_bytes` of the step as it is."""
@@ -354,6 +358,7 @@ def ilp_plan(graph: StepGraph, room: dict, time_limit: float = TIME_LIMIT, lowes
     # thousands of statistics, views and scalars would otherwise be most of the program's variables
     small = SMALL_SHARE * graph.saved_bytes
     decided = [n for n in nodes if max(n.bytes, n.copy_bytes) > small or not n.recomputable]
+    variables = {n.var for n in decided}
     keep = {n.var: 1 for n in nodes} | {n.var: m.add_var(var_type=mip.BINARY) for n in decided}
     rec = {n.var: 0 for n in nodes} | {n.var: m.add_var(var_type=mip.BINARY, ub=1 if n.recomputable else 0)
                                        for n in decided}
@@ -367,7 +372,7 @@ def ilp_plan(graph: StepGraph, room: dict, time_limit: float = TIME_LIMIT, lowes
             if n.var in graph.pinned:
                 m += keep[n.var] >= 1
         for a in n.operands:
-            if not isinstance(keep[a], int):  # (a kept small operand: always there)
+            if a in variables:  # (a small operand is kept: always there)
                 m += keep[a] + rec[a] >= rec[n.var]
     for p, bytes_left in room.items():
         alive = [n.bytes * keep[n.var] for n in nodes if n.bytes and p <= end_of[n.var]]
@@ -443,7 +448,6 @@ def _search(mod: tvm.IRModule, graph: StepGraph, budget: int, deadline: float) -
     plan with the lowest estimated peak of those tried (the step as it is among them)."""
     best = (max(graph.live), set(), "none", 0)
     slack = {"ilp": 0, "greedy": 0}  # each method's own correction: what its last plan was over
-    seconds = lambda plan: sum(graph.nodes[v].seconds for v in plan)  # noqa: E731
     for rounds in range(1, MAX_ROUNDS + 1):
         # both plans, each validated: the program's model of the live bytes is not the estimate's, and
         # where its plan needs slack to fit, the greedy one can fit with less recomputed
@@ -458,7 +462,7 @@ def _search(mod: tvm.IRModule, graph: StepGraph, budget: int, deadline: float) -
         best = min([best, *tried], key=lambda t: t[0])
         fitting = [t for t in tried if t[0] <= budget]
         if fitting:
-            return min(fitting, key=lambda t: seconds(t[1]))
+            return min(fitting, key=lambda t: graph.seconds(t[1]))
         for peak, _, method, _ in tried:
             slack[method] += peak - budget
     plan = ilp_plan(graph, room_at(graph, 0, 0), max(0.5, deadline - time.perf_counter()), lowest_peak=True)
@@ -501,7 +505,7 @@ def rematerialize(mod: tvm.IRModule, func: relax.Function, budget: int,
     kept = [v for v in graph.saved if v not in plan]
     report.update(method=method, rounds=rounds, estimated_peak=peak, solve_s=round(time.perf_counter() - start, 3),
                   saved_bytes_after=sum(graph.nodes[v].bytes for v in kept),
-                  recompute_seconds=sum(graph.nodes[v].seconds for v in plan), recomputed=_listed(graph, plan))
+                  recompute_seconds=graph.seconds(plan), recomputed=_listed(graph, plan))
     return rewrite(mod, graph, plan), report
 
 

@@ -3,9 +3,10 @@
 Each optimizer is a frozen dataclass with the hyper-parameters of its torch.optim twin (and
 ``max_grad_norm``: the gradients clipped to that 2-norm over all of them first, as
 ``torch.nn.utils.clip_grad_norm_`` does before ``optimizer.step()``) and two methods: `slots`
-(per-parameter state tensors, zero-initialised) and `elementwise`, which gives one element's new parameter and state as float32 TIR expressions of the old ones, the
-gradient and the step count.  ``optimizer_update`` builds every parameter's update into one
-kernel from it (a deep model's into one a repeat of its layers).  Semantics follow torch.optim (``foreach``-free reference formulas) so a
+(per-parameter state tensors, zero-initialised) and `elementwise`, which gives one element's new
+parameter and state as float32 TIR expressions of the old ones, the gradient and the step count.
+``optimizer_update`` builds every parameter's update into one kernel from it (a deep model's into
+one a repeat of its layers).  Semantics follow torch.optim (``foreach``-free reference formulas) so a
 compiled step tracks torch's trajectory.
 """
 
