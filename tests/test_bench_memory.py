@@ -137,6 +137,15 @@ def test_tvm_evt_at_eager_batch_runs_that_batch_once():
     assert search_system(_args(), "m", "tvm_evt_at_eager_batch", 80 * GB, None, trial)["skipped"]
 
 
+def test_the_budget_at_twice_eagers_batch_runs_that_batch_once_with_the_budget():
+    trial = lambda b: {"ok": True, "fits": True, "batch": b, "peak_bytes": GB, "step_ms": 2.0,  # noqa: E731
+                       "samples_per_s": b * 500.0}
+    row = search_system(_args(), "m", "tvm_evt_budget_at_twice_eager", 80 * GB, 24, trial)
+    assert row["ok"] and row["batch"] == 48 and list(row["trials"]) == ["48"]
+    assert bench_memory._budget("tvm_evt_budget_at_twice_eager", 80 * GB) == 72 * GB
+    assert bench_memory._budget("tvm_evt_at_eager_batch", 80 * GB) is None
+
+
 def test_markdown_compares_with_eager_and_the_budget_with_tvm_evt_at_eagers_batch():
     rows = [{"model": "m", "system": "eager", "ok": True, "batch": 20, "peak_bytes": 79 * GB, "step_ms": 100.0,
              "samples_per_s": 200.0, "trials": {}},
@@ -145,10 +154,13 @@ def test_markdown_compares_with_eager_and_the_budget_with_tvm_evt_at_eagers_batc
              "trials": {"30": {"fits": True}, "50": {"fits": False}, "46": {"fits": False}, "45": {"error": "timed out"}}},
             {"model": "m", "system": "tvm_evt_at_eager_batch", "ok": True, "batch": 20, "peak_bytes": 30 * GB,
              "step_ms": 80.0, "samples_per_s": 250.0, "trials": {}},
-            {"model": "m", "system": "eager_checkpoint", "skipped": "no checkpointing"}]
+            {"model": "m", "system": "eager_checkpoint", "skipped": "no checkpointing"},
+            {"model": "m", "system": "tvm_evt_budget_at_twice_eager", "ok": True, "batch": 40, "peak_bytes": 70 * GB,
+             "step_ms": 180.0, "samples_per_s": 225.0, "trials": {}}]
     text = bench_memory.markdown({"meta": {"limit_bytes": 80 * GB}, "rows": rows})
     assert "| m | tvm_evt_budget | 44 | 46 | 2.20× | 78.0 | 200.0 | 220.0 | 1.10× |" in text
-    assert "batch 44 at 0.88× the samples/s of tvm_evt at eager's batch 20" in text
+    assert "tvm_evt_budget's batch 44 at 0.88× the samples/s of tvm_evt at eager's batch 20" in text
+    assert "tvm_evt_budget_at_twice_eager's batch 40 at 0.90× the samples/s" in text
     assert "| m | eager_checkpoint | – |" in text and "no checkpointing" in text
 
 
@@ -195,7 +207,8 @@ def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkey
     limit = 80 * GB
     peaks = {"eager": lambda b: 10 * GB + 2 * GB * b, "eager_checkpoint": lambda b: 10 * GB + GB * b // 2,
              "compile": lambda b: 10 * GB + GB * b, "tvm_evt": lambda b: 8 * GB + GB * b,
-             "tvm_evt_budget": lambda b: 8 * GB + GB * b // 3, "tvm_evt_at_eager_batch": lambda b: 8 * GB + GB * b}
+             "tvm_evt_budget": lambda b: 8 * GB + GB * b // 3, "tvm_evt_at_eager_batch": lambda b: 8 * GB + GB * b,
+             "tvm_evt_budget_at_twice_eager": lambda b: 8 * GB + GB * b // 3}
     ran = []
 
     def fake_trial(args, model, system, batch, lim):
@@ -212,7 +225,7 @@ def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkey
     rows = {r["system"]: r for r in bench_e2e.load_results(tmp_path, bench_memory.RESULTS_JSON)["rows"]}
     assert set(rows) == set(bench_e2e.MAX_BATCH_SYSTEMS)
     assert rows["eager"]["batch"] == 35 and rows["tvm_evt_budget"]["batch"] >= 200
-    assert rows["tvm_evt_at_eager_batch"]["batch"] == 35
+    assert rows["tvm_evt_at_eager_batch"]["batch"] == 35 and rows["tvm_evt_budget_at_twice_eager"]["batch"] == 70
     assert "| hf_bert_large | eager | 35 | 36 |" in (tmp_path / bench_memory.RESULTS_MD).read_text()
     before = len(ran)
     bench_memory.run(bench_e2e.parse_args(argv))

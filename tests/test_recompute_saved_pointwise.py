@@ -74,3 +74,14 @@ def test_the_copies_compute_the_same_numbers():
     assert _saved_producers(after["main_adjoint"], N * V) == ["relax.matmul"]
     for want, got in zip(_run(before, *args), _run(after, *args)):
         np.testing.assert_array_equal(want, got)
+
+
+def test_budgeted_only_rewrites_a_function_with_a_memory_budget_alone():
+    """Off by default, the pass still runs where compile_training has a memory_budget."""
+    from tvm_evt.relax_passes.partition.rematerialize import BUDGET_ATTR
+
+    before = _softmax_step()
+    tvm.ir.assert_structural_equal(RecomputeSavedPointwise(budgeted_only=True)(before), before)
+    budgeted = tvm.IRModule({"main_adjoint": before["main_adjoint"].with_attr(BUDGET_ATTR, 1 << 20)})
+    after = RecomputeSavedPointwise(budgeted_only=True)(budgeted)
+    assert _saved_producers(after["main_adjoint"], N * V) == ["relax.matmul"]

@@ -87,6 +87,7 @@ MAX_BATCH_SYSTEMS = {
     "tvm_evt": "tvm_evt",
     "tvm_evt_budget": "tvm_evt, memory_budget from the limit (rematerialisation)",
     "tvm_evt_at_eager_batch": "tvm_evt at eager's largest batch",
+    "tvm_evt_budget_at_twice_eager": "tvm_evt, memory_budget from the limit, at twice eager's largest batch",
 }
 # measured unless --systems says otherwise (tvm_evt_launched: an A/B of the CUDA graphs, asked for by name)
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "tvm_evt_launched"]

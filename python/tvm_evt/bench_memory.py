@@ -12,7 +12,10 @@ AdamW):
 * ``tvm_evt_budget``: ``compile_training(..., memory_budget=BUDGET_SHARE * limit)``: forward values
   recomputed where that makes the step fit (``Rematerialize``);
 * ``tvm_evt_at_eager_batch``: tvm_evt at the batch eager found, the throughput the budget's
-  batch is compared against.
+  batch is compared against;
+* ``tvm_evt_budget_at_twice_eager``: ``tvm_evt_budget`` at twice the batch eager found (the
+  rematerialisation target: twice eager's batch at little throughput lost against
+  ``tvm_evt_at_eager_batch``).
 
 One *trial* (a subprocess, so that an out-of-memory state or a crash loses only itself) builds the
 model at one batch, runs ``--warmup`` steps and times ``--steps``.  It fits when
@@ -53,6 +56,8 @@ from .bench_e2e import MAX_BATCH_SYSTEMS  # noqa: F401 - the systems, named with
 
 TORCH_SYSTEMS = ("eager", "eager_checkpoint", "compile")
 ESTIMATED_SYSTEMS = ("tvm_evt", "tvm_evt_budget")  # their batch is estimated first, then confirmed by trials
+AT_EAGER_BATCH = {"tvm_evt_at_eager_batch": 1, "tvm_evt_budget_at_twice_eager": 2}  # run at this multiple of eager's batch
+BUDGET_SYSTEMS = ("tvm_evt_budget", "tvm_evt_budget_at_twice_eager")  # compiled with a memory_budget
 BUDGET_SHARE = 0.9  # of the limit, for the step's plan: the rest for the CUDA context's and kernels' workspaces
 CONFIRM_RUNS = 3  # tvm_evt systems: compiled runs at most to confirm (and grow or shrink) the estimated batch
 RESOLUTION = 1 / 32  # the search stops once the largest fitting batch is known within this share of itself
@@ -171,7 +176,7 @@ def trial(job: dict) -> dict:
 
 def _budget(system: str, limit: int) -> int | None:
     """The ``memory_budget`` `system` compiles with under `limit` bytes."""
-    return int(BUDGET_SHARE * limit) if system == "tvm_evt_budget" else None
+    return int(BUDGET_SHARE * limit) if system in BUDGET_SYSTEMS else None
 
 
 def run_trial(args, model: str, system: str, batch: int, limit: int) -> dict:
@@ -211,11 +216,12 @@ def search_system(args, model: str, system: str, limit: int, eager_batch: int | 
     trial_fn = trial_fn or (lambda b: run_trial(args, model, system, b, limit))
     estimate_fn = estimate_fn or (lambda b: estimated_peak(model, system, b, limit, args.quick))
     runs: dict[int, dict] = {}
-    if system == "tvm_evt_at_eager_batch":
+    if system in AT_EAGER_BATCH:
         if eager_batch is None:
             return {"model": model, "system": system, "skipped": "no eager batch"}
-        runs[eager_batch] = trial_fn(eager_batch)
-        return _row(model, system, eager_batch, runs)
+        batch = AT_EAGER_BATCH[system] * eager_batch
+        runs[batch] = trial_fn(batch)
+        return _row(model, system, batch, runs)
     if system in TORCH_SYSTEMS:
         def peak_at(b: int) -> int | None:
             runs[b] = r = trial_fn(b)
@@ -392,11 +398,13 @@ def markdown(data: dict) -> str:
             f"{r['step_ms']:.1f}" if ok else "–", f"{r['samples_per_s']:.1f}" if ok else "–",
             ratio("samples_per_s"), str(len(r.get("trials", {}))), str(note)[:120].replace("|", "/")]) + " |")
     for model in dict.fromkeys(r["model"] for r in rows):
-        budget, base = by.get((model, "tvm_evt_budget"), {}), by.get((model, "tvm_evt_at_eager_batch"), {})
-        if budget.get("ok") and base.get("ok"):
-            lines.append(f"\n{model}: tvm_evt_budget's batch {budget['batch']} at "
-                         f"{budget['samples_per_s'] / base['samples_per_s']:.2f}× the samples/s of tvm_evt at eager's "
-                         f"batch {base['batch']}.")
+        base = by.get((model, "tvm_evt_at_eager_batch"), {})
+        for system in BUDGET_SYSTEMS:
+            budget = by.get((model, system), {})
+            if budget.get("ok") and base.get("ok"):
+                lines.append(f"\n{model}: {system}'s batch {budget['batch']} at "
+                             f"{budget['samples_per_s'] / base['samples_per_s']:.2f}× the samples/s of tvm_evt at "
+                             f"eager's batch {base['batch']}.")
     return "\n".join(lines) + "\n"
 
 

@@ -217,7 +217,8 @@ OPTIONAL = {
                                "chains of a smaller tensor (a loss's float32 exp over the bf16 logits, a layer "
                                "norm's float32 normalised input) recomputed in the backward kernels that read them "
                                "(hf_bert_large, 1 layer, batch 2 x 128: the MLM head's 31 MB exp no longer kept; "
-                               "not yet timed on a GPU)", default=False),
+                               "not yet timed on a GPU); off, it still runs where compile_training has a "
+                               "memory_budget", default=False),
     "column_sums": Rewrite("FuseColumnSums: float32 column sums (and total sums) of values recomputed from shared "
                            "stored tensors as one column_sums kernel reading them once (the loss and the last layer "
                            "norm's dgamma and dbeta; H100 bf16: BERT-Large 3.17/3.18 -> 3.11, ViT-B/16 4.07/4.05 -> "
@@ -290,8 +291,9 @@ def front_passes(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True,
                      row_kernels=row_kernels, row_kernel_epilogue=row_kernels and enabled("ln_epilogue")),
         *([AbsorbPartitionInputCasts()] if enabled("input_casts") else []),  # casts done in epilogues
         DeduplicateEVTPartitions(),  # equal partitions (layers, adjoint vs step) built once
-        # saved pointwise chains of smaller tensors (a loss's float32 exp) recomputed in the backward
-        *([RecomputeSavedPointwise()] if enabled("recompute_saved") else []),
+        # saved pointwise chains of smaller tensors (a loss's float32 exp) recomputed in the backward:
+        # in every training function, or in those with a memory budget only
+        RecomputeSavedPointwise(budgeted_only=not enabled("recompute_saved")),
         # forward values recomputed in the backward where train_step has a memory budget
         Rematerialize(),
     ]
