@@ -92,6 +92,7 @@ from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
+from .relax_passes.lower.sink_recomputed_values import SinkRecomputedValues
 from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 from .relax_passes.lower.split_reduction import SplitReduction
 from .relax_passes.lower.split_to_slices import SplitToSlices
@@ -344,6 +345,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 relax.transform.FoldConstant(),
                 BoundedFuseOps(),  # <= 64 ops per kernel: DLight's rules stall on hundreds
                 relax.transform.FuseTIR(),
+                SinkRecomputedValues(),  # copies FuseOps moved up the backward: down to their readers again
                 ScheduleTIRForGPU(vectorize=enabled("vectorize")),
             ]
             + cuda.dataflow_lower_passes(target)

@@ -60,6 +60,7 @@ from .evt_cost import static_shape, tensor_bytes
 from .partition_evt import ILP_SOLVER
 
 BUDGET_ATTR = "tvm_evt.memory_budget"  # bytes, set on train_step by compile_training
+COPY_SUFFIX = "_remat"  # the name of a recomputed value's copy ends so (SinkRecomputedValues finds them by it)
 REPORT_ATTR = "tvm_evt.rematerialized"  # JSON: what this pass decided (TrainingStep.memory_report)
 TIME_LIMIT = 20.0  # seconds for one integer program
 MAX_ROUNDS = 8  # plans validated against the estimate before giving up
@@ -423,7 +424,7 @@ class _Rematerializer(PyExprMutator):
             if a in self.recompute:
                 self._copy(a)
         value = self.visit_expr(self.graph.nodes[v].value)  # its operands already remapped to copies
-        copy = self.builder_.emit(value, name_hint=f"{v.name}_remat")
+        copy = self.builder_.emit(value, name_hint=f"{v.name}{COPY_SUFFIX}")
         self.copies[v] = copy
         self.set_var_remap(v, copy)
 
