@@ -187,6 +187,27 @@ def test_cnn_layers_match_torch(name, channels_last):
         assert err <= GRAD_TOL, f"{n}: {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["instance_norm", "batch_norm_no_running_stats", "group_norm"])
+def test_normalisations_compile_and_match_in_bf16(name):
+    """Mixed precision keeps these norms in float32 (TVM legalises no bf16 instance norm: the bf16
+    step did not compile, on the GPU as here); loss and gradients as bf16 allows."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x, y = torch.randn(4, model[0].conv1.in_channels, 16, 16), torch.randint(0, 10, (4,))
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    step = tvm_evt.compile_training(model, (x, y), loss_fn=F.cross_entropy, target="llvm", precision="bf16")
+    loss, grads = step.loss_and_grads(x, y)
+    model.load_state_dict(reference)
+    model.zero_grad()
+    ref = F.cross_entropy(model(x), y)
+    ref.backward()
+    assert abs(float(loss) - ref.item()) <= 2e-2 * max(1.0, abs(ref.item()))
+    params = dict(model.named_parameters())
+    largest = max(float(p.grad.norm()) for p in params.values())
+    flat = lambda gs: torch.cat([gs[n].float().flatten() for n in params])  # noqa: E731
+    assert float((flat(grads) - flat({n: p.grad for n, p in params.items()})).norm()) <= 5e-2 * largest
+
+
 def test_stem_gemms_reach_cutlass_on_the_cuda_route():
     """A 7x7/2 stem on 3 channels, which the implicit-GEMM kernels refuse (C = 3), and a 10-class
     head, partitioned for sm_90a in bf16: every matmul is a CUTLASS partition (the head's N = 10

@@ -43,6 +43,7 @@ FP32 = frozenset(
         "relax.nn.batch_norm",
         "relax.nn.rms_norm",
         "relax.nn.group_norm",
+        "relax.nn.instance_norm",  # (TVM's legalisation has no bf16 instance norm either)
         "relax.nn.cross_entropy_with_logits",
         "relax.nn.nll_loss",
         "relax.sum",
