@@ -2,17 +2,25 @@
 first reader, after ``FuseOps`` has moved it.
 
 ``Rematerialize`` and ``RecomputeSavedPointwise`` bind a copy of a forward value just before the
-backward reader that needs it, so that the copy is alive only from there.  ``FuseOps`` rebuilds
-the dataflow block in its own order, and a copy that is a kernel it does not fuse (a GEMM
-partition's or an attention's call) can come out right after the loss, with its projections:
-every copy is then alive across most of the backward, and the step keeps more than it did
-without them (BERT-Large, batch 32, 20 GB budget: the estimated peak went from 19.0 to 27.7 GB in
-``FuseOps``; batch 204, 72 GB: 152 GB planned, and the step ran out of the H200's memory).
+backward readers that need it, so that the copy is alive only there.  ``FuseOps`` rebuilds the
+dataflow block in its own order: a copy that is a kernel it does not fuse (a GEMM partition's or
+an attention's call) can come out right after the loss with its first reader, while a weight
+gradient that reads it last comes out at the end of the block.  Every copy is then alive across
+most of the backward, and the step keeps more than it did without them (BERT-Large, batch 32,
+20 GB budget: the estimated peak went from 19.0 to 27.7 GB in ``FuseOps``; batch 204, 72 GB: 159 GB
+estimated, 152 GB planned, and the step ran out of the H200's memory; 68 GB estimated after this
+pass).
 
-In a function with a memory budget (``BUDGET_ATTR``), each binding of a copy (named with
-``COPY_SUFFIX``) and each projection of one after the loss moves down to just before its first
-reader, the latest first, so that a copy follows its projections down.  Moving a binding later
-keeps its operands defined; only bindings of the loss's dataflow block move, within it.
+In a function with a memory budget (``BUDGET_ATTR``), in the loss's dataflow block and after the
+loss:
+
+* ``hoist``: a binding that frees more bytes than it allocates (the last reader of operands larger
+  than its result) moves up to just after its last operand, the first first;
+* ``sink``: each copy (named with ``COPY_SUFFIX``) and each projection of one moves down to just
+  before its first reader, the latest first, so that a copy follows its projections down.
+
+Moving a binding up past none of its operands, or down past none of its readers, keeps the block
+well formed.
 """
 
 from __future__ import annotations
