@@ -301,3 +301,12 @@ def test_the_gpu_run_confirms_the_batch_the_estimate_only_run_found(tmp_path, mo
     before = len(estimated)
     bench_memory.run(bench_e2e.parse_args([*argv, "--start-batch", "32", "--max-trials", "3"]))
     assert len(estimated) == before and ran[0] == 72
+
+
+def test_estimates_are_made_for_the_cuda_route_on_any_machine():
+    """On a machine without a GPU the estimate still runs the CUDA route's passes (a Hopper's)."""
+    target = bench_memory.estimate_target()
+    assert target.kind.name == "cuda"
+    import torch
+    if not torch.cuda.is_available():
+        assert str(target.attrs["arch"]) == "sm_90a"

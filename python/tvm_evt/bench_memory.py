@@ -193,18 +193,29 @@ def run_trial(args, model: str, system: str, batch: int, limit: int) -> dict:
                                           "error": f"exit code {proc.returncode}: {proc.stderr[-400:]}"}
 
 
+HOPPER = {"kind": "cuda", "arch": "sm_90a"}  # the estimates' target on a machine without a GPU
+
+
+def estimate_target():
+    """The target the estimates run the passes for: this machine's GPU, else a Hopper GPU's (the
+    CUDA route's graph: attention offloaded, matmuls padded; the llvm route's differs)."""
+    from .training import as_target
+
+    target = as_target(None)
+    return target if target.kind.name == "cuda" else as_target(HOPPER)
+
+
 def estimated_peak(model: str, system: str, batch: int, limit: int, quick: bool = False) -> int | None:
     """The tvm_evt step's estimated peak at `batch` (no kernel built); None where the budget's
     rematerialisation cannot meet it."""
     from . import optim
     from .budget import estimate_step_peak
     from .errors import MemoryBudgetError
-    from .training import as_target
 
     entry = e2e.build_entry(model, quick, batch=batch)
     try:
         return estimate_step_peak(entry.model, entry.example_inputs(), entry.loss_fn, optim.AdamW(lr=1e-4),
-                                  as_target(None), "bf16", _budget(system, limit))
+                                  estimate_target(), "bf16", _budget(system, limit))
     except MemoryBudgetError:
         return None
 
