@@ -162,6 +162,17 @@ MODELS = {
 }
 
 
+def _torch_step(model, reference: dict, x, y) -> tuple:
+    """(torch's fp32 loss, the parameters with their gradients, the largest gradient's norm) of
+    `model` from the `reference` state (tracing ran the model once: batch-norm statistics moved)."""
+    model.load_state_dict(reference)
+    model.zero_grad()
+    ref = F.cross_entropy(model(x), y)
+    ref.backward()
+    params = dict(model.named_parameters())
+    return ref, params, max(float(p.grad.norm()) for p in params.values())
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_cnn_layers_match_torch(name, channels_last):
@@ -175,13 +186,8 @@ def test_cnn_layers_match_torch(name, channels_last):
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     step = tvm_evt.compile_training(model, (x, y), loss_fn=F.cross_entropy, target="llvm")
     loss, grads = step.loss_and_grads(x, y)
-    model.load_state_dict(reference)  # tracing ran the model once: batch-norm statistics moved
-    model.zero_grad()
-    ref = F.cross_entropy(model(x), y)
-    ref.backward()
+    ref, params, largest = _torch_step(model, reference, x, y)
     assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
-    params = dict(model.named_parameters())
-    largest = max(float(p.grad.norm()) for p in params.values())
     for n, p in params.items():
         err = float((grads[n] - p.grad).norm()) / largest
         assert err <= GRAD_TOL, f"{n}: {err:.2e}"
@@ -197,13 +203,8 @@ def test_normalisations_compile_and_match_in_bf16(name):
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     step = tvm_evt.compile_training(model, (x, y), loss_fn=F.cross_entropy, target="llvm", precision="bf16")
     loss, grads = step.loss_and_grads(x, y)
-    model.load_state_dict(reference)
-    model.zero_grad()
-    ref = F.cross_entropy(model(x), y)
-    ref.backward()
+    ref, params, largest = _torch_step(model, reference, x, y)
     assert abs(float(loss) - ref.item()) <= 2e-2 * max(1.0, abs(ref.item()))
-    params = dict(model.named_parameters())
-    largest = max(float(p.grad.norm()) for p in params.values())
     flat = lambda gs: torch.cat([gs[n].float().flatten() for n in params])  # noqa: E731
     assert float((flat(grads) - flat({n: p.grad for n, p in params.items()})).norm()) <= 5e-2 * largest
 

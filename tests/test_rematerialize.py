@@ -10,7 +10,8 @@ from tvm.script import relax as R
 
 from tvm_evt import compile_training, models
 from tvm_evt.errors import MemoryBudgetError
-from tvm_evt.relax_passes.partition.rematerialize import BUDGET_ATTR, REPORT_ATTR, Rematerialize, estimate_peak
+from tvm_evt.relax_passes.partition.rematerialize import (BUDGET_ATTR, COPY_SUFFIX, REPORT_ATTR, Rematerialize,
+                                                          estimate_peak)
 from tvm_evt.relax_passes.training.optimizers import SGD
 
 UNLIMITED = 10**15
@@ -126,7 +127,7 @@ def test_copies_are_bound_after_the_loss_and_compute_the_same():
     budget = before - (4 << 20)
     after = Rematerialize()(_step_module(budget))
     names = [b.var.name for b in after["train_step"].body.blocks[0].bindings]
-    copies = [i for i, n in enumerate(names) if n.endswith("_remat")]
+    copies = [i for i, n in enumerate(names) if n.endswith(COPY_SUFFIX)]
     assert copies and min(copies) > names.index("loss"), names
     for i in copies:  # each copy just before a reader of it (or before the copy that reads it)
         assert names[i + 1] not in ("out",) and any(

@@ -30,10 +30,11 @@ from tvm import relax
 
 from .._rewrite import flat_bindings
 from ..partition.evt_cost import tensor_bytes
-from ..partition.rematerialize import BUDGET_ATTR, COPY_SUFFIX, loss_var
+from ..partition.rematerialize import COPY_SUFFIX, budgeted, loss_var
 
 
 def _is_copy(binding: relax.VarBinding, copies: set) -> bool:
+    """A copy's binding, or a projection of one of `copies`."""
     value = binding.value
     if binding.var.name.endswith(COPY_SUFFIX):
         return True
@@ -65,13 +66,14 @@ def hoist(order: list, start: int) -> list:
 
 
 def sink(block: relax.DataflowBlock, start: int) -> relax.DataflowBlock:
-    """`block` with the copies bound at or after position `start` moved down to their first readers."""
+    """`block` with its bindings at or after position `start` hoisted (`hoist`), then the copies
+    among them moved down to their first readers."""
     order = hoist(list(block.bindings), start)
     reads = {b.var: set(relax.analysis.free_vars(b.value)) for b in order}
-    copies = []
+    copies: dict = {}  # (in binding order)
     for b in order[start:]:
-        if isinstance(b, relax.VarBinding) and _is_copy(b, set(copies)):
-            copies.append(b.var)
+        if isinstance(b, relax.VarBinding) and _is_copy(b, copies):
+            copies[b.var] = None
     for var in reversed(copies):  # the latest first: a copy's projections are already where they go
         at = next(i for i, b in enumerate(order) if b.var.same_as(var))
         reader = next((i for i in range(at + 1, len(order)) if var in reads[order[i].var]), None)
@@ -88,7 +90,7 @@ class SinkRecomputedValues:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
         for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or not func.attrs or BUDGET_ATTR not in func.attrs:
+            if not budgeted(func):
                 continue
             bindings, _ = flat_bindings(func)
             loss = loss_var(func, bindings)

@@ -35,7 +35,7 @@ from tvm import relax
 
 from .._rewrite import POINTWISE as ELEMENTWISE, elements, flat_bindings, op_name
 from .evt_cost import tensor_bytes
-from .rematerialize import BUDGET_ATTR, StepGraph, rewrite, step_graph
+from .rematerialize import StepGraph, budgeted, rewrite, step_graph
 
 POINTWISE = ELEMENTWISE | {"relax.astype"}
 
@@ -128,7 +128,7 @@ class RecomputeSavedPointwise:
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            if self.budgeted_only and not (func.attrs and BUDGET_ATTR in func.attrs):
+            if self.budgeted_only and not budgeted(func):
                 continue
             try:
                 graph = step_graph(mod, func)

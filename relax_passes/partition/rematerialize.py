@@ -122,6 +122,11 @@ class StepGraph:
         return _need(self)
 
 
+def budgeted(func) -> bool:
+    """Is `func` a Relax function with a memory budget (``BUDGET_ATTR``)?"""
+    return isinstance(func, relax.Function) and bool(func.attrs) and BUDGET_ATTR in func.attrs
+
+
 def loss_var(func: relax.Function, bindings: list) -> relax.Var:
     """The step's loss: the first field of the tuple ``train_step`` returns (its first leaf)."""
     bound = {b.var: b.value for b in bindings}
@@ -532,7 +537,7 @@ class Rematerialize:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
         for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or not func.attrs or BUDGET_ATTR not in func.attrs:
+            if not budgeted(func):
                 continue
             new, report = rematerialize(mod, func, int(func.attrs[BUDGET_ATTR]), self.time_limit)
             new = new.with_attr(REPORT_ATTR, json.dumps(report))
