@@ -61,6 +61,9 @@ What ``phases(target)`` runs after the training phase, in order:
                        FuseOps fuses with that op (TVM's mean takes no producer)
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
+    SinkRecomputedValues  (after FuseTIR, budgeted functions only) recomputed copies FuseOps moved up
+                       the backward go down to their first reader again, and readers that free more
+                       than they allocate move up to their operands
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes (inside ``graph_capture()``,
                        as ``compile_training(..., cuda_graph=True)`` builds, its RewriteCUDAGraph
                        lifts each function's static regions into CUDA graphs)
@@ -136,7 +139,8 @@ PHASES = (
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "RecomputeElementwise",
-           "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "ScheduleTIRForGPU")),
+           "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "SinkRecomputedValues",
+           "ScheduleTIRForGPU")),
 )
 
 # Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
