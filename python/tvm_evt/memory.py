@@ -47,43 +47,30 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .pipeline import pass_context, phases
+from .pipeline import PLANNER, pass_context, phases
 from .relax_passes._rewrite import VIEWS
 
 FUNCTION = "train_step"
 
-# TVM's default_build_pipeline (relax.pipeline), which ``pipeline.phases`` ends with on any target
-# but CUDA, up to and including its memory planning.
-_TVM_BUILD_UNTIL_PLAN = (
-    lambda: relax.backend.DispatchSampling(),
-    lambda: relax.backend.DispatchSortScan(),
-    lambda: relax.transform.LegalizeOps(),
-    lambda: relax.transform.RewriteDataflowReshape(),
-    lambda: relax.transform.ToNonDataflow(),
-    lambda: relax.transform.RemovePurityChecking(),
-    lambda: relax.transform.CallTIRRewrite(),
-    lambda: relax.transform.StaticPlanBlockMemory(),
-)
-PLANNER = "StaticPlanBlockMemory"
-
+ARENA = "PackMemoryArena"
 ALLOC_STORAGE = "relax.memory.alloc_storage"
 ALLOC_TENSOR = "relax.memory.alloc_tensor"  # a tensor placed in a storage of the plan
 BUILTIN_ALLOC = "relax.builtin.alloc_tensor"  # a tensor the plan left to the runtime
+ARENA_TENSOR = "tvm_evt.arena_tensor"  # a tensor PackMemoryArena placed in its arena
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "buffers", "counters", "gradients",
               "saved_activations", "temporaries", "step_outputs")
 
 
 def planning_passes(target: tvm.target.Target) -> list:
-    """The passes of the step's build (``pipeline.phases``) up to and including TVM's memory planning."""
+    """The passes of the step's build (``pipeline.phases``) up to and including its memory plan
+    (TVM's ``StaticPlanBlockMemory``, then ``PackMemoryArena``)."""
     passes = phases(target)
-    if target.kind.name == "cuda":  # one flat list, TVM's finalize_passes at its end
-        names = [p.info.name for p in passes]
-        if PLANNER not in names:
-            raise RuntimeError(f"memory_plan: the CUDA pipeline has no {PLANNER} pass (passes: {names[-8:]})")
-        return passes[: names.index(PLANNER) + 1]
-    # the CPU route: our passes, then relax.pipeline.default_build_pipeline() as one opaque pass
-    return passes[:-1] + [make() for make in _TVM_BUILD_UNTIL_PLAN]
+    names = [p.info.name for p in passes]
+    if PLANNER not in names:
+        raise RuntimeError(f"memory_plan: the build has no {PLANNER} pass (passes: {names[-8:]})")
+    last = names.index(ARENA) if ARENA in names else names.index(PLANNER)
+    return passes[: last + 1]
 
 
 def memory_plan(mod: tvm.IRModule, target: tvm.target.Target) -> relax.Function:
@@ -104,14 +91,15 @@ def memory_plan(mod: tvm.IRModule, target: tvm.target.Target) -> relax.Function:
 
 @tvm.instrument.pass_instrument
 class PlannedStepKeeper:
-    """A pass instrument that keeps ``train_step`` as the build leaves it after ``PLANNER``: with it
-    around `tvm.compile`, `memory_report` needs no second run of the build's passes."""
+    """A pass instrument that keeps ``train_step`` as the build leaves it after its memory plan
+    (``PLANNER``, then ``ARENA`` where it runs): with it around `tvm.compile`, `memory_report` needs
+    no second run of the build's passes."""
 
     def __init__(self):
         self.function = None
 
     def run_after_pass(self, mod, info):
-        if info.name == PLANNER and any(gv.name_hint == FUNCTION for gv in mod.get_global_vars()):
+        if info.name in (PLANNER, ARENA) and any(gv.name_hint == FUNCTION for gv in mod.get_global_vars()):
             self.function = mod[FUNCTION]
 
     def watching(self) -> tvm.transform.PassContext:
@@ -128,7 +116,9 @@ class _Tensor:
     shape: tuple
     dtype: str
     nbytes: int
-    kind: str  # "argument", "planned" (in a storage), "unplanned" (runtime alloc or a callee's result)
+    # "argument", "planned" (in a storage), "unplanned" (runtime alloc or a callee's result), "arena"
+    # (PackMemoryArena's whole arena as one uint8 tensor: its bytes are the planned tensors')
+    kind: str
     storage: int | None = None
     alloc: int = 0  # binding index of its allocation (arguments: -1)
     producer: int | None = None  # call index of the first call that writes it
@@ -231,6 +221,13 @@ class _Walk:
                 self._read(self.of[var], i)
             return
         args = [t for a in value.args for t in self._flat(self._resolve(a))]
+        if op == ARENA_TENSOR and args:  # a tensor placed in the arena args[0] is a view of
+            arena = self.tensors[args[0]]
+            arena.kind = "arena"
+            shape, dtype, nbytes = _bytes(var.ty)
+            self.of[var] = self._new(_Tensor(var.name, shape, dtype, nbytes, "planned", storage=arena.storage, alloc=i))
+            self._read(self.of[var], i)
+            return
         if op in VIEWS and args:  # the same memory under another shape
             self.of[var] = args[0]
             self.tensors[args[0]].names.append(var.name)
@@ -315,7 +312,7 @@ def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None 
     grads = set(update_grads)
     returned = set(walk._flat(walk.result))
     for t, tensor in enumerate(walk.tensors):
-        if category[t] is not None:
+        if category[t] is not None or tensor.kind == "arena":
             continue
         if t in returned:
             category[t] = "step_outputs"
@@ -327,7 +324,8 @@ def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None 
             category[t] = "temporaries"
     categories = {c: 0 for c in CATEGORIES}
     for t, tensor in enumerate(walk.tensors):
-        categories[category[t]] += tensor.nbytes
+        if category[t] is not None:
+            categories[category[t]] += tensor.nbytes
     saved = [{"op": tensor.op, "name": tensor.names[0] if tensor.names else tensor.name, "shape": list(tensor.shape),
               "dtype": tensor.dtype, "bytes": tensor.nbytes}
              for t, tensor in enumerate(walk.tensors) if category[t] == "saved_activations"]
@@ -337,7 +335,7 @@ def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None 
         "saved_activations": saved,
         "planned_peak_bytes": max((p["live_bytes"] for p in timeline), default=0),
         "planned_storage_bytes": sum(s.nbytes for s in walk.storages.values()),
-        "unplanned_total_bytes": sum(t.nbytes for t in walk.tensors),
+        "unplanned_total_bytes": sum(t.nbytes for t in walk.tensors if t.kind != "arena"),
         "timeline": timeline,
         "measured_peak_bytes": measured_peak_bytes,
         "notes": notes,
