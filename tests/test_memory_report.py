@@ -178,3 +178,16 @@ def test_the_report_reads_the_plan_the_build_made(adamw_mlp, monkeypatch):
     # and it is the plan memory_plan makes from the module
     assert tvm_evt.memory.memory_report(memory_plan(runtime_module(step.graph.mod), step.target),
                                         step.layout)["planned_peak_bytes"] == report["planned_peak_bytes"]
+
+
+def test_a_step_built_as_cuda_graphs_keeps_every_storage(adamw_mlp):
+    """RewriteCUDAGraph allocates the plan's storages once, before the step: the timeline counts them
+    all at every point, not from allocation to last read."""
+    from tvm_evt.memory import memory_report
+
+    step, _, freed = adamw_mlp
+    kept = memory_report(step.planned_function, step.layout, storages_kept=True)
+    assert {p["storage_bytes"] for p in kept["timeline"]} == {kept["planned_storage_bytes"]}
+    assert min(p["storage_bytes"] for p in freed["timeline"]) < kept["planned_storage_bytes"]
+    assert kept["planned_peak_bytes"] >= freed["planned_peak_bytes"]
+    assert kept["categories"] == freed["categories"]

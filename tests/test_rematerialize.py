@@ -184,3 +184,18 @@ def test_an_operand_is_needed_until_its_readers_copy_is_made_not_until_the_copys
     names = {v.name: v for v in graph.nodes}
     assert (start_of[names["b"]], end_of[names["b"]]) == (3, 5)
     assert (start_of[names["a"]], end_of[names["a"]]) == (3, 3)
+
+
+def test_a_plan_over_the_budget_is_warned_about(mlp_steps):
+    """The rematerialisation meets the budget on its estimate; the built plan is checked too."""
+    import warnings
+
+    from tvm_evt.training import _check_plan
+
+    _, _, _, step, _ = mlp_steps
+    planned = step.memory_report()["planned_peak_bytes"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check_plan(step, planned)  # met exactly: nothing to say
+    with pytest.warns(UserWarning, match="memory plan holds"):
+        _check_plan(step, planned - 1)

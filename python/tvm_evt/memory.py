@@ -1,7 +1,8 @@
 """The memory report of a compiled training step, read from its memory plan.
 
 ``memory_plan(mod, target)`` runs the build a `TrainingStep` ran (``pipeline.phases(target)``) on
-``train_step`` up to and including TVM's ``StaticPlanBlockMemory``; ``memory_report`` walks the
+``train_step`` up to and including its memory plan (TVM's ``StaticPlanBlockMemory``, then
+``PackMemoryArena``); ``memory_report`` walks the
 planned function and returns::
 
     {"categories": {"parameters", "optimizer_state", "inputs", "buffers", "counters", "gradients",
@@ -36,8 +37,10 @@ after it make new variables, so the importer's origins (``ImportedModel.origins`
 imported ``main``'s variables) no longer reach them, and their names are reused.
 
 The timeline has one point per kernel call: the arguments, the storages alive (from their
-allocation to the last read of a tensor placed in them: ``KillAfterLastUse`` frees them there) and
-the tensors allocated outside the plan (the outputs, and any the planner could not place).
+allocation to the last read of a tensor placed in them: ``KillAfterLastUse`` frees them there; a
+step built as CUDA graphs allocates them all once and keeps them) and the tensors allocated outside
+the plan (the outputs, and any the planner could not place).  Where ``PackMemoryArena`` ran, the plan
+is one storage, the arena, and each planned tensor a ``tvm_evt.arena_tensor`` placed in it.
 """
 from __future__ import annotations
 
@@ -297,9 +300,11 @@ def _boundary(walk: _Walk, layout) -> int:
 
 
 def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None = None,
-                  notes: tuple[str, ...] = ()) -> dict:
+                  notes: tuple[str, ...] = (), storages_kept: bool = False) -> dict:
     """The report (module docstring) of a planned ``train_step`` (`memory_plan`) laid out as `layout`
-    (``StepLayout``)."""
+    (``StepLayout``).  `storages_kept`: the step runs as CUDA graphs, whose build (TVM's
+    ``RewriteCUDAGraph``) allocates every storage of the plan once, before the step, and keeps it:
+    the timeline counts each storage alive throughout instead of from its allocation to its last read."""
     walk = _Walk(func)
     num_args = len(func.params)
     category = _argument_categories(layout, num_args) + [None] * (len(walk.tensors) - num_args)
@@ -329,7 +334,7 @@ def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None 
     saved = [{"op": tensor.op, "name": tensor.names[0] if tensor.names else tensor.name, "shape": list(tensor.shape),
               "dtype": tensor.dtype, "bytes": tensor.nbytes}
              for t, tensor in enumerate(walk.tensors) if category[t] == "saved_activations"]
-    timeline = _timeline(walk, num_args, boundary, update)
+    timeline = _timeline(walk, num_args, boundary, update, storages_kept)
     return {
         "categories": categories,
         "saved_activations": saved,
@@ -342,12 +347,12 @@ def memory_report(func: relax.Function, layout, measured_peak_bytes: int | None 
     }
 
 
-def _timeline(walk: _Walk, num_args: int, boundary: int, update) -> list[dict]:
+def _timeline(walk: _Walk, num_args: int, boundary: int, update, storages_kept: bool = False) -> list[dict]:
     arguments = sum(t.nbytes for t in walk.tensors[:num_args])
     unplanned = [t for t in walk.tensors[num_args:] if t.kind == "unplanned"]
     points = []
     for index, (i, op, _, _) in enumerate(walk.calls):
-        storage = sum(s.nbytes for s in walk.storages.values() if s.alloc <= i <= s.last)
+        storage = sum(s.nbytes for s in walk.storages.values() if storages_kept or s.alloc <= i <= s.last)
         loose = sum(t.nbytes for t in unplanned if t.alloc <= i <= max(t.last, t.alloc))
         phase = "forward" if index <= boundary else "update" if update is not None and index >= update else "backward"
         points.append({"index": index, "op": op, "phase": phase, "live_bytes": arguments + storage + loose,

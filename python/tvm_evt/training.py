@@ -23,6 +23,7 @@ import dataclasses
 import json
 import re
 import time
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -284,6 +285,7 @@ class TrainingStep:
         self._step = self._scalar(0.0)
         self._ran = False  # train_step or main_adjoint has run (memory_report measures a first run)
         self.planned_function = None  # train_step as the build planned its memory (compile_training keeps it)
+        self.captures_graphs = False  # built as CUDA graphs: the plan's storages are allocated once and kept
         self._scaler = []
         if loss_scale is not None:
             self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
@@ -414,7 +416,7 @@ class TrainingStep:
                 measured = held + device_used_bytes(self.device) - before
             else:
                 notes.append(f"no measured peak: TVM reports no memory use for {self.device}")
-        report = memory_report(func, self.layout, measured, notes)
+        report = memory_report(func, self.layout, measured, notes, storages_kept=self.captures_graphs)
         decided = func.attrs.get(REMAT_REPORT_ATTR) if func.attrs else None
         report["rematerialized"] = json.loads(str(decided)) if decided is not None else None
         return report
@@ -521,7 +523,24 @@ def compile_training(
             executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
     step = TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
     step.planned_function = keeper.function
+    step.captures_graphs = graphs
+    if budget is not None and step.planned_function is not None:
+        _check_plan(step, budget)
     return step
+
+
+def _check_plan(step: "TrainingStep", budget: int) -> None:
+    """Warn when the built step's memory plan holds more than `budget` at its peak: the
+    rematerialisation meets the budget on its estimate of the step before kernels are fused and
+    memory is planned, which the plan can exceed."""
+    from .memory import memory_report
+
+    planned = memory_report(step.planned_function, step.layout, storages_kept=step.captures_graphs)["planned_peak_bytes"]
+    if planned > budget:
+        warnings.warn(f"compile_training: train_step's memory plan holds {planned / 1e6:,.1f} MB at its peak, over "
+                      f"memory_budget={budget / 1e6:,.1f} MB (the rematerialisation met the budget on its estimate of "
+                      f"the step before fusion and memory planning); a budget {(planned - budget) / 1e6:,.1f} MB lower "
+                      "would aim under it", stacklevel=3)
 
 
 def resolve_memory_budget(memory_budget, target: tvm.target.Target, precision: str) -> int | None:
