@@ -199,3 +199,27 @@ def test_a_plan_over_the_budget_is_warned_about(mlp_steps):
         _check_plan(step, planned)  # met exactly: nothing to say
     with pytest.warns(UserWarning, match="memory plan holds"):
         _check_plan(step, planned - 1)
+
+
+@tvm.script.ir_module
+class _TwoOutputs:
+    @R.function
+    def main(x: R.Tensor((1024,), "float32")):
+        with R.dataflow():
+            t = R.split(x, 2)  # two [512] float32 outputs, 2048 bytes each
+            a = t[0]
+            b = R.exp(a)  # the last read of the first output
+            d = t[1]
+            c = R.exp(b)
+            e = R.add(c, d)  # the last read of the second
+            R.output(e)
+        return e
+
+
+def test_each_output_of_a_call_lives_until_its_own_last_read():
+    from tvm_evt.relax_passes.partition.rematerialize import live_bytes
+
+    x, field = 4096, 2048  # the argument (alive throughout), one output of the split
+    # split; t[0]; exp reads t[0] for the last time; t[1]; exp; add; the result
+    assert live_bytes(_TwoOutputs["main"]) == [x + 2 * field, x + 2 * field, x + 3 * field, x + 2 * field,
+                                               x + 3 * field, x + 3 * field, x + field]

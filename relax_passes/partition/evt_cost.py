@@ -50,13 +50,13 @@ def tensor_bytes(expr) -> int:
     """Bytes of a tensor (or of every tensor in a tuple); 0 when unknown or not a tensor."""
     ty = getattr(expr, "ty", None)
     if isinstance(ty, relax.TupleType):
-        return sum(_type_bytes(f) for f in ty.fields)
-    return _type_bytes(ty)
+        return sum(type_bytes(f) for f in ty.fields)
+    return type_bytes(ty)
 
 
-def _type_bytes(ty) -> int:
+def type_bytes(ty) -> int:
     if isinstance(ty, relax.TupleType):
-        return sum(_type_bytes(f) for f in ty.fields)
+        return sum(type_bytes(f) for f in ty.fields)
     if not isinstance(ty, relax.TensorType) or ty.shape is None or not hasattr(ty.shape, "values"):
         return 0
     if any(not isinstance(d, tvm.ir.prim.expr.IntImm) for d in ty.shape.values):

@@ -56,7 +56,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from ...errors import MemoryBudgetError
 from .._rewrite import VIEWS, flat_bindings, op_name, sub_expressions
 from ..ops.attention_op import FORWARD as ATTENTION
-from .evt_cost import static_shape, tensor_bytes
+from .evt_cost import type_bytes, static_shape, tensor_bytes
 from .partition_evt import ILP_SOLVER
 
 BUDGET_ATTR = "tvm_evt.memory_budget"  # bytes, set on train_step by compile_training
@@ -235,41 +235,52 @@ def estimate_peak(func: relax.Function) -> int:
 def live_bytes(func: relax.Function) -> list:
     """Bytes alive at each binding of `func` (and at its result): its arguments throughout, every
     other tensor from its binding to its last reader (views and projections share their operand's
-    memory; a tuple's tensors live as long as the tuple or a projection of them is read)."""
+    memory).  A call that returns a tuple allocates each field apart, as the build does (one output
+    buffer each): a field lives until the last read of a projection of it, or of the whole tuple.
+    A tuple built of existing tensors allocates nothing, and reading it reads them."""
     bindings, _ = flat_bindings(func)
     args = sum(tensor_bytes(p) for p in func.params)
     index = {b.var: i for i, b in enumerate(bindings)}
     end = len(bindings)
-    last = {}  # var -> last index reading it
-    for i, b in enumerate(bindings):
-        for v in relax.analysis.free_vars(b.value):
-            last[v] = i
-    for v in relax.analysis.free_vars(func.body.body):
-        last[v] = end
-    # the owner of each var's memory: a projection or view belongs to what it reads
-    owner = {}
+    # the memory each var reads: (allocating var, field or None for all of it) pairs
+    holds: dict = {}
+    made = {}  # allocating var -> the bytes of each of its fields (one entry for a tensor)
     for b in bindings:
         v, value = b.var, b.value
         if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
-            owner[v] = owner.get(value.tuple_value, value.tuple_value)
+            whole = holds.get(value.tuple_value, ())
+            fields = [(o, value.index) for o, f in whole if f is None and len(made.get(o, ())) > 1]
+            holds[v] = tuple(fields) if len(fields) == len(whole) and fields else whole
         elif isinstance(value, relax.Var) or op_name(value) in VIEWS and isinstance(value.args[0], relax.Var):
-            src = value if isinstance(value, relax.Var) else value.args[0]
-            owner[v] = owner.get(src, src)
+            holds[v] = holds.get(value if isinstance(value, relax.Var) else value.args[0], ())
         elif isinstance(value, relax.Tuple):
-            owner[v] = v  # a tuple of existing tensors allocates nothing
-    until = {}  # allocating var -> last index its memory is read through anything it owns
-    for v, i in last.items():
-        o = owner.get(v, v)
-        until[o] = max(until.get(o, -1), i)
-    delta = [0] * (end + 2)
-    for b in bindings:
-        v, value = b.var, b.value
-        if owner.get(v, v) is not v or isinstance(value, relax.Tuple):
+            holds[v] = tuple(h for f in value.fields if isinstance(f, relax.Var) for h in holds.get(f, ()))
+        else:
+            ty = getattr(v, "ty", None)
+            made[v] = [type_bytes(f) for f in ty.fields] if isinstance(ty, relax.TupleType) else [tensor_bytes(v)]
+            holds[v] = ((v, None),)
+    until: dict = {}  # (allocating var, field) -> last index its memory is read
+    for v in made:
+        for k in range(len(made[v])):
+            until[(v, k)] = index[v]
+
+    def read(var, i: int) -> None:
+        for o, field in holds.get(var, ()):
+            for k in (range(len(made[o])) if field is None else (field,)):
+                until[(o, k)] = max(until[(o, k)], i)
+
+    for i, b in enumerate(bindings):
+        if isinstance(b.value, relax.TupleGetItem) and isinstance(b.value.tuple_value, relax.Var):
+            read(b.var, i)  # a projection reads its field, not the whole tuple
             continue
-        start = index[v]
-        stop = until.get(v, start)
-        n = tensor_bytes(v)
-        delta[start] += n
+        for v in relax.analysis.free_vars(b.value):
+            read(v, i)
+    for v in relax.analysis.free_vars(func.body.body):
+        read(v, end)
+    delta = [0] * (end + 2)
+    for (v, k), stop in until.items():
+        n = made[v][k]
+        delta[index[v]] += n
         delta[stop + 1] -= n
     profile, live = [], args
     for d in delta[: end + 1]:
