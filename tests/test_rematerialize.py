@@ -223,3 +223,18 @@ def test_each_output_of_a_call_lives_until_its_own_last_read():
     # split; t[0]; exp reads t[0] for the last time; t[1]; exp; add; the result
     assert live_bytes(_TwoOutputs["main"]) == [x + 2 * field, x + 2 * field, x + 3 * field, x + 2 * field,
                                                x + 3 * field, x + 3 * field, x + field]
+
+
+def test_aim_memory_budget_finds_a_budget_whose_plan_fits():
+    """The budget bounds the estimate; aim_memory_budget searches the budget whose memory plan
+    (the build's passes up to the plan, no kernel built) holds at most a limit."""
+    from tvm_evt.budget import aim_memory_budget, planned_step_peak
+
+    entry = _mlp_entry()
+    args = (entry.training_module(), entry.example_inputs())
+    peak = planned_step_peak(*args, optimizer=SGD(lr=1e-2), target="llvm")
+    assert aim_memory_budget(*args, peak, optimizer=SGD(lr=1e-2), target="llvm") == (None, peak)  # fits as it is
+    limit = int(0.85 * peak)
+    budget, planned = aim_memory_budget(*args, limit, optimizer=SGD(lr=1e-2), target="llvm")
+    assert planned <= limit < peak
+    assert planned_step_peak(*args, optimizer=SGD(lr=1e-2), target="llvm", memory_budget=budget) == planned

@@ -19,7 +19,7 @@ from .codegen import relax_ext as _relax_ext
 from .codegen.patterns import partition_for_evt
 from .errors import DataParallelMismatchError, InputMismatchError, MemoryBudgetError, UnsupportedOpError
 from .frontend import from_torch
-from .budget import estimate_step_peak, max_batch
+from .budget import aim_memory_budget, estimate_step_peak, max_batch, planned_step_peak
 from .training import TrainingStep, build_training_module, compile_training, cpu_target, default_target
 
 _relax_ext.register()
@@ -39,5 +39,7 @@ __all__ = [
     "MemoryBudgetError",
     "max_batch",
     "estimate_step_peak",
+    "planned_step_peak",
+    "aim_memory_budget",
     "optim",
 ]
