@@ -15,7 +15,7 @@ from .memory import FUNCTION, memory_report, planning_passes
 from .pipeline import graph_capture, phases
 from .relax_passes.partition.rematerialize import BUDGET_ATTR, estimate_peak
 from .training import as_target, build_training_module, captures_graphs, resolve_memory_budget, runtime_module
-from .tuning import without_builds
+from .unbuilt import without_builds
 
 AIM_ROUNDS = 5  # memory plans made (no kernel built) to aim a budget
 AIM_CLOSE = 0.02  # a plan this share of the limit under it is taken

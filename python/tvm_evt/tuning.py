@@ -36,6 +36,7 @@ from tvm import relax
 
 from .pipeline import front_passes, phases
 from .tuned import CUTLASS_FILE, _names, split_phases
+from .unbuilt import OpaqueEVTCalls, evt_functions, without_builds  # noqa: F401 (this module's API too)
 
 PROGRESS_FILE = "progress.json"
 BENCH_PREFIX = "bench:"  # load_model("bench:resnet50"): a scripts/bench.py model
@@ -89,14 +90,6 @@ def training_graph(entry, precision: str = "bf16", optimizer=None, target: tvm.t
 
 
 # ----------------------------------------------------------------------------- pipeline split
-def without_builds(passes: list, opaque: "OpaqueEVTCalls | None" = None) -> list:
-    """``passes`` without nvcc: ``RunCodegen`` replaced by ``opaque`` (a fresh ``OpaqueEVTCalls``
-    by default) and ``PrebuildKernels`` dropped."""
-    opaque = opaque or OpaqueEVTCalls()
-    return [opaque if name == "RunCodegen" else p for p, name in zip(passes, _names(passes))
-            if name != "PrebuildKernels"]
-
-
 def until_scheduling(target: tvm.target.Target, opaque: "OpaqueEVTCalls | None" = None) -> tuple[list, object]:
     """(the CUDA route's passes before ``ScheduleTIRForGPU``, without nvcc (``without_builds``);
     that pass): the TVM kernels as they are scheduled, without building any."""
@@ -109,60 +102,6 @@ def until_scheduling(target: tvm.target.Target, opaque: "OpaqueEVTCalls | None" 
 
 
 # ------------------------------------------------------------------------------- partitions
-def evt_functions(mod: tvm.IRModule, codegen: str | None = None) -> dict:
-    """{GlobalVar: function} of the ``Codegen="evt"`` partitions (or of `codegen`'s functions)."""
-    from .relax_passes.partition.partition_evt import CODEGEN
-
-    codegen = codegen or CODEGEN
-    return {gv: f for gv, f in mod.functions_items()
-            if isinstance(f, relax.Function) and f.attrs and f.attrs.get("Codegen") == codegen}
-
-
-def _external_functions(mod: tvm.IRModule) -> dict:
-    """{GlobalVar: kind} of the functions ``RunCodegen`` builds: evt partitions ("cutlass"),
-    flash-attention calls ("flash") and implicit-GEMM convolutions ("conv")."""
-    from .relax_passes.lower.offload_attention import CODEGEN as ATTENTION
-    from .relax_passes.lower.offload_conv import CODEGEN as CONV
-
-    kinds = {gv: "cutlass" for gv in evt_functions(mod)}
-    return {**kinds, **{gv: "flash" for gv in evt_functions(mod, ATTENTION)},
-            **{gv: "conv" for gv in evt_functions(mod, CONV)}}
-
-
-@tvm.transform.module_pass(opt_level=0, name="OpaqueEVTCalls")
-class OpaqueEVTCalls:
-    """Replace each call of an evt partition (or flash-attention or convolution function) by a
-    ``call_dps_packed`` of its symbol and drop the functions: what ``RunCodegen`` leaves for TVM,
-    without building the kernels.  ``kinds`` maps each symbol replaced to "cutlass", "flash" or
-    "conv"."""
-
-    def __init__(self):
-        self.kinds: dict[str, str] = {}
-
-    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        parts = _external_functions(mod)
-        self.kinds.update({gv.name_hint: kind for gv, kind in parts.items()})
-        if not parts:
-            return mod
-
-        @relax.expr_functor.mutator
-        class _Mutator(relax.PyExprMutator):
-            def visit_call_(self, call):
-                call = super().visit_call_(call)
-                if call.op in parts:
-                    ty = call.ty
-                    out = list(ty.fields) if isinstance(ty, relax.TupleType) else ty
-                    return relax.call_dps_packed(call.op.name_hint, relax.Tuple(list(call.args)), out)
-                return call
-
-        mutator = _Mutator(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and gv not in parts:
-                mutator.builder_.update_func(gv, mutator.visit_expr(func))
-        out = mutator.builder_.get()
-        return tvm.IRModule({g: f for g, f in out.functions_items() if g not in parts}, attrs=out.attrs)
-
-
 def partitioned(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """The training module after the ``evt`` pipeline's front passes (graph passes, PartitionEVT)."""
     with target:
