@@ -211,13 +211,22 @@ def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkey
              "tvm_evt_budget_at_twice_eager": lambda b: 8 * GB + GB * b // 3}
     ran = []
 
-    def fake_trial(args, model, system, batch, lim):
+    aims = []
+
+    def fake_trial(args, model, system, batch, lim, aimed=None):
         ran.append((system, batch))
+        if aimed is not None:
+            aims.append((system, batch, aimed["memory_budget"]))
         p = peaks[system](batch)
         return {"ok": True, "fits": p <= lim, "batch": batch, "peak_bytes": p, "step_ms": float(batch),
                 "samples_per_s": 1000.0}
 
+    def fake_aim(model, batch, lim, quick=False):
+        aims.append(("aimed", batch))
+        return {"memory_budget": 90 * GB, "planned_peak_bytes": 70 * GB}
+
     monkeypatch.setattr(bench_memory, "run_trial", fake_trial)
+    monkeypatch.setattr(bench_memory, "aimed_budget", fake_aim)
     monkeypatch.setattr(bench_memory, "estimated_peak", lambda model, system, b, lim, quick=False: peaks[system](b))
     argv = ["--max-batch", "80", "--models", "hf_bert_large", "--out", str(tmp_path), "--start-batch", "2",
             "--max-trials", "12"]
@@ -227,6 +236,9 @@ def test_run_writes_every_systems_row_and_feeds_eagers_batch_on(tmp_path, monkey
     assert rows["eager"]["batch"] == 35 and rows["tvm_evt_budget"]["batch"] >= 200
     assert rows["tvm_evt_at_eager_batch"]["batch"] == 35 and rows["tvm_evt_budget_at_twice_eager"]["batch"] == 70
     assert "| hf_bert_large | eager | 35 | 36 |" in (tmp_path / bench_memory.RESULTS_MD).read_text()
+    # twice eager's batch: the budget aimed at the limit's plan, once, and compiled with
+    assert aims == [("aimed", 70), ("tvm_evt_budget_at_twice_eager", 70, 90 * GB)]
+    assert rows["tvm_evt_budget_at_twice_eager"]["aimed_budget"]["memory_budget"] == 90 * GB
     before = len(ran)
     bench_memory.run(bench_e2e.parse_args(argv))
     assert len(ran) == before  # resumed: nothing searched again
@@ -242,7 +254,7 @@ def test_estimates_made_without_a_gpu_are_kept_for_the_gpu_run(tmp_path, monkeyp
         estimated.append((system, b))
         return 8 * GB + GB * b
 
-    def fake_trial(args, model, system, batch, lim):
+    def fake_trial(args, model, system, batch, lim, aimed=None):
         ran.append((system, batch))
         return {"ok": True, "fits": True, "batch": batch, "peak_bytes": 8 * GB + GB * batch, "step_ms": 1.0,
                 "samples_per_s": 1.0}
@@ -262,7 +274,7 @@ def test_estimates_made_without_a_gpu_are_kept_for_the_gpu_run(tmp_path, monkeyp
 def test_a_search_cut_short_resumes_without_running_its_trials_again(tmp_path, monkeypatch):
     ran, cut = [], [True]
 
-    def fake_trial(args, model, system, batch, lim):
+    def fake_trial(args, model, system, batch, lim, aimed=None):
         if cut[0] and len(ran) == 2:  # the third trial: the device call ends
             return {"ok": False, "batch": batch, "error": "timed out after 1 s"}
         ran.append(batch)
@@ -290,7 +302,7 @@ def test_the_gpu_run_confirms_the_batch_the_estimate_only_run_found(tmp_path, mo
         estimated.append(b)
         return 8 * GB + GB * b
 
-    def fake_trial(args, model, system, batch, lim):
+    def fake_trial(args, model, system, batch, lim, aimed=None):
         ran.append(batch)
         return {"ok": True, "fits": True, "batch": batch, "peak_bytes": lim - GB, "step_ms": 1.0, "samples_per_s": 1.0}
 
@@ -310,3 +322,24 @@ def test_estimates_are_made_for_the_cuda_route_on_any_machine():
     import torch
     if not torch.cuda.is_available():
         assert str(target.attrs["arch"]) == "sm_90a"
+
+
+def test_a_trial_compiles_with_the_aimed_budget(monkeypatch):
+    """run_trial hands the aimed budget to the trial subprocess, which compiles with it."""
+    import json
+    import subprocess
+    import types
+
+    jobs = []
+
+    def fake_run(cmd, **kwargs):
+        jobs.append(json.loads(cmd[cmd.index("--trial") + 1]))
+        return types.SimpleNamespace(stdout="", stderr="", returncode=1)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = bench_e2e.parse_args(["--max-batch", "80"])
+    bench_memory.run_trial(args, "hf_bert_large", "tvm_evt_budget_at_twice_eager", 204, 80 * GB,
+                           {"memory_budget": 95 * GB, "planned_peak_bytes": 77 * GB})
+    bench_memory.run_trial(args, "hf_bert_large", "tvm_evt_budget_at_twice_eager", 204, 80 * GB,
+                           {"memory_budget": None, "planned_peak_bytes": None, "error": "no budget fits"})
+    assert jobs[0]["memory_budget"] == 95 * GB and "memory_budget" not in jobs[1]

@@ -15,7 +15,9 @@ AdamW):
   batch is compared against;
 * ``tvm_evt_budget_at_twice_eager``: ``tvm_evt_budget`` at twice the batch eager found (the
   rematerialisation target: twice eager's batch at little throughput lost against
-  ``tvm_evt_at_eager_batch``).
+  ``tvm_evt_at_eager_batch``), compiled with the budget whose memory plan holds ``PLAN_SHARE`` of
+  the limit (``aimed_budget``: memory plans made without building kernels, kept in ``--out`` so
+  that ``--estimate-only`` finds it on any machine and the GPU run uses it).
 
 One *trial* (a subprocess, so that an out-of-memory state or a crash loses only itself) builds the
 model at one batch, runs ``--warmup`` steps and times ``--steps``.  It fits when
@@ -59,6 +61,7 @@ ESTIMATED_SYSTEMS = ("tvm_evt", "tvm_evt_budget")  # their batch is estimated fi
 AT_EAGER_BATCH = {"tvm_evt_at_eager_batch": 1, "tvm_evt_budget_at_twice_eager": 2}  # run at this multiple of eager's batch
 BUDGET_SYSTEMS = ("tvm_evt_budget", "tvm_evt_budget_at_twice_eager")  # compiled with a memory_budget
 BUDGET_SHARE = 0.8  # of the limit, for the step's estimated peak: TVM's memory plan keeps more (BERT-Large at batch 204, 72 GB: 84.4 GB planned), and the CUDA context and kernels' workspaces take their share
+PLAN_SHARE = 0.97  # of the limit, for the memory plan of a budget aimed at it (BERT-Large at batch 102: planned 79.8, on the H200 80.0 GB)
 CONFIRM_RUNS = 3  # tvm_evt systems: compiled runs at most to confirm (and grow or shrink) the estimated batch
 RESOLUTION = 1 / 32  # the search stops once the largest fitting batch is known within this share of itself
 RESULTS_JSON, RESULTS_MD = "bench_memory.json", "bench_memory.md"
@@ -157,7 +160,8 @@ def trial(job: dict) -> dict:
             step, _ = e2e._torch_step(entry, inputs, "compile" if system == "compile" else "eager",
                                       channels_last=channels_last)
         else:
-            step, compile_s, _ts = e2e._tvm_step(entry, inputs, "tvm_evt", None, memory_budget=_budget(system, limit))
+            budget = job["memory_budget"] if "memory_budget" in job else _budget(system, limit)
+            step, compile_s, _ts = e2e._tvm_step(entry, inputs, "tvm_evt", None, memory_budget=budget)
             row["compile_s"] = round(compile_s, 1)
         for _ in range(max(1, job.get("warmup", 2))):
             step()
@@ -175,14 +179,34 @@ def trial(job: dict) -> dict:
 
 
 def _budget(system: str, limit: int) -> int | None:
-    """The ``memory_budget`` `system` compiles with under `limit` bytes."""
+    """The ``memory_budget`` `system` compiles with under `limit` bytes (unless one was aimed)."""
     return int(BUDGET_SHARE * limit) if system in BUDGET_SYSTEMS else None
 
 
-def run_trial(args, model: str, system: str, batch: int, limit: int) -> dict:
-    """One trial in a subprocess (its errors and time-outs come back as the row's error)."""
+def aimed_budget(model: str, batch: int, limit: int, quick: bool = False) -> dict:
+    """{"memory_budget", "planned_peak_bytes"}: the budget whose step's memory plan holds at most
+    ``PLAN_SHARE * limit`` at `batch` (``budget.aim_memory_budget``: memory plans made without
+    building kernels, on any machine; the budget is None where the step fits without one)."""
+    from . import optim
+    from .budget import aim_memory_budget
+    from .errors import MemoryBudgetError
+
+    entry = e2e.build_entry(model, quick, batch=batch)
+    try:
+        budget, planned = aim_memory_budget(entry.model, entry.example_inputs(), int(PLAN_SHARE * limit),
+                                            entry.loss_fn, optim.AdamW(lr=1e-4), estimate_target(), "bf16")
+    except MemoryBudgetError as err:
+        return {"memory_budget": None, "planned_peak_bytes": None, "error": str(err)[:300]}
+    return {"memory_budget": budget, "planned_peak_bytes": planned}
+
+
+def run_trial(args, model: str, system: str, batch: int, limit: int, aimed: dict | None = None) -> dict:
+    """One trial in a subprocess (its errors and time-outs come back as the row's error); `aimed`:
+    the budget `aimed_budget` found, compiled with instead of ``BUDGET_SHARE`` of the limit."""
     job = {"model": model, "system": system, "batch": batch, "limit_bytes": limit, "steps": args.steps,
            "warmup": args.warmup, "quick": args.quick}
+    if aimed is not None and "error" not in aimed:
+        job["memory_budget"] = aimed["memory_budget"]
     cmd = [sys.executable, "-m", "tvm_evt.bench_memory", "--trial", json.dumps(job)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -323,6 +347,13 @@ def run(args) -> int:
                                     lambda b, model=model, system=system: estimated_peak(model, system, b, limit,
                                                                                          args.quick))
                 estimated = _estimated_batch(data, out, model, system, limit, args, estimate_fn)
+            aim = None  # a budget system at a multiple of eager's batch: the budget aimed at the limit
+            eager = done.get("eager", {}).get("batch")
+            if system in AT_EAGER_BATCH and system in BUDGET_SYSTEMS and eager is not None:
+                aim = _kept(data, out, "aimed_budgets", model, system, limit,
+                            lambda b, model=model: aimed_budget(model, b, limit, args.quick))(AT_EAGER_BATCH[system] * eager)
+                e2e._log(f"{model} / {system}: memory_budget {aim.get('memory_budget')} aimed at a plan of "
+                         f"{aim.get('planned_peak_bytes')} bytes")
             if args.estimate_only:
                 if estimated:
                     e2e._log(f"{model} / {system}: estimated largest batch {estimated[0]}")
@@ -335,11 +366,12 @@ def run(args) -> int:
                 if not e2e.fits(time.monotonic() - started, args.timeout, args.deadline):
                     return {"model": model, "system": system, "batch": batch, "ok": False,
                             "error": f"--deadline {args.deadline:.0f} s reached before this trial"}
-                return run_trial(args, model, system, batch, limit)
+                return run_trial(args, model, system, batch, limit, aim)
             trial_fn = _kept(data, out, "trials", model, system, limit, run_one, keep=lambda r: r.get("ok"))
 
-            eager = done.get("eager", {}).get("batch")
             row = {**search_system(args, model, system, limit, eager, trial_fn, estimated=estimated), **run_info}
+            if aim is not None:
+                row["aimed_budget"] = aim
             done[system] = row
             data["rows"] = [r for r in data["rows"] if (r["model"], r["system"]) != (model, system)] + [row]
             e2e.save_results(data, out, RESULTS_JSON)
