@@ -135,7 +135,7 @@ def aim_memory_budget(model, example_inputs, limit: int, loss_fn=None, optimizer
                 step = (aim + over) // 2
         else:
             over = aim if over is None else min(over, aim)
-            step = aim - (peak - limit)
+            step = aim - max(peak - limit, int(AIM_CLOSE * limit / 2))  # not by a sliver: a plan moves in steps
             if best is not None and step <= best[0]:
                 step = (best[0] + over) // 2
         if step == aim:
