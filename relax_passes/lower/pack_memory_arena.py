@@ -81,6 +81,8 @@ class Lifetimes:
         self.bindings, _ = flat_bindings(func)
         if len(self.bindings) != sum(len(b.bindings) for b in func.body.blocks):
             raise _Unsafe("a binding is not a var binding")
+        if any(isinstance(b, relax.DataflowBlock) for b in func.body.blocks):
+            raise _Unsafe("a dataflow block (the plan comes after ToNonDataflow)")
         self.storages: dict = {}  # storage var -> [bytes, its binding, the last read of a tensor in it]
         self.tensors: dict = {}  # planned tensor var -> [first, last, bytes]
         self.loose: dict = {}  # runtime-allocated tensor var -> [first, last, bytes]
