@@ -343,3 +343,27 @@ def test_a_trial_compiles_with_the_aimed_budget(monkeypatch):
     bench_memory.run_trial(args, "hf_bert_large", "tvm_evt_budget_at_twice_eager", 204, 80 * GB,
                            {"memory_budget": None, "planned_peak_bytes": None, "error": "no budget fits"})
     assert jobs[0]["memory_budget"] == 95 * GB and "memory_budget" not in jobs[1]
+
+
+def test_tvm_evt_is_estimated_by_its_plan_and_old_estimates_are_not_reused(tmp_path, monkeypatch):
+    """tvm_evt's batch is searched on its memory plan, the budget system's on the estimate its budget
+    bounds; values kept on another basis are made again."""
+    assert bench_memory.estimate_basis("tvm_evt") == "plan"
+    assert bench_memory.estimate_basis("tvm_evt_budget") == "estimate"
+    made = []
+
+    def fake_estimate(model, system, b, lim, quick=False):
+        made.append(b)
+        return 8 * GB + GB * b
+
+    monkeypatch.setattr(bench_memory, "estimated_peak", fake_estimate)
+    argv = ["--max-batch", "80", "--models", "hf_bert_large", "--out", str(tmp_path), "--systems", "tvm_evt",
+            "--estimate-only"]
+    bench_memory.main(argv)
+    data = bench_e2e.load_results(tmp_path, bench_memory.RESULTS_JSON)
+    assert data["estimates"]["hf_bert_large/tvm_evt"]["basis"] == "plan"
+    data["estimates"]["hf_bert_large/tvm_evt"].pop("basis")  # as an older run kept them
+    bench_e2e.save_results(data, tmp_path, bench_memory.RESULTS_JSON)
+    before = len(made)
+    bench_memory.main(argv)
+    assert len(made) > before
