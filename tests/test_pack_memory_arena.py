@@ -148,8 +148,8 @@ def test_gpu_step_in_the_arena_matches_and_holds_less(monkeypatch, cuda_graph):
         torch.manual_seed(0)
         entry = models.ZOO["bert_layer"](batch=8, seq=128, hidden=256, heads=4)
         inputs = [t.cuda() for t in entry.example_inputs()]
-        step = compile_training(entry.training_module(), inputs, optimizer=AdamW(lr=1e-3), target="cuda",
-                                precision="bf16", cuda_graph=cuda_graph)
+        step = compile_training(entry.training_module(), entry.example_inputs(), optimizer=AdamW(lr=1e-3),
+                                target="cuda", precision="bf16", cuda_graph=cuda_graph)
         report = step.memory_report(*inputs)  # runs the first step
         losses = [float(step(*inputs)) for _ in range(3)]
         return step, report, losses
