@@ -159,6 +159,25 @@ def test_max_batch_grows_with_rematerialisation():
         max_batch(model, inputs, budget // 8, target="llvm", start=128, rematerialize=False)
 
 
+def test_max_batch_by_the_memory_plan():
+    """by="plan": each batch's peak is its memory plan's (planned_step_peak), and with
+    rematerialisation the plan of the budget aim_memory_budget finds for it."""
+    from tvm_evt import max_batch, planned_step_peak
+
+    def inputs(batch):
+        torch.manual_seed(0)
+        return models.ZOO["mlp"](batch=batch, in_features=32, hidden=128, out_features=8, layers=4,
+                                 dropout=0.1).example_inputs()
+
+    model = _mlp_entry().training_module()
+    limit = planned_step_peak(model, inputs(256), target="llvm")
+    kept, kept_peak = max_batch(model, inputs, limit, target="llvm", start=128, rematerialize=False, by="plan")
+    assert kept >= 256 and kept_peak == planned_step_peak(model, inputs(kept), target="llvm") <= limit
+    assert planned_step_peak(model, inputs(kept + 1), target="llvm") > limit
+    recomputed, peak = max_batch(model, inputs, limit, target="llvm", start=128, by="plan")
+    assert recomputed > kept and peak <= limit
+
+
 def test_an_operand_is_needed_until_its_readers_copy_is_made_not_until_the_copys_last_use():
     """b = sin(a) is read first and last in the backward: recomputed, its one copy is made before
     the first reader, so a is needed until there (the program once counted it alive to b's last

@@ -40,18 +40,30 @@ def estimate_step_peak(model, example_inputs, loss_fn=None, optimizer=None, targ
 
 
 def max_batch(model, make_inputs, budget: int, loss_fn=None, optimizer=None, target=None, precision: str = "fp32",
-              rematerialize: bool = True, start: int = 1, limit: int = 1 << 16) -> tuple[int, int]:
-    """(the largest batch whose step fits `budget` bytes, its estimated peak) by `estimate_step_peak`
-    on ``make_inputs(batch)`` (the example inputs, the loss target last with `loss_fn`): doubling
-    from `start`, then bisection.  `rematerialize`: with ``memory_budget=budget`` (forward values
-    recomputed where that makes the step fit), else the step as it keeps everything.  Raises
-    ValueError when not even `start` fits."""
+              rematerialize: bool = True, start: int = 1, limit: int = 1 << 16,
+              by: str = "estimate") -> tuple[int, int]:
+    """(the largest batch whose step fits `budget` bytes, its peak) on ``make_inputs(batch)`` (the
+    example inputs, the loss target last with `loss_fn`): doubling from `start`, then bisection.
+    `rematerialize`: forward values recomputed where that makes the step fit, else the step as it
+    keeps everything.  `by`: "estimate" (``estimate_step_peak``, with ``memory_budget=budget``), or
+    "plan": the step's memory plan (``planned_step_peak``; with `rematerialize`, the plan of the
+    budget `aim_memory_budget` finds: slower, a few plans a batch, and nearer what the device holds).
+    Raises ValueError when not even `start` fits."""
+    if by not in ("estimate", "plan"):
+        raise ValueError(f"max_batch: by={by!r}: 'estimate' or 'plan'")
     peaks: dict = {}
+
+    def peak_of(inputs) -> int:
+        args = (model, inputs)
+        if by == "estimate":
+            return estimate_step_peak(*args, loss_fn, optimizer, target, precision, budget if rematerialize else None)
+        if rematerialize:
+            return aim_memory_budget(*args, budget, loss_fn, optimizer, target, precision)[1]
+        return planned_step_peak(*args, loss_fn, optimizer, target, precision)
 
     def fits(batch: int) -> bool:
         try:
-            peak = estimate_step_peak(model, make_inputs(batch), loss_fn, optimizer, target, precision,
-                                      budget if rematerialize else None)
+            peak = peak_of(make_inputs(batch))
         except MemoryBudgetError:
             return False
         peaks[batch] = peak
