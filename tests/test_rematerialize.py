@@ -23,6 +23,13 @@ def _mlp_entry():
     return models.ZOO["mlp"](batch=512, in_features=32, hidden=128, out_features=8, layers=4, dropout=0.1)
 
 
+def _mlp_inputs(batch):
+    """`_mlp_entry`'s example inputs at `batch` (what max_batch builds each batch from)."""
+    torch.manual_seed(0)
+    return models.ZOO["mlp"](batch=batch, in_features=32, hidden=128, out_features=8, layers=4,
+                             dropout=0.1).example_inputs()
+
+
 def _compile(entry, budget):
     return compile_training(entry.training_module(), entry.example_inputs(), optimizer=SGD(lr=1e-2), target="llvm",
                             memory_budget=budget)
@@ -144,19 +151,14 @@ def test_copies_are_bound_after_the_loss_and_compute_the_same():
 def test_max_batch_grows_with_rematerialisation():
     from tvm_evt import estimate_step_peak, max_batch
 
-    def inputs(batch):
-        torch.manual_seed(0)
-        return models.ZOO["mlp"](batch=batch, in_features=32, hidden=128, out_features=8, layers=4,
-                                 dropout=0.1).example_inputs()
-
     model = _mlp_entry().training_module()
-    budget = estimate_step_peak(model, inputs(256), target="llvm")
-    kept, kept_peak = max_batch(model, inputs, budget, target="llvm", start=128, rematerialize=False)
-    recomputed, peak = max_batch(model, inputs, budget, target="llvm", start=128)
+    budget = estimate_step_peak(model, _mlp_inputs(256), target="llvm")
+    kept, kept_peak = max_batch(model, _mlp_inputs, budget, target="llvm", start=128, rematerialize=False)
+    recomputed, peak = max_batch(model, _mlp_inputs, budget, target="llvm", start=128)
     assert kept >= 256 and kept_peak <= budget and peak <= budget
     assert recomputed > 1.2 * kept  # measured: 259 -> 358
     with pytest.raises(ValueError, match="does not fit"):
-        max_batch(model, inputs, budget // 8, target="llvm", start=128, rematerialize=False)
+        max_batch(model, _mlp_inputs, budget // 8, target="llvm", start=128, rematerialize=False)
 
 
 def test_max_batch_by_the_memory_plan():
@@ -164,17 +166,12 @@ def test_max_batch_by_the_memory_plan():
     rematerialisation the plan of the budget aim_memory_budget finds for it."""
     from tvm_evt import max_batch, planned_step_peak
 
-    def inputs(batch):
-        torch.manual_seed(0)
-        return models.ZOO["mlp"](batch=batch, in_features=32, hidden=128, out_features=8, layers=4,
-                                 dropout=0.1).example_inputs()
-
     model = _mlp_entry().training_module()
-    limit = planned_step_peak(model, inputs(256), target="llvm")
-    kept, kept_peak = max_batch(model, inputs, limit, target="llvm", start=128, rematerialize=False, by="plan")
-    assert kept >= 256 and kept_peak == planned_step_peak(model, inputs(kept), target="llvm") <= limit
-    assert planned_step_peak(model, inputs(kept + 1), target="llvm") > limit
-    recomputed, peak = max_batch(model, inputs, limit, target="llvm", start=128, by="plan")
+    limit = planned_step_peak(model, _mlp_inputs(256), target="llvm")
+    kept, kept_peak = max_batch(model, _mlp_inputs, limit, target="llvm", start=128, rematerialize=False, by="plan")
+    assert kept >= 256 and kept_peak == planned_step_peak(model, _mlp_inputs(kept), target="llvm") <= limit
+    assert planned_step_peak(model, _mlp_inputs(kept + 1), target="llvm") > limit
+    recomputed, peak = max_batch(model, _mlp_inputs, limit, target="llvm", start=128, by="plan")
     assert recomputed > kept and peak <= limit
 
 
