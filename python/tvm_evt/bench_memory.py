@@ -189,14 +189,12 @@ def aimed_budget(model: str, batch: int, limit: int, quick: bool = False) -> dic
     """{"memory_budget", "planned_peak_bytes"}: the budget whose step's memory plan holds at most
     ``PLAN_SHARE * limit`` at `batch` (``budget.aim_memory_budget``: memory plans made without
     building kernels, on any machine; the budget is None where the step fits without one)."""
-    from . import optim
     from .budget import aim_memory_budget
     from .errors import MemoryBudgetError
 
-    entry = e2e.build_entry(model, quick, batch=batch)
+    module, inputs, *rest = _step_arguments(model, batch, quick)
     try:
-        budget, planned = aim_memory_budget(entry.model, entry.example_inputs(), int(PLAN_SHARE * limit),
-                                            entry.loss_fn, optim.AdamW(lr=1e-4), estimate_target(), "bf16")
+        budget, planned = aim_memory_budget(module, inputs, int(PLAN_SHARE * limit), *rest)
     except MemoryBudgetError as err:
         return {"memory_budget": None, "planned_peak_bytes": None, "error": str(err)[:300]}
     return {"memory_budget": budget, "planned_peak_bytes": planned}
@@ -231,6 +229,15 @@ def estimate_target():
     return target if target.kind.name == "cuda" else as_target(HOPPER)
 
 
+def _step_arguments(model: str, batch: int, quick: bool) -> tuple:
+    """(module, example inputs, loss, optimizer, target, precision): the step the tvm_evt systems
+    compile, for the budget functions that build no kernel (``estimate_target``)."""
+    from . import optim
+
+    entry = e2e.build_entry(model, quick, batch=batch)
+    return entry.model, entry.example_inputs(), entry.loss_fn, optim.AdamW(lr=1e-4), estimate_target(), "bf16"
+
+
 def estimate_basis(system: str) -> str:
     """What `estimated_peak` gives for `system`: "plan" (the step's memory plan, whose peak the H200
     measured within 0.3 % at BERT-Large batch 102) or "estimate" (the rematerialisation's estimate,
@@ -242,12 +249,10 @@ def estimated_peak(model: str, system: str, batch: int, limit: int, quick: bool 
     """The tvm_evt step's peak at `batch` before any kernel is built: its memory plan's
     (``planned_step_peak``), or with a budget the estimate the budget bounds (``estimate_step_peak``);
     None where the budget's rematerialisation cannot meet it."""
-    from . import optim
     from .budget import estimate_step_peak, planned_step_peak
     from .errors import MemoryBudgetError
 
-    entry = e2e.build_entry(model, quick, batch=batch)
-    args = (entry.model, entry.example_inputs(), entry.loss_fn, optim.AdamW(lr=1e-4), estimate_target(), "bf16")
+    args = _step_arguments(model, batch, quick)
     if estimate_basis(system) == "plan":
         return planned_step_peak(*args)
     try:

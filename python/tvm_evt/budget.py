@@ -4,21 +4,18 @@ batch that fits (`max_batch`), its memory plan's peak (`planned_step_peak`: up t
 ``memory_budget`` whose plan fits a limit (`aim_memory_budget`)."""
 from __future__ import annotations
 
-import contextlib
-
 import tvm
 
 from .errors import MemoryBudgetError
 from .frontend import from_torch
-from .logs import quiet_known_warnings
-from .memory import FUNCTION, memory_report, planning_passes
-from .pipeline import graph_capture, phases
+from .memory import FUNCTION, memory_plan, memory_report
+from .pipeline import phases
 from .relax_passes.partition.rematerialize import BUDGET_ATTR, estimate_peak
 from .training import as_target, build_training_module, captures_graphs, resolve_memory_budget, runtime_module
-from .unbuilt import without_builds
 
 AIM_ROUNDS = 5  # memory plans made (no kernel built) to aim a budget
 AIM_CLOSE = 0.02  # a plan this share of the limit under it is taken
+
 
 def estimate_step_peak(model, example_inputs, loss_fn=None, optimizer=None, target=None, precision: str = "fp32",
                        memory_budget: int | None = None) -> int:
@@ -87,14 +84,12 @@ def max_batch(model, make_inputs, budget: int, loss_fn=None, optimizer=None, tar
 def _plan_peak(mod: tvm.IRModule, layout, target: tvm.target.Target, graphs: bool, budget: int | None) -> int:
     """The planned peak bytes of ``train_step`` in the training module `mod` built for `target` with
     `budget` (``memory_report``'s ``planned_peak_bytes``; every storage kept where it runs as CUDA
-    graphs)."""
-    step = {gv: f for gv, f in mod.functions_items() if gv.name_hint == FUNCTION or not isinstance(f, tvm.relax.Function)}
-    step = tvm.relax.transform.DeadCodeElimination(entry_functions=[FUNCTION])(tvm.IRModule(step, attrs=mod.attrs))
+    graphs); no kernel is built."""
+    step = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)  # `mod` stays as it is for the next budget
     if budget is not None:
         step[FUNCTION] = step[FUNCTION].with_attr(BUDGET_ATTR, budget)
-    with target, graph_capture() if graphs else contextlib.nullcontext(), quiet_known_warnings():
-        planned = tvm.transform.Sequential(without_builds(planning_passes(target)))(step)
-    return memory_report(planned[FUNCTION], layout, storages_kept=graphs)["planned_peak_bytes"]
+    planned = memory_plan(step, target, graphs, kernels=False)
+    return memory_report(planned, layout, storages_kept=graphs)["planned_peak_bytes"]
 
 
 def _training(model, example_inputs, loss_fn, optimizer, target, precision, cuda_graph):

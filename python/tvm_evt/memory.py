@@ -44,13 +44,14 @@ is one storage, the arena, and each planned tensor a ``tvm_evt.arena_tensor`` pl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from .pipeline import PLANNER, pass_context, phases
+from .pipeline import PLANNER, graph_capture, pass_context, phases
 from .relax_passes._rewrite import VIEWS
 
 FUNCTION = "train_step"
@@ -76,19 +77,24 @@ def planning_passes(target: tvm.target.Target) -> list:
     return passes[: last + 1]
 
 
-def memory_plan(mod: tvm.IRModule, target: tvm.target.Target) -> relax.Function:
+def memory_plan(mod: tvm.IRModule, target: tvm.target.Target, graphs: bool = False,
+                kernels: bool = True) -> relax.Function:
     """``train_step`` of the training module `mod` as `target`'s build plans its memory.  The build
     runs again (``main_adjoint`` left out): the partitioner's solutions come from its cache, and on
-    CUDA the kernels the step's compile built from the object cache."""
+    CUDA the kernels the step's compile built from the object cache.  `graphs`: the step is built as
+    CUDA graphs (``graph_capture``, which ``PackMemoryArena`` weighs its plan by); `kernels` False:
+    none is built (``unbuilt.without_builds``)."""
     from .logs import quiet_known_warnings
+    from .unbuilt import without_builds
 
     kept = {gv: f for gv, f in mod.functions_items()
             if gv.name_hint == FUNCTION or not isinstance(f, relax.Function)}
     if not any(gv.name_hint == FUNCTION for gv in kept):
         raise KeyError(f"memory_plan: the module has no {FUNCTION} function")
     step_only = relax.transform.DeadCodeElimination(entry_functions=[FUNCTION])(tvm.IRModule(kept, attrs=mod.attrs))
-    with target, quiet_known_warnings():
-        planned = tvm.transform.Sequential(planning_passes(target))(step_only)
+    passes = planning_passes(target) if kernels else without_builds(planning_passes(target))
+    with target, graph_capture() if graphs else contextlib.nullcontext(), quiet_known_warnings():
+        planned = tvm.transform.Sequential(passes)(step_only)
     return planned[FUNCTION]
 
 

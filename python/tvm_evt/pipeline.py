@@ -97,7 +97,7 @@ from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
-from .relax_passes.lower.pack_memory_arena import PackMemoryArena
+from .relax_passes.lower.pack_memory_arena import CUDA_GRAPH_CONFIG, PackMemoryArena  # TVM's RewriteCUDAGraph switch
 from .relax_passes.lower.sink_recomputed_values import SinkRecomputedValues
 from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 from .relax_passes.lower.split_reduction import SplitReduction
@@ -245,9 +245,6 @@ def _switched(env: str) -> set[str]:
         raise ValueError(f"{env}={os.environ[env]!r}: unknown name(s) {', '.join(sorted(unknown))}; "
                          f"known: {', '.join(OPTIONAL)}, all")
     return names
-
-
-CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"  # what TVM's RewriteCUDAGraph reads
 
 
 def pass_context(config: dict | None = None, instruments: list | None = None) -> tvm.transform.PassContext:

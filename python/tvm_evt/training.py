@@ -401,7 +401,7 @@ class TrainingStep:
 
         func = self.planned_function  # kept from the build; else the build's passes run again up to the plan
         if func is None:
-            func = memory_plan(runtime_module(self.graph.mod), self.target)
+            func = memory_plan(runtime_module(self.graph.mod), self.target, self.captures_graphs)
         notes = ["workspaces are not in the plan: the CUTLASS kernels allocate theirs around each launch "
                  "(cudaMallocAsync) or keep one per kernel, the flash-attention backward allocates its own"]
         measured = None
