@@ -384,7 +384,9 @@ def run(args) -> int:
                     return {"model": model, "system": system, "batch": batch, "ok": False,
                             "error": f"--deadline {args.deadline:.0f} s reached before this trial"}
                 return run_trial(args, model, system, batch, limit, aim)
-            trial_fn = _kept(data, out, "trials", model, system, limit, run_one, keep=lambda r: r.get("ok"))
+            # a trial at an aimed budget answers for that budget only
+            trial_fn = _kept(data, out, "trials", model, system, limit, run_one, keep=lambda r: r.get("ok"),
+                             basis=None if aim is None else f"memory_budget {aim.get('memory_budget')}")
 
             row = {**search_system(args, model, system, limit, eager, trial_fn, estimated=estimated), **run_info}
             if aim is not None:

@@ -65,10 +65,12 @@ What ``phases(target)`` runs after the training phase, in order:
                        the backward go down to their first reader again, and readers that free more
                        than they allocate move up to their operands
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes (inside ``graph_capture()``,
-                       as ``compile_training(..., cuda_graph=True)`` builds, its RewriteCUDAGraph
-                       lifts each function's static regions into CUDA graphs)
+                       as ``compile_training(..., cuda_graph=True)`` builds, train_step's static regions
+                       are lifted into CUDA graphs: ``CaptureStepGraphs``)
     PackMemoryArena    (after StaticPlanBlockMemory, on any target; with a memory budget or ``arena``)
                        the planned tensors at byte offsets of one arena, by their lifetimes
+    CaptureStepGraphs  (for TVM's RewriteCUDAGraph) only train_step's static regions captured and its
+                       storages lifted: TVM's pass merges every function's storages into one allocation
     -- any other target (the CPU reference path) --
     InlineEVTPartitions  (partition) the partitions' ops go back into the caller, lowered by TVM, so CI
                          checks on the CPU that the partitioned training graph computes the same values
@@ -89,6 +91,7 @@ from .relax_passes.graph.fuse_column_moments import LAYER_NORM, FuseColumnMoment
 from .relax_passes.graph.factor_pointwise_adjoints import FactorPointwiseAdjoints
 from .relax_passes.graph.graph_passes import evt_graph_passes
 from .relax_passes.lower.bounded_fuse_ops import BoundedFuseOps
+from .relax_passes.lower.capture_step_graphs import CaptureStepGraphs
 from .relax_passes.lower.fuse_column_sums import FuseColumnSums
 from .relax_passes.lower.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
@@ -143,7 +146,7 @@ PHASES = (
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "RecomputeElementwise",
            "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "SinkRecomputedValues",
-           "ScheduleTIRForGPU", "PackMemoryArena")),
+           "ScheduleTIRForGPU", "PackMemoryArena", "CaptureStepGraphs")),
 )
 
 # Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
@@ -357,17 +360,17 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 ScheduleTIRForGPU(vectorize=enabled("vectorize")),
             ]
             + cuda.dataflow_lower_passes(target)
-            + with_arena(cuda.finalize_passes(target))
+            + finalize(cuda.finalize_passes(target))
         )
     return front + [
         InlineEVTPartitions(),  # the CPU reference: TVM computes the partitions' ops
         relax.transform.DeadCodeElimination(),
-        *with_arena([make() for make in DEFAULT_BUILD]),
+        *finalize([make() for make in DEFAULT_BUILD]),
     ]
 
 
 # TVM's relax.pipeline.default_build_pipeline(), which tvm.compile runs for llvm, as its passes (it is
-# one opaque pass there): the CPU route ends with them, PackMemoryArena after the memory planner
+# one opaque pass there): the CPU route ends with them, with ours in place (``finalize``)
 DEFAULT_BUILD = (
     lambda: relax.backend.DispatchSampling(),
     lambda: relax.backend.DispatchSortScan(),
@@ -388,12 +391,18 @@ DEFAULT_BUILD = (
 PLANNER = "StaticPlanBlockMemory"
 
 
-def with_arena(passes: list) -> list:
-    """`passes` with ``PackMemoryArena`` right after TVM's memory planner (in every function with
-    ``arena`` on, else in those with a memory budget)."""
+CUDA_GRAPHS = "RewriteCUDAGraph"
+
+
+def finalize(passes: list) -> list:
+    """TVM's finalisation `passes` with ours: ``PackMemoryArena`` right after its memory planner (in
+    every function with ``arena`` on, else in those with a memory budget), and ``CaptureStepGraphs``
+    for its ``RewriteCUDAGraph`` (which would merge ``main_adjoint``'s storages into the step's)."""
     names = [p.info.name for p in passes]
-    if PLANNER not in names:
-        raise RuntimeError(f"TVM's build passes changed: no {PLANNER} among {names}")
+    for name in (PLANNER, CUDA_GRAPHS):
+        if name not in names:
+            raise RuntimeError(f"TVM's build passes changed: no {name} among {names}")
+    passes = [CaptureStepGraphs() if name == CUDA_GRAPHS else p for p, name in zip(passes, names)]
     at = names.index(PLANNER) + 1
     return passes[:at] + [PackMemoryArena(budgeted_only=not enabled("arena"))] + passes[at:]
 
