@@ -18,15 +18,14 @@ AIM_CLOSE = 0.02  # a plan this share of the limit under it is taken
 
 
 def estimate_step_peak(model, example_inputs, loss_fn=None, optimizer=None, target=None, precision: str = "fp32",
-                       memory_budget: int | None = None) -> int:
+                       memory_budget: int | None = None, cuda_graph: bool | None = None) -> int:
     """The estimated peak bytes of the training step `compile_training` would build with these
     arguments (``rematerialize.estimate_peak`` on ``train_step`` after the partitioner and, given
-    `memory_budget`, the rematerialisation): the passes up to there run, no kernel is built.  With
-    a budget no plan meets, raises `MemoryBudgetError`."""
-    tgt = as_target(target)
+    `memory_budget`, the rematerialisation; in place where it is captured as CUDA graphs, as the
+    step is built): the passes up to there run, no kernel is built.  With a budget no plan meets,
+    raises `MemoryBudgetError`."""
+    mod, _, tgt, _ = _training(model, example_inputs, loss_fn, optimizer, target, precision, cuda_graph)
     budget = resolve_memory_budget(memory_budget, tgt, precision)
-    graph = build_training_module(from_torch(model, example_inputs, loss_fn), optimizer, precision)
-    mod = runtime_module(graph.mod)
     if budget is not None:
         mod["train_step"] = mod["train_step"].with_attr(BUDGET_ATTR, budget)
     passes = phases(tgt)
