@@ -15,7 +15,7 @@ from tvm.script import relax as R
 
 from tvm_evt import compile_training, models
 from tvm_evt.codegen.build import arena_runtime
-from tvm_evt.pipeline import DEFAULT_BUILD, PLANNER
+from tvm_evt.pipeline import DEFAULT_BUILD, DISABLE_ENV, PLANNER
 from tvm_evt.relax_passes.lower.pack_memory_arena import ALIGN, PackMemoryArena, pack, plan
 from tvm_evt.relax_passes.training.optimizers import AdamW
 
@@ -113,7 +113,7 @@ def test_the_arena_computes_what_tvms_plan_computes():
 @needs_compiler
 def test_a_training_step_in_the_arena_is_bit_for_bit_tvms(monkeypatch):
     def run(arena):
-        monkeypatch.setenv("TVM_EVT_ENABLE", "arena") if arena else monkeypatch.delenv("TVM_EVT_ENABLE", raising=False)
+        monkeypatch.setenv(DISABLE_ENV, "" if arena else "arena")  # on by default
         torch.manual_seed(0)
         entry = models.ZOO["bert_layer"](batch=2, seq=8, hidden=32, heads=2)
         step = compile_training(entry.training_module(), entry.example_inputs(), optimizer=AdamW(lr=1e-3),
@@ -144,7 +144,7 @@ def test_gpu_step_in_the_arena_matches_and_holds_less(monkeypatch, cuda_graph):
         pytest.skip("no CUDA device")
 
     def run(arena):
-        monkeypatch.setenv("TVM_EVT_ENABLE", "arena") if arena else monkeypatch.delenv("TVM_EVT_ENABLE", raising=False)
+        monkeypatch.setenv(DISABLE_ENV, "" if arena else "arena")  # on by default
         torch.manual_seed(0)
         entry = models.ZOO["bert_layer"](batch=8, seq=128, hidden=256, heads=4)
         inputs = [t.cuda() for t in entry.example_inputs()]
