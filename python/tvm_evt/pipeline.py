@@ -91,7 +91,7 @@ from .relax_passes.graph.fuse_column_moments import LAYER_NORM, FuseColumnMoment
 from .relax_passes.graph.factor_pointwise_adjoints import FactorPointwiseAdjoints
 from .relax_passes.graph.graph_passes import evt_graph_passes
 from .relax_passes.lower.bounded_fuse_ops import BoundedFuseOps
-from .relax_passes.lower.capture_step_graphs import CaptureStepGraphs
+from .relax_passes.lower.capture_step_graphs import CUDA_GRAPH_CONFIG, CaptureStepGraphs  # TVM's RewriteCUDAGraph switch
 from .relax_passes.lower.fuse_column_sums import FuseColumnSums
 from .relax_passes.lower.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
@@ -100,7 +100,7 @@ from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
-from .relax_passes.lower.pack_memory_arena import CUDA_GRAPH_CONFIG, PackMemoryArena  # TVM's RewriteCUDAGraph switch
+from .relax_passes.lower.pack_memory_arena import PackMemoryArena
 from .relax_passes.lower.sink_recomputed_values import SinkRecomputedValues
 from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 from .relax_passes.lower.split_reduction import SplitReduction

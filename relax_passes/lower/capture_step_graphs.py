@@ -21,9 +21,14 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .pack_memory_arena import CUDA_GRAPH_CONFIG
-
+CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"  # TVM's switch for RewriteCUDAGraph
 STEP = "train_step"  # the function the training runtime runs every step (AppendOptimizer's)
+
+
+def captured(name: str, functions: tuple = (STEP,)) -> bool:
+    """Will the function `name` run as CUDA graphs: the PassContext switches them on and it is one
+    of `functions`.  Its static storages are then allocated once and kept."""
+    return bool(tvm.transform.PassContext.current().config.get(CUDA_GRAPH_CONFIG, False)) and name in functions
 
 
 def _called(mod: tvm.IRModule, roots: list) -> set:
@@ -46,13 +51,12 @@ class CaptureStepGraphs:
         self.functions = tuple(functions)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        if not tvm.transform.PassContext.current().config.get(CUDA_GRAPH_CONFIG, False):
-            return mod
         relax_functions = [gv for gv, f in mod.functions_items() if isinstance(f, relax.Function)]
-        captured = _called(mod, [gv for gv in relax_functions if gv.name_hint in self.functions])
-        if not captured:
+        roots = [gv for gv in relax_functions if captured(gv.name_hint, self.functions)]
+        if not roots:
             return mod
-        left = {gv: mod[gv] for gv in relax_functions if gv not in captured}
+        reached = _called(mod, roots)
+        left = {gv: mod[gv] for gv in relax_functions if gv not in reached}
         part = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv not in left}, attrs=mod.attrs)
         rewritten = relax.transform.RewriteCUDAGraph()(part)
         out = tvm.IRModule(dict(rewritten.functions_items()), attrs=rewritten.attrs)

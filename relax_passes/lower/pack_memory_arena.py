@@ -20,9 +20,9 @@ lifts it like any static storage), and each tensor is made by ``tvm_evt.arena_te
 
 A function is left as TVM planned it when a planned tensor reaches anything but a kernel call, a
 view, a tuple or an alias (TVM's planner does not plan those, so this is a guard), when it has
-control flow, or when the arena would not lower the most bytes alive at once.  Under
-``RewriteCUDAGraph`` every static storage is allocated once and kept, so that is the arena against
-the storages' sum; without, ``arena_peak`` against ``storage_peak``: the arena lives from the first
+control flow, or when the arena would not lower the most bytes alive at once.  In a function run
+as CUDA graphs (``capture_step_graphs.captured``) every static storage is allocated once and kept,
+so that is the arena against the storages' sum; elsewhere, ``arena_peak`` against ``storage_peak``: the arena lives from the first
 planned tensor to the last, where TVM frees each storage after its last tensor, and the tensors the
 runtime allocates (outputs among them) add to both.  Runs right after
 ``StaticPlanBlockMemory``; with ``budgeted_only``, only in functions with a memory budget
@@ -42,8 +42,8 @@ from ...codegen.build import arena_runtime
 from ...codegen.build.cache import BuildError
 from .._rewrite import flat_bindings
 from ..partition.rematerialize import budgeted
+from .capture_step_graphs import captured
 
-CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"  # RewriteCUDAGraph's switch: storages live for good
 ALIGN = 256  # bytes: every tensor's data pointer (cudaMalloc's alignment; TMA needs 16)
 ALLOC_STORAGE = tvm.ir.Op.get("relax.memory.alloc_storage")
 ALLOC_TENSOR = tvm.ir.Op.get("relax.memory.alloc_tensor")
@@ -277,11 +277,10 @@ class PackMemoryArena:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
-        captured = bool(tvm.transform.PassContext.current().config.get(CUDA_GRAPH_CONFIG, False))
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or (self.budgeted_only and not budgeted(func)):
                 continue
-            planned = plan(mod, func, captured)
+            planned = plan(mod, func, captured(gv.name_hint))  # CaptureStepGraphs keeps its storages
             if planned is None:
                 continue
             updates[gv] = (func, *planned)
