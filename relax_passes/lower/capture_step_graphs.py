@@ -33,13 +33,14 @@ def captured(name: str, functions: tuple = (STEP,)) -> bool:
 
 def _called(mod: tvm.IRModule, roots: list) -> set:
     """The Relax functions among `roots` and those they call, transitively."""
+    functions = {gv for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
     seen, todo = set(), list(roots)
     while todo:
         gv = todo.pop()
         if gv in seen:
             continue
         seen.add(gv)
-        todo += [g for g in relax.analysis.all_global_vars(mod[gv]) if isinstance(mod[g], relax.Function)]
+        todo += [g for g in relax.analysis.all_global_vars(mod[gv]) if g in functions]
     return seen
 
 
