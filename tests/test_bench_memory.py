@@ -12,6 +12,18 @@ from tvm_evt.bench_memory import largest_batch, search_system
 GB = 10**9
 
 
+# BERT-Large's memory plans (bf16, seq 512, CUDA graphs, arena; CPU, no kernel built): batch -> bytes
+BERT_LARGE_PLANS = {1: 5_520_129_480, 2: 5_776_941_000, 24: 17_916_869_576, 83: 51_249_912_264,
+                    109: 66_022_571_464, 135: 80_591_151_560, 187: 110_081_944_008, 291: 169_063_528_904}
+
+
+def _bert_large_plan(batch: int) -> int:
+    """`BERT_LARGE_PLANS` joined by straight lines (0.26 GB a sample from 1 to 2, then about 0.56)."""
+    points = sorted(BERT_LARGE_PLANS.items())
+    (b0, p0), (b1, p1) = next(((a, c) for a, c in zip(points, points[1:]) if batch <= c[0]), points[-2:])
+    return p0 + (batch - b0) * (p1 - p0) // (b1 - b0)
+
+
 def _truth(peak, limit, ceiling=1 << 16):
     fitting = [b for b in range(1, ceiling) if peak(b) is not None and peak(b) <= limit]
     return max(fitting) if fitting else None
@@ -26,6 +38,7 @@ def _truth(peak, limit, ceiling=1 << 16):
     ("convex", lambda b: GB + b * 100_000_000 + b * b * 2_000_000),
     # out of memory (None) well before the peak says so
     ("oom early", lambda b: None if b > 150 else 5 * GB + b * 10_000_000),
+    ("steeper past small batches", lambda b: _bert_large_plan(b)),
 ])
 def test_search_finds_the_largest_fitting_batch_within_its_resolution(name, peak):
     limit = 80 * GB
@@ -52,6 +65,16 @@ def test_a_flat_peak_that_ends_in_out_of_memory_is_bisected_in_few_trials():
     peak = lambda b: None if b > 300 else 1_625_623_156 + 2048 * b  # noqa: E731
     batch, trials = largest_batch(peak, 3 * GB, start=2, max_trials=16)
     assert 300 - 300 // 32 <= batch <= 300 and len(trials) <= 12, trials
+
+
+def test_a_line_that_overshoots_gives_way_to_the_bracket_line():
+    """The first two trials' line points far past the limit when the plan's peak grows faster past
+    small batches; the line through the bracket's ends then lands within the resolution in the
+    trials an estimate-only run is given (the default 8)."""
+    limit = int(bench_memory.PLAN_SHARE * 80 * GB)
+    batch, trials = largest_batch(_bert_large_plan, limit, start=1)
+    truth = _truth(_bert_large_plan, limit, 4096)
+    assert truth - max(1, int(truth * bench_memory.RESOLUTION)) <= batch <= truth, (batch, truth, trials)
 
 
 def test_nothing_fits():

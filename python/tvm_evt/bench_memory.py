@@ -76,11 +76,13 @@ def largest_batch(peak_at: Callable[[int], int | None], limit: int, start: int =
     `start` fits; the trials: {batch: peak bytes, or None where it did not fit at all}).
 
     `peak_at(batch)` runs or estimates one trial.  Doubling from `start` until a peak is over the
-    limit, then the batch the two largest fitting trials predict (peaks affine in the batch), then
-    bisection, until the largest fitting and smallest failing batch are within `resolution` of the
-    former (or adjacent), or `max_trials` ran.  Where the line says the largest fitting batch is
-    one already tried, the next one up is tried to confirm it; a line that overshoots is not used
-    again."""
+    limit, then the batch the two largest fitting trials predict (peaks affine in the batch), until
+    the largest fitting and smallest failing batch are within `resolution` of the former (or
+    adjacent), or `max_trials` ran.  Where the line says the largest fitting batch is one already
+    tried, the next one up is tried to confirm it.  Once that line overshoots (a plan's peak grows
+    faster past small batches: BERT-Large's 0.26 GB a sample from 1 to 2, 0.56 from 2 to 109), the
+    line through the bracket's two ends, which bisection takes over from when it moves the same end
+    twice running (a curved peak) or an end has no peak (out of memory)."""
     trials: dict[int, int | None] = {}
 
     def fits(batch: int) -> bool:
@@ -89,11 +91,14 @@ def largest_batch(peak_at: Callable[[int], int | None], limit: int, start: int =
 
     if not fits(start):
         return None, trials
-    lo, hi, overshot = start, None, False
+    lo, hi, overshot, moved = start, None, False, []  # moved: which end each bracket-line trial moved
     while len(trials) < max_trials and lo < ceiling:
         if hi is not None and hi - lo <= max(1, math.floor(lo * resolution)):
             break
-        guess = None if overshot else _prediction(trials, limit)
+        if not overshot:
+            guess = _prediction(trials, limit)
+        else:
+            guess = None if moved[-2:] in (["lo", "lo"], ["hi", "hi"]) else _secant(trials, lo, hi, limit)
         if guess is not None and (guess <= lo or guess in trials or (hi is not None and guess >= hi)):
             guess = lo + 1 if lo + 1 not in trials else None  # the line says lo: one more confirms it
         from_line = guess is not None
@@ -101,11 +106,22 @@ def largest_batch(peak_at: Callable[[int], int | None], limit: int, start: int =
             # space while it spans more than a factor 4: a line far past the limit leaves a wide one)
             guess = 2 * lo if hi is None else int(math.sqrt(lo * hi)) if hi > 4 * lo else (lo + hi) // 2
         guess = min(max(guess, lo + 1), (hi - 1) if hi is not None else ceiling)
+        bracketed = overshot
         if fits(guess):
             lo = guess
         else:
             hi, overshot = guess, overshot or (from_line and guess > lo + 1)
+        if bracketed:
+            moved = moved + ["lo" if lo == guess else "hi"] if from_line else []
     return lo, trials
+
+
+def _secant(trials: dict, lo: int, hi: int | None, limit: int) -> int | None:
+    """The batch at which the line through the bracket's ends (`lo` fits, `hi` does not) reaches
+    `limit`; None where `hi` has no peak (it ran out of memory) or there is no bracket."""
+    if hi is None or trials.get(hi) is None or trials.get(lo) is None or trials[hi] <= trials[lo]:
+        return None
+    return lo + int((limit - trials[lo]) * (hi - lo) / (trials[hi] - trials[lo]))
 
 
 def _prediction(trials: dict, limit: int) -> int | None:
