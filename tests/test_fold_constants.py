@@ -52,6 +52,25 @@ def test_a_foldable_binding_outside_dataflow_gets_fold_constant_as_it_is():
     tvm.ir.assert_structural_equal(FoldConstants()(mod), relax.transform.FoldConstant()(mod))
 
 
+def _outside_dataflow() -> relax.Function:
+    """A function with a foldable binding outside a dataflow block (an offloaded attention's zeros)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8,), "float32"))
+    with bb.function("outside", [x]):
+        ones = bb.emit(R.ones((8,), "float32"))
+        out = bb.emit(R.add(x, ones))
+        bb.emit_func_output(out)
+    return bb.get()["outside"]
+
+
+def test_a_function_with_a_foldable_binding_outside_dataflow_leaves_the_others_to_the_cone():
+    """TVM's pass runs on that function alone: the deep graph beside it is not legalized."""
+    deep = _module(100)
+    mod = tvm.IRModule({**dict(deep.functions_items()), tvm.ir.GlobalVar("outside"): _outside_dataflow()})
+    tvm.ir.assert_structural_equal(FoldConstants()(mod), relax.transform.FoldConstant()(mod))
+    assert _legalized(FoldConstants(), mod) <= 5 + 2  # the deep graph's cone, the small function's two calls
+
+
 def _legalized(pass_, mod) -> int:
     """The calls `pass_` legalizes to TIR (``BlockBuilder.call_te``) on `mod`."""
     count = 0

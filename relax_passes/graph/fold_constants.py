@@ -13,7 +13,8 @@ which returns the cone's vars, and then does to the function what ``FoldConstant
 what folded: each folded var bound to its constant, each dataflow var bound to a constant
 replaced by it at its uses, unused bindings removed.  The result equals ``FoldConstant``'s
 (tests/test_fold_constants.py).  A function whose bindings outside dataflow blocks might fold
-(impure ones cannot go into a dataflow function) gets TVM's pass as it is.
+(impure ones cannot go into a dataflow function: an offloaded attention's ``zeros``) gets TVM's
+pass, on it alone: run on the whole module, that took BERT-Large's 7.2 of its 7.2 s.
 """
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def constant_cone(func: relax.Function) -> tuple[list, bool]:
                     else:
                         outside = True
     return cone, outside
+
+
+def _with_callees(mod: tvm.IRModule, gv: tvm.ir.GlobalVar, func: relax.Function) -> tvm.IRModule:
+    """A module of `func` (as `gv`) and the functions of `mod` it calls."""
+    callees = {e for e in sub_expressions(func.body) if isinstance(e, tvm.ir.GlobalVar) and e != gv}
+    return tvm.IRModule({**{c: mod[c] for c in callees}, gv: func})
 
 
 def _fold_cone(mod: tvm.IRModule, cone: list) -> dict:
@@ -94,8 +101,9 @@ class FoldConstants:
             if not isinstance(func, relax.Function):
                 continue
             cone, outside = constant_cone(func)
-            if outside:
-                return relax.transform.FoldConstant()(mod)
+            if outside:  # TVM's pass on this function alone (it folds each function by itself)
+                out[gv] = relax.transform.FoldConstant()(_with_callees(mod, gv, func))[gv]
+                continue
             folded = _fold_cone(mod, cone) if cone else {}
             if folded:
                 func = _Substitute(folded).visit_expr(func)
