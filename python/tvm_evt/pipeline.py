@@ -417,10 +417,20 @@ def evt_pipeline(time_limit: float = DEFAULT_TIME_LIMIT, use_cache: bool = True)
         target = tvm.target.Target.current()
         if target is None:
             raise ValueError("the evt pipeline needs a target: tvm.compile(mod, target=...)")
+        cache_tvm_kernels(target)
         with target:
             return tvm.transform.Sequential(phases(target, time_limit, use_cache))(mod)
 
     return _pipeline
+
+
+def cache_tvm_kernels(target: tvm.target.Target) -> None:
+    """On CUDA, the build's TVM kernels compiled once per source (``codegen/build/tvm_cuda_cache.py``:
+    TVM compiles them all again on every ``tvm.compile``)."""
+    if target.kind.name == "cuda":
+        from .codegen.build import tvm_cuda_cache
+
+        tvm_cuda_cache.install()
 
 
 def tvm_default_cuda_pipeline():

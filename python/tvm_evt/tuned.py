@@ -16,7 +16,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from .pipeline import phases
+from .pipeline import cache_tvm_kernels, phases
 
 CUTLASS_FILE = "cutlass_select.json"
 MS_FILES = ("database_workload.json", "database_tuning_record.json")
@@ -55,6 +55,7 @@ def tuned_pipeline(work_dir) -> tvm.transform.Pass:
         target = tvm.target.Target.current()
         if target is None:
             raise ValueError("the tuned evt pipeline needs a target: tvm.compile(mod, target=...)")
+        cache_tvm_kernels(target)
         with target:
             before, after = split_phases(target)
             apply = [relax.transform.MetaScheduleApplyDatabase(work_dir)] if has_database(work_dir) else []
