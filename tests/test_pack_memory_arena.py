@@ -4,7 +4,6 @@ TVM's planner reuses a storage only for a tensor of its dtype; the arena shares 
 dtypes by lifetime.  Checked: the packing never overlaps two tensors alive at once; a float32 and a
 bfloat16 temporary with disjoint lifetimes share bytes; the step computes bit for bit what TVM's
 plan computes, and its memory report reads the arena."""
-import os
 
 import numpy as np
 import pytest
