@@ -62,9 +62,8 @@ def _fold_cone(mod: tvm.IRModule, cone: list) -> dict:
     cone_vars = [b.var for b in cone]
     body = relax.SeqExpr([relax.DataflowBlock(list(cone))], relax.Tuple(cone_vars))
     func = relax.Function([], body, relax.TupleType([v.ty for v in cone_vars]), is_pure=True)
-    callees = {e for b in cone for e in sub_expressions(b.value) if isinstance(e, tvm.ir.GlobalVar)}
-    cone_mod = tvm.IRModule({**{gv: mod[gv] for gv in callees}, tvm.ir.GlobalVar("constant_cone"): func})
-    folded = relax.transform.FoldConstant()(cone_mod)["constant_cone"]
+    gv = tvm.ir.GlobalVar("constant_cone")
+    folded = relax.transform.FoldConstant()(_with_callees(mod, gv, func))[gv]
     # a dataflow var folded is replaced by its constant in the returned tuple (its binding dropped);
     # a var that is not is left there, and its binding holds what it folded to
     kept = {b.var: b.value for block in folded.body.blocks for b in block.bindings}

@@ -31,9 +31,8 @@ def captured(name: str, functions: tuple = (STEP,)) -> bool:
     return bool(tvm.transform.PassContext.current().config.get(CUDA_GRAPH_CONFIG, False)) and name in functions
 
 
-def _called(mod: tvm.IRModule, roots: list) -> set:
-    """The Relax functions among `roots` and those they call, transitively."""
-    functions = {gv for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+def _called(mod: tvm.IRModule, roots: list, functions: set) -> set:
+    """`roots` and the Relax `functions` of `mod` they call, transitively."""
     seen, todo = set(), list(roots)
     while todo:
         gv = todo.pop()
@@ -56,7 +55,7 @@ class CaptureStepGraphs:
         roots = [gv for gv in relax_functions if captured(gv.name_hint, self.functions)]
         if not roots:
             return mod
-        reached = _called(mod, roots)
+        reached = _called(mod, roots, set(relax_functions))
         left = {gv: mod[gv] for gv in relax_functions if gv not in reached}
         part = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv not in left}, attrs=mod.attrs)
         rewritten = relax.transform.RewriteCUDAGraph()(part)

@@ -22,9 +22,10 @@ A function is left as TVM planned it when a planned tensor reaches anything but 
 view, a tuple or an alias (TVM's planner does not plan those, so this is a guard), when it has
 control flow, or when the arena would not lower the most bytes alive at once.  In a function run
 as CUDA graphs (``capture_step_graphs.captured``) every static storage is allocated once and kept,
-so that is the arena against the storages' sum; elsewhere, ``arena_peak`` against ``storage_peak``: the arena lives from the first
-planned tensor to the last, where TVM frees each storage after its last tensor, and the tensors the
-runtime allocates (outputs among them) add to both.  Runs right after
+so that is the arena against the storages' sum; elsewhere, ``arena_peak`` against
+``storage_peak``: the arena lives from the first planned tensor to the last, where TVM frees each
+storage after its last tensor, and the tensors the runtime allocates (outputs among them) add to
+both.  Runs right after
 ``StaticPlanBlockMemory``; with ``budgeted_only``, only in functions with a memory budget
 (``BUDGET_ATTR``).  If the runtime function cannot be built (no C++ compiler), the plan stays
 TVM's, with a warning.
