@@ -182,9 +182,29 @@ def test_markdown_compares_with_eager_and_the_budget_with_tvm_evt_at_eagers_batc
              "step_ms": 180.0, "samples_per_s": 225.0, "trials": {}}]
     text = bench_memory.markdown({"meta": {"limit_bytes": 80 * GB}, "rows": rows})
     assert "| m | tvm_evt_budget | 44 | 46 | 2.20× | 78.0 | 200.0 | 220.0 | 1.10× |" in text
-    assert "tvm_evt_budget's batch 44 at 0.88× the samples/s of tvm_evt at eager's batch 20" in text
-    assert "tvm_evt_budget_at_twice_eager's batch 40 at 0.90× the samples/s" in text
+    assert "tvm_evt_budget's batch 44 (2.20× eager's) at 0.88× the samples/s of tvm_evt at eager's batch 20" in text
+    assert "tvm_evt_budget_at_twice_eager's batch 40 (2.00× eager's) at 0.90× the samples/s" in text
     assert "| m | eager_checkpoint | – |" in text and "no checkpointing" in text
+
+
+def test_markdown_marks_an_unbracketed_search_and_a_batch_bounded_by_its_plan():
+    """A torch search that never failed shows its batch as a lower bound; a tvm_evt row confirmed
+    from its plans shows the first batch whose plan is over the limit (and its own summary line)."""
+    rows = [{"model": "m", "system": "eager", "ok": True, "batch": 24, "peak_bytes": 74 * GB, "step_ms": 340.0,
+             "samples_per_s": 70.0, "trials": {"24": {"fits": True}, "25": {"fits": False}}},
+            {"model": "m", "system": "compile", "ok": True, "batch": 20, "peak_bytes": 35 * GB, "step_ms": 138.0,
+             "samples_per_s": 145.0, "trials": {"20": {"fits": True}}},
+            {"model": "m", "system": "tvm_evt_at_eager_batch", "ok": True, "batch": 24, "peak_bytes": 32 * GB,
+             "step_ms": 131.0, "samples_per_s": 183.0, "trials": {"24": {"fits": True}}},
+            {"model": "m", "system": "tvm_evt", "ok": True, "batch": 66, "peak_bytes": 79.7 * GB, "step_ms": 355.0,
+             "samples_per_s": 186.0, "trials": {"66": {"fits": True}},
+             "estimates": {"48": 59 * GB, "66": 79.6 * GB, "67": 80.7 * GB, "96": 113 * GB}}]
+    text = bench_memory.markdown({"meta": {"limit_bytes": 80 * GB}, "rows": rows})
+    assert "| m | eager | 24 | 25 |" in text
+    assert "| m | compile | ≥ 20 | – |" in text
+    assert "| m | tvm_evt | 66 | 67 (plan) | 2.75× |" in text
+    assert "| m | tvm_evt_at_eager_batch | 24 | – |" in text
+    assert "tvm_evt's batch 66 (2.75× eager's) at 1.02× the samples/s of tvm_evt at eager's batch 24" in text
 
 
 def test_bench_cli_takes_max_batch_with_its_own_systems():
