@@ -184,6 +184,9 @@ def _mismatch_worker(rank, world, port, out_dir):
     except Exception as e:  # noqa: BLE001  (the test checks which)
         result = {"error": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    # the result is saved: leave without gloo's teardown, which after a failed step sometimes aborts
+    # ("terminate called without an active exception", seen once in a loaded full run)
+    os._exit(0)
 
 
 def test_ranks_that_compiled_different_shapes_raise_on_every_rank(tmp_path):
