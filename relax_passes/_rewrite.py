@@ -18,6 +18,10 @@ OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the
 VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # results that share their operand's memory
 # the code generator's elementwise ops (an epilogue can compute them) and where
 POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
+# the name of a forward value's copy recomputed in the backward ends so (Rematerialize and
+# RecomputeActivationsInBackward make them, PartitionEVT keeps them out of forward epilogues,
+# SinkRecomputedValues finds them)
+COPY_SUFFIX = "_remat"
 
 
 def op_name(value) -> str | None:

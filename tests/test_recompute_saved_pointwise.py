@@ -56,7 +56,8 @@ def test_a_chain_a_gemm_reads_after_the_loss_is_kept():
             dw = bb.emit_output(relax.op.matmul(relax.op.permute_dims(relax.op.astype(x, "float32")), e))
         bb.emit_func_output(relax.Tuple([relax.Tuple([loss]), relax.Tuple([dw])]))
     before = bb.get()
-    tvm.ir.assert_structural_equal(RecomputeSavedPointwise()(before), before)
+    expected = tvm.IRModule(dict(before.functions_items()))  # (a module pass may change its input)
+    tvm.ir.assert_structural_equal(RecomputeSavedPointwise()(before), expected)
 
 
 def _run(mod: tvm.IRModule, *args):
@@ -81,7 +82,8 @@ def test_budgeted_only_rewrites_a_function_with_a_memory_budget_alone():
     from tvm_evt.relax_passes.partition.rematerialize import BUDGET_ATTR
 
     before = _softmax_step()
-    tvm.ir.assert_structural_equal(RecomputeSavedPointwise(budgeted_only=True)(before), before)
+    expected = tvm.IRModule(dict(before.functions_items()))  # (a module pass may change its input)
+    tvm.ir.assert_structural_equal(RecomputeSavedPointwise(budgeted_only=True)(before), expected)
     budgeted = tvm.IRModule({"main_adjoint": before["main_adjoint"].with_attr(BUDGET_ATTR, 1 << 20)})
     after = RecomputeSavedPointwise(budgeted_only=True)(budgeted)
     assert _saved_producers(after["main_adjoint"], N * V) == ["relax.matmul"]

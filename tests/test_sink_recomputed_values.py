@@ -1,4 +1,4 @@
-"""SinkRecomputedValues: in a function with a memory budget, a recomputed copy that FuseOps left
+"""SinkRecomputedValues: in a function with a memory budget or copies, a recomputed copy that FuseOps left
 high in the backward moves down to its first reader, and a reader that frees more than it
 allocates moves up to its operands."""
 
@@ -10,16 +10,16 @@ from tvm_evt.relax_passes.lower.sink_recomputed_values import SinkRecomputedValu
 from tvm_evt.relax_passes.partition.rematerialize import BUDGET_ATTR, COPY_SUFFIX, estimate_peak
 
 
-def _step(budget: bool) -> tvm.IRModule:
+def _step(budget: bool, copy: bool = True) -> tvm.IRModule:
     """The backward as FuseOps may order it: the copy right after the loss, its reader last but
-    one, and the sum that frees ``d`` at the end."""
+    one, and the sum that frees ``d`` at the end (`copy=False`: ``a_remat`` named as no copy)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((256, 256), "float32"))
     with bb.function("train_step", [x]):
         with bb.dataflow():
             a = bb.emit(relax.op.exp(x), name_hint="a")
             loss = bb.emit_output(relax.op.sum(a), name_hint="loss")
-            c = bb.emit(relax.op.exp(x), name_hint=f"a{COPY_SUFFIX}")
+            c = bb.emit(relax.op.exp(x), name_hint=f"a{COPY_SUFFIX}" if copy else "c")
             d = bb.emit(relax.op.multiply(x, x), name_hint="d")
             e = bb.emit(relax.op.add(x, x), name_hint="e")
             f = bb.emit(relax.op.add(e, e), name_hint="f")
@@ -43,6 +43,13 @@ def test_the_copy_moves_to_its_reader_and_the_freeing_sum_to_its_operand():
     assert estimate_peak(after["train_step"]) < peak
 
 
-def test_a_function_without_a_budget_is_left_as_it_is():
-    before = _step(budget=False)
-    tvm.ir.assert_structural_equal(SinkRecomputedValues()(before), before)
+def test_a_function_without_a_budget_or_copies_is_left_as_it_is():
+    before = _step(budget=False, copy=False)
+    order = _order(before)  # (the pass may change its input: compare with what it was)
+    assert _order(SinkRecomputedValues()(before)) == order == ["a", "loss", "c", "d", "e", "f", "g", "h"]
+
+
+def test_copies_move_without_a_budget_too():
+    """RecomputeActivationsInBackward's copies are made without a budget."""
+    after = SinkRecomputedValues()(_step(budget=False))
+    assert _order(after) == ["a", "loss", "d", "h", "e", "f", "a_remat", "g"]

@@ -21,6 +21,8 @@ What ``phases(target)`` runs after the training phase, in order:
     EVTGraphPasses     (graph) ``evt_graph_passes``
     FactorPointwiseAdjoints  (graph) a backward linear in dy through a pointwise chain as dy * J,
                        J from forward values (one tensor kept instead of the chain's intermediates)
+    RecomputeActivationsInBackward  (partition; off by default) a saved activation that is a pointwise
+                       function of a value kept anyway (gelu(x), gelu'(x)) computed again in the backward
     PadUnalignedMatmuls  (partition; CUDA only) matmuls whose contiguous extents TMA cannot stride
                        over (a vocabulary of 50257, 100 classes, K = 147) zero-padded to 16 bytes
                        (and the output sliced back), so the partitioner gives them to CUTLASS
@@ -109,6 +111,7 @@ from .relax_passes.partition.absorb_partition_input_casts import AbsorbPartition
 from .relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartitions
 from .relax_passes.partition.inline_partitions import InlineEVTPartitions
 from .relax_passes.partition.pad_unaligned_matmuls import PadUnalignedMatmuls
+from .relax_passes.partition.recompute_activations_in_backward import RecomputeActivationsInBackward
 from .relax_passes.partition.recompute_saved_pointwise import RecomputeSavedPointwise
 from .relax_passes.partition.rematerialize import Rematerialize
 from .relax_passes.partition.partition_evt import DEFAULT_TIME_LIMIT, PartitionEVT
@@ -224,6 +227,11 @@ OPTIONAL = {
                                "pointwise chain of at most 8 ops (a SiLU gate written out as ops) as dy * J, J "
                                "computed in the forward, which keeps J instead of the chain's intermediates "
                                "(H200 bf16: LlamaForCausalLM 4x4096 95.78 -> 90.98 ms per step)"),
+    "recompute_activations": Rewrite("RecomputeActivationsInBackward: a saved activation that is a pointwise function of "
+                                     "a value the step keeps anyway (an MLP's gelu(x) and gelu'(x) of its kept x) "
+                                     "computed again in the backward by TVM kernels instead of stored by the forward "
+                                     "GEMM's epilogue (hf_bert_large 1 layer, batch 2 x 256: two [2, 256, 1024] tensors "
+                                     "kept become one; not yet timed on a GPU)", default=False),
     "recompute_saved": Rewrite("RecomputeSavedPointwise: forward values the backward reads that are pointwise "
                                "chains of a smaller tensor (a loss's float32 exp over the bf16 logits, a layer "
                                "norm's float32 normalised input) recomputed in the backward kernels that read them "
@@ -288,6 +296,8 @@ def pre_partition_passes() -> list:
     return graph_passes() + [
         # linear backward regions through pointwise chains as dy * J (after the graph passes' CSE)
         *([FactorPointwiseAdjoints()] if enabled("factor_adjoints") else []),
+        # saved activations recomputed in the backward from the values they are pointwise functions of
+        *([RecomputeActivationsInBackward()] if enabled("recompute_activations") else []),
         relax.transform.CanonicalizeBindings(),  # var-to-var bindings hide producers
     ]
 

@@ -44,7 +44,7 @@ import tvm_ffi
 from tvm import relax
 
 from . import evt_cost
-from .._rewrite import dtype_of, op_name
+from .._rewrite import COPY_SUFFIX, dtype_of, op_name
 from .evt_cost import static_shape, tensor_bytes
 
 COMPOSITE_NAME = "evt.gemm_epilogue"
@@ -87,6 +87,9 @@ class OpNode:
     is_output: bool  # the value leaves the block
     users: list[int] = field(default_factory=list)
     absorbed: bool = False  # a later kernel computes it in passing (a layer norm gradient's row kernel)
+    # a forward value recomputed in the backward (named with COPY_SUFFIX): it joins no epilogue, whose
+    # GEMMs of its operands run in the forward and would store it there again
+    copy: bool = False
 
     @property
     def traffic(self) -> int:
@@ -152,6 +155,7 @@ class OpGraph:
                 inputs=tuple(inputs), ext_inputs=tuple(ext), nbytes=nbytes,
                 shape=shape, dtype=dtype,
                 is_output=not isinstance(b.var, relax.DataflowVar), absorbed=b.var in absorbed,
+                copy=b.var.name.endswith(COPY_SUFFIX),
             )
             node.input_bytes = sum(self.nodes[j].nbytes for j in inputs) + sum(n for _, n in ext)
             self.nodes.append(node)
@@ -170,7 +174,8 @@ class OpGraph:
         return seen
 
     def canonical_hash(self) -> str:
-        """A hash of the block's ops, attributes, types and edges (names ignored)."""
+        """A hash of the block's ops, attributes, types and edges (names ignored, but for whether a binding
+        is a backward copy: ``OpNode.copy``)."""
         h = hashlib.sha256()
         keys = {}
         for node in self.nodes:
@@ -186,7 +191,8 @@ class OpGraph:
             attrs = str(node.value.attrs) if isinstance(node.value, relax.Call) and node.value.attrs is not None else ""
             kind = type(node.value).__name__
             ty = (node.shape, node.dtype) if node.shape is not None else str(node.var.ty)
-            h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{ty}|{node.is_output}|{node.absorbed}\n".encode())
+            copy = "|copy" if node.copy else ""  # (absent otherwise: the keys made before it stay valid)
+            h.update(f"{node.index}|{kind}|{node.op}|{attrs}|{args}|{ty}|{node.is_output}|{node.absorbed}{copy}\n".encode())
         return h.hexdigest()
 
 
@@ -443,6 +449,8 @@ def build_problem(graph: OpGraph, check: _Legality | None = None) -> Problem:
                 continue  # reductions are terminal
             if _cast_for_consumer(graph, cand):
                 continue  # its consumer's kernel reads the narrow value and widens it itself
+            if cand.copy:
+                continue  # recomputed in the backward to be kept out of the forward: a kernel of its own
             if v in reduction_fed:
                 continue  # the reduction's kernel computes it from what the epilogue stores anyway
             if cand.op in elementwise:

@@ -54,13 +54,12 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...errors import MemoryBudgetError
-from .._rewrite import VIEWS, flat_bindings, op_name, sub_expressions
+from .._rewrite import COPY_SUFFIX, VIEWS, flat_bindings, op_name, sub_expressions  # noqa: F401 (COPY_SUFFIX: re-exported)
 from ..ops.attention_op import FORWARD as ATTENTION
 from .evt_cost import type_bytes, static_shape, tensor_bytes
 from .partition_evt import ILP_SOLVER
 
 BUDGET_ATTR = "tvm_evt.memory_budget"  # bytes, set on train_step by compile_training
-COPY_SUFFIX = "_remat"  # the name of a recomputed value's copy ends so (SinkRecomputedValues finds them by it)
 REPORT_ATTR = "tvm_evt.rematerialized"  # JSON: what this pass decided (TrainingStep.memory_report)
 TIME_LIMIT = 20.0  # seconds for one integer program
 MAX_ROUNDS = 8  # plans validated against the estimate before giving up
