@@ -143,7 +143,7 @@ PHASES = (
            "FactorPointwiseAdjoints")),
     Phase("partition", "relax_passes.partition",
           ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions",
-           "RecomputeSavedPointwise", "Rematerialize",
+           "RecomputeActivationsInBackward", "RecomputeSavedPointwise", "Rematerialize",
            "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
