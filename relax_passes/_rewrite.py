@@ -24,6 +24,11 @@ POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
 COPY_SUFFIX = "_remat"
 
 
+def is_copy(var: relax.Var) -> bool:
+    """Is `var` a forward value's copy recomputed in the backward (named with ``COPY_SUFFIX``)?"""
+    return var.name.endswith(COPY_SUFFIX)
+
+
 def op_name(value) -> str | None:
     """The operator name of a call to a Relax operator (``"relax.add"``), else None."""
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):

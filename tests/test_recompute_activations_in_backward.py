@@ -10,6 +10,7 @@ from tvm import relax
 
 import tvm_evt
 from test_factor_pointwise_adjoints import _saved_producers
+from test_recompute_saved_pointwise import _run
 from tvm_evt import models, pipeline
 from tvm_evt.relax_passes._rewrite import COPY_SUFFIX, flat_bindings, op_name
 from tvm_evt.relax_passes.partition.partition_evt import OpGraph, build_problem
@@ -77,12 +78,6 @@ def test_without_a_kept_source_nothing_changes():
     before = bb.get()
     expected = tvm.IRModule(dict(before.functions_items()))  # (a module pass may change its input)
     tvm.ir.assert_structural_equal(RecomputeActivationsInBackward()(before), expected)
-
-
-def _run(mod: tvm.IRModule, *args):
-    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
-    out = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
-    return [out[0][0].numpy()] + [t.numpy() for t in out[1]]
 
 
 def test_the_copies_compute_the_same_numbers():

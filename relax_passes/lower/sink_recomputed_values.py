@@ -30,15 +30,15 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .._rewrite import flat_bindings
+from .._rewrite import flat_bindings, is_copy
 from ..partition.evt_cost import tensor_bytes
-from ..partition.rematerialize import COPY_SUFFIX, budgeted, loss_var
+from ..partition.rematerialize import budgeted, loss_var
 
 
 def _is_copy(binding: relax.VarBinding, copies: set) -> bool:
     """A copy's binding, or a projection of one of `copies`."""
     value = binding.value
-    if binding.var.name.endswith(COPY_SUFFIX):
+    if is_copy(binding.var):
         return True
     return isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var) \
         and value.tuple_value in copies
@@ -46,7 +46,7 @@ def _is_copy(binding: relax.VarBinding, copies: set) -> bool:
 
 def _has_copies(func) -> bool:
     """Does the Relax function `func` bind a copy (a var named with ``COPY_SUFFIX``)?"""
-    return isinstance(func, relax.Function) and any(b.var.name.endswith(COPY_SUFFIX) for b in flat_bindings(func)[0])
+    return isinstance(func, relax.Function) and any(is_copy(b.var) for b in flat_bindings(func)[0])
 
 
 def hoist(order: list, start: int) -> list:

@@ -44,7 +44,7 @@ import tvm_ffi
 from tvm import relax
 
 from . import evt_cost
-from .._rewrite import COPY_SUFFIX, dtype_of, op_name
+from .._rewrite import dtype_of, is_copy, op_name
 from .evt_cost import static_shape, tensor_bytes
 
 COMPOSITE_NAME = "evt.gemm_epilogue"
@@ -155,7 +155,7 @@ class OpGraph:
                 inputs=tuple(inputs), ext_inputs=tuple(ext), nbytes=nbytes,
                 shape=shape, dtype=dtype,
                 is_output=not isinstance(b.var, relax.DataflowVar), absorbed=b.var in absorbed,
-                copy=b.var.name.endswith(COPY_SUFFIX),
+                copy=is_copy(b.var),
             )
             node.input_bytes = sum(self.nodes[j].nbytes for j in inputs) + sum(n for _, n in ext)
             self.nodes.append(node)

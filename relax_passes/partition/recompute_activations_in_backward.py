@@ -29,7 +29,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import COPY_SUFFIX, POINTWISE, VIEWS, elements, flat_bindings, op_name
+from .._rewrite import COPY_SUFFIX, POINTWISE, VIEWS, elements, flat_bindings, is_copy, op_name
 from .rematerialize import StepGraph, rewrite, step_graph
 
 CHAIN_OPS = POINTWISE | VIEWS | {"relax.astype"}
@@ -87,11 +87,12 @@ class _MarkCopies(PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit(value, name_hint=f"{binding.var.name}{COPY_SUFFIX}"))
 
 
-def _backward_functions_of(func: relax.Function, graph: StepGraph, sources: set) -> set:
-    """Backward bindings that are pointwise ops of `sources` (and of each other) and constants."""
+def _backward_functions_of(func: relax.Function, boundary: int, sources: set) -> set:
+    """Bindings after `boundary` (the loss's index) that are pointwise ops of `sources` (and of each
+    other) and constants."""
     marked: set = set()
-    for b in flat_bindings(func)[0][graph.boundary + 1:]:
-        if op_name(b.value) not in CHAIN_OPS or b.var.name.endswith(COPY_SUFFIX):
+    for b in flat_bindings(func)[0][boundary + 1:]:
+        if op_name(b.value) not in CHAIN_OPS or is_copy(b.var):
             continue
         reads = relax.analysis.free_vars(b.value)
         if reads and all(v in sources or v in marked for v in reads):
@@ -116,9 +117,8 @@ class RecomputeActivationsInBackward:
             recompute, sources = plan(graph)
             if not recompute:
                 continue
-            func = rewrite(mod, graph, recompute)
-            graph = step_graph(mod, func)
-            marked = _backward_functions_of(func, graph, sources)
+            func = rewrite(mod, graph, recompute)  # (copies are bound after the loss: its index stays)
+            marked = _backward_functions_of(func, graph.boundary, sources)
             updates[gv] = _MarkCopies(mod, marked).visit_expr(func) if marked else func
         for gv, func in updates.items():
             mod[gv] = func

@@ -54,7 +54,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...errors import MemoryBudgetError
-from .._rewrite import COPY_SUFFIX, VIEWS, flat_bindings, op_name, sub_expressions  # noqa: F401 (COPY_SUFFIX: re-exported)
+from .._rewrite import COPY_SUFFIX, VIEWS, flat_bindings, op_name, sub_expressions
 from ..ops.attention_op import FORWARD as ATTENTION
 from .evt_cost import type_bytes, static_shape, tensor_bytes
 from .partition_evt import ILP_SOLVER
