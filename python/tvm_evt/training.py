@@ -262,7 +262,7 @@ class TrainingStep:
     and returns the loss; see `loss_and_grads`, `parameters`, `load_parameters`."""
 
     def __init__(self, imported: ImportedModel, graph: "TrainingGraph", executable, target,
-                 compile_seconds: float, seed: int = 0):
+                 compile_seconds: float, seed: int = 0, build_adjoint=None):
         layout, loss_scale = graph.layout, graph.loss_scale
         self.imported = imported
         self.graph = graph
@@ -272,7 +272,10 @@ class TrainingStep:
         self.device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
         self.vm = relax.VirtualMachine(executable, self.device)
         self._train = self.vm["train_step"]
-        self._adjoint = self.vm["main_adjoint"]
+        # main_adjoint (loss_and_grads): in `executable` where it was built with the step, else built
+        # by `build_adjoint()` (an executable) when first called
+        self._adjoint = self._entry(self.vm, "main_adjoint")
+        self._adjoint_vm, self._build_adjoint = None, build_adjoint
         # the dropout RNG state (seed, counter) lives on the device: train_step returns the next
         # one, so no step starts with a host-to-device copy (TVM synchronises the device after one)
         self._rng = None
@@ -291,6 +294,10 @@ class TrainingStep:
             self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
 
     # -- helpers
+    @staticmethod
+    def _entry(vm, name: str):
+        return vm[name] if vm.module.implements_function(name) else None
+
     def _scalar(self, value: float):
         return tvm.runtime.tensor(np.array(value, dtype="float32"), self.device)
 
@@ -334,6 +341,11 @@ class TrainingStep:
         args = self._check_inputs(inputs) + self._params + self._rest()
         if self.layout.loss_scaling:
             args.append(self._scalar(1.0))
+        if self._adjoint is None:
+            if self._build_adjoint is None:
+                raise RuntimeError("loss_and_grads: this step's executable has no main_adjoint and no way to build it")
+            self._adjoint_vm = relax.VirtualMachine(self._build_adjoint(), self.device)
+            self._adjoint = self._adjoint_vm["main_adjoint"]
         out = self._adjoint(*args)
         self._ran = True
         loss, grads = out[0][0], out[1]
@@ -433,12 +445,19 @@ class TrainingStep:
         return int(self._step.numpy())
 
 
-def runtime_module(mod: tvm.IRModule) -> tvm.IRModule:
-    """What a TrainingStep calls — train_step and main_adjoint — without the forward-only
-    ``main``, whose partitions would otherwise be built a third time."""
-    kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main"}
+ENTRY_FUNCTIONS = ("main", "main_adjoint", "train_step")
+
+
+def runtime_module(mod: tvm.IRModule, function: str = "train_step") -> tvm.IRModule:
+    """`function` of the training module as one build takes it, without the other entry functions:
+    ``train_step`` (what `compile_training` builds) or ``main_adjoint`` (what
+    `TrainingStep.loss_and_grads` builds when it is first called).  Built together, every pass of
+    the pipeline would run on both: most of a warm compile's time."""
+    if function not in ENTRY_FUNCTIONS:
+        raise ValueError(f"runtime_module: {function!r} is not one of the training module's {ENTRY_FUNCTIONS}")
+    kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint == function or gv.name_hint not in ENTRY_FUNCTIONS}
     mod = tvm.IRModule(kept, attrs=mod.attrs)
-    return relax.transform.DeadCodeElimination(entry_functions=["train_step", "main_adjoint"])(mod)
+    return relax.transform.DeadCodeElimination(entry_functions=[function])(mod)
 
 
 def captures_graphs(target: tvm.target.Target, precision: str, cuda_graph: bool | None) -> bool:
@@ -446,6 +465,15 @@ def captures_graphs(target: tvm.target.Target, precision: str, cuda_graph: bool 
     if cuda_graph is None:
         cuda_graph = enabled("cuda_graph") and precision != "fp16"
     return target.kind.name == "cuda" and cuda_graph
+
+
+def _build(mod: tvm.IRModule, target: tvm.target.Target, tuning_dir=None):
+    """`mod` built by the evt pipeline (with the tuning results of `tuning_dir`, if given)."""
+    if tuning_dir is None:
+        return tvm.compile(mod, target=target, relax_pipeline=PIPELINE_NAME)
+    from .tuned import compile_tuned
+
+    return compile_tuned(mod, target, tuning_dir)
 
 
 def compile_training(
@@ -515,13 +543,14 @@ def compile_training(
         graph.mod["train_step"] = graph.mod["train_step"].with_attr(BUDGET_ATTR, budget)
     keeper = PlannedStepKeeper()  # the memory plan as the build makes it, for memory_report
     with graph_capture() if graphs else contextlib.nullcontext(), keeper.watching(), quiet_known_warnings():
-        if tuning_dir is None:
-            executable = tvm.compile(runtime_module(graph.mod), target=tgt, relax_pipeline=PIPELINE_NAME)
-        else:
-            from .tuned import compile_tuned
+        executable = _build(runtime_module(graph.mod), tgt, tuning_dir)
 
-            executable = compile_tuned(runtime_module(graph.mod), tgt, tuning_dir)
-    step = TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed)
+    def build_adjoint():
+        with quiet_known_warnings():
+            return _build(runtime_module(graph.mod, "main_adjoint"), tgt, tuning_dir)
+
+    step = TrainingStep(imported, graph, executable, tgt, time.perf_counter() - start, seed=seed,
+                        build_adjoint=build_adjoint)
     step.planned_function = keeper.function
     step.captures_graphs = graphs
     if budget is not None and step.planned_function is not None:
