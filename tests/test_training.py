@@ -144,6 +144,25 @@ def test_inplace_update_keeps_its_tensors_and_leaves_the_callers_alone():
         assert torch.equal(v, before[n]), n
 
 
+def test_the_step_is_built_alone_and_loss_and_grads_builds_main_adjoint_on_first_use():
+    """compile_training builds train_step only (each pass would otherwise run on main_adjoint too);
+    the gradients loss_and_grads then builds and returns are the ones the step applies."""
+    entry = models.ZOO["mlp"]()
+    lr = 0.5
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    optimizer=tvm_evt.optim.SGD(lr=lr), target=LLVM)
+    assert not step.vm.module.implements_function("main_adjoint")
+    inputs = entry.example_inputs()
+    before = {n: v.clone() for n, v in step.parameters().items()}
+    loss, grads = step.loss_and_grads(*inputs)
+    assert step._adjoint_vm is not None and set(grads) == set(before)
+    assert float(step(*inputs)) == pytest.approx(float(loss), rel=1e-6)
+    after = step.parameters()
+    for n, g in grads.items():
+        assert float(g.abs().max()) > 0, n
+        assert rel_err(after[n], before[n] - lr * g) <= 1e-5, n
+
+
 @pytest.mark.parametrize("name", ["resnet_basic", "mlp"])
 def test_inplace_step_writes_its_small_state_back(name):
     """inplace=True: batch norm's running statistics, the step counter and the dropout seed are
