@@ -112,6 +112,7 @@ from .relax_passes.partition.deduplicate_partitions import DeduplicateEVTPartiti
 from .relax_passes.partition.inline_partitions import InlineEVTPartitions
 from .relax_passes.partition.pad_unaligned_matmuls import PadUnalignedMatmuls
 from .relax_passes.partition.recompute_activations_in_backward import RecomputeActivationsInBackward
+from .relax_passes.partition.regenerate_in_backward import RegenerateInBackward
 from .relax_passes.partition.recompute_saved_pointwise import RecomputeSavedPointwise
 from .relax_passes.partition.rematerialize import Rematerialize
 from .relax_passes.partition.partition_evt import DEFAULT_TIME_LIMIT, PartitionEVT
@@ -143,7 +144,7 @@ PHASES = (
            "FactorPointwiseAdjoints")),
     Phase("partition", "relax_passes.partition",
           ("PadUnalignedMatmuls", "PartitionEVT", "AbsorbPartitionInputCasts", "DeduplicateEVTPartitions",
-           "RecomputeActivationsInBackward", "RecomputeSavedPointwise", "Rematerialize",
+           "RecomputeActivationsInBackward", "RegenerateInBackward", "RecomputeSavedPointwise", "Rematerialize",
            "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
@@ -233,6 +234,9 @@ OPTIONAL = {
                                      "GEMM's epilogue (hf_bert_large 1 layer, batch 2 x 256: two [2, 256, 1024] tensors "
                                      "kept become one; H200, BERT-Large: 6-7 % slower a sample, batch 183 in 80 GB where "
                                      "the default fits 131)", default=False),
+    "regenerate": Rewrite("RegenerateInBackward: a saved value generated from a few bytes of the step's arguments "
+                          "(a dropout keep mask from the seed) generated again in the backward instead of kept "
+                          "across the forward (BERT-Large: two bool [tokens, 1024] masks a layer)"),
     "recompute_saved": Rewrite("RecomputeSavedPointwise: forward values the backward reads that are pointwise "
                                "chains of a smaller tensor (a loss's float32 exp over the bf16 logits, a layer "
                                "norm's float32 normalised input) recomputed in the backward kernels that read them "
@@ -299,6 +303,8 @@ def pre_partition_passes() -> list:
         *([FactorPointwiseAdjoints()] if enabled("factor_adjoints") else []),
         # saved activations recomputed in the backward from the values they are pointwise functions of
         *([RecomputeActivationsInBackward()] if enabled("recompute_activations") else []),
+        # values generated from the step's arguments alone (dropout keep masks): generated again in the backward
+        *([RegenerateInBackward()] if enabled("regenerate") else []),
         relax.transform.CanonicalizeBindings(),  # var-to-var bindings hide producers
     ]
 

@@ -163,14 +163,14 @@ def recompute_seconds(mod: tvm.IRModule, value: relax.Expr) -> float:
     ``BYTES_PER_S``, whichever is longer, plus a launch; a projection, view or tuple costs nothing."""
     if not isinstance(value, relax.Call) or op_name(value) in VIEWS:
         return 0.0
-    moved = tensor_bytes(value) + sum(tensor_bytes(a) for a in _tensor_args(value))
+    moved = tensor_bytes(value) + sum(tensor_bytes(a) for a in tensor_args(value))
     flops = _call_flops(value)
     if isinstance(value.op, relax.GlobalVar) and isinstance(mod[value.op], relax.Function):
         flops += _function_flops(mod[value.op])
     return LAUNCH_S + max(flops / FLOPS_PER_S, moved / BYTES_PER_S)
 
 
-def _tensor_args(call: relax.Call) -> list:
+def tensor_args(call: relax.Call) -> list:
     out = []
     for a in call.args:
         out.extend(a.fields if isinstance(a, relax.Tuple) else [a])
