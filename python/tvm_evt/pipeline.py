@@ -236,7 +236,9 @@ OPTIONAL = {
                                      "the default fits 131)", default=False),
     "regenerate": Rewrite("RegenerateInBackward: a saved value generated from a few bytes of the step's arguments "
                           "(a dropout keep mask from the seed) generated again in the backward instead of kept "
-                          "across the forward (BERT-Large: two bool [tokens, 1024] masks a layer)"),
+                          "across the forward (BERT-Large: two bool [tokens, 1024] masks a layer; batch 131 planned "
+                          "78.3 -> 68.2 GB; H200, a BERT-Large layer bf16 at 16 x 512: the same losses, 1.64 -> "
+                          "1.59 ms, measured peak 547 -> 503 MB)"),
     "recompute_saved": Rewrite("RecomputeSavedPointwise: forward values the backward reads that are pointwise "
                                "chains of a smaller tensor (a loss's float32 exp over the bf16 logits, a layer "
                                "norm's float32 normalised input) recomputed in the backward kernels that read them "
