@@ -11,8 +11,9 @@ most of the backward, and the step keeps more than it did without them (BERT-Lar
 estimated, 152 GB planned, and the step ran out of the H200's memory; 68 GB estimated after this
 pass).
 
-In a function with a memory budget (``BUDGET_ATTR``) or with copies (``RecomputeSavedPointwise`` and
-``RecomputeActivationsInBackward`` make them without a budget too: BERT-Large at batch 32, FuseOps
+In a function with a memory budget (``BUDGET_ATTR``) or with copies (``RecomputeSavedPointwise``,
+``RecomputeActivationsInBackward`` and ``RegenerateInBackward`` make them without a budget too: the
+last, on by default, in every step with dropout; BERT-Large at batch 32, FuseOps
 moved RecomputeActivationsInBackward's 24 copies of gelu(x) up to the loss, and the packed arena
 stayed as large as without them), in the loss's dataflow block and after the loss:
 
