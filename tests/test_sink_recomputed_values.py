@@ -41,6 +41,7 @@ def test_the_copy_moves_to_its_reader_and_the_freeing_sum_to_its_operand():
     after = SinkRecomputedValues()(before)
     assert _order(after) == ["a", "loss", "d", "h", "e", "f", "a_remat", "g"]
     assert estimate_peak(after["train_step"]) < peak
+    relax.analysis.well_formed(after)  # raises where a type is missing: the reordered body is normalised
 
 
 def test_a_function_without_a_budget_or_copies_is_left_as_it_is():

@@ -111,4 +111,5 @@ class SinkRecomputedValues:
                                                  func.is_pure, func.attrs, func.span)
         for gv, func in updates.items():
             mod[gv] = func
-        return mod
+        # the new SeqExpr's type is filled in, as for any expression built outside a BlockBuilder
+        return relax.transform.Normalize()(mod) if updates else mod
