@@ -120,7 +120,7 @@ def test_the_cuda_route_step_lifts_its_own_plan():
                 planned["step"] = mod["train_step"]
 
     with target, pass_context(config={CUDA_GRAPH_CONFIG: True}, instruments=[Keep()]):
-        mod = tvm.transform.Sequential(passes[: names.index("CaptureStepGraphs") + 1])(runtime_module(graph.mod))
+        mod = tvm.transform.Sequential(passes[: names.index("CaptureStepGraphs") + 1])(runtime_module(graph.mod, "train_step", "main_adjoint"))
     storage = memory_report(planned["step"], graph.layout, storages_kept=True)["planned_storage_bytes"]
     assert sum(_lifted(mod)) == storage > 0
     assert _captures(mod["train_step"]) and not _captures(mod["main_adjoint"])

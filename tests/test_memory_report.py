@@ -7,7 +7,7 @@ import torch
 import tvm
 from tvm import relax
 
-from tvm_evt import compile_training, models
+from tvm_evt import compile_training, models, pipeline
 from tvm_evt.memory import ALLOC_TENSOR, BUILTIN_ALLOC, memory_plan
 from tvm_evt.relax_passes.training.optimizers import SGD, AdamW
 from tvm_evt.training import runtime_module
@@ -145,7 +145,11 @@ def test_timeline_marks_forward_backward_and_update(adamw_mlp):
     assert [p["op"] for p in update] == ["optimizer_update"]
 
 
-def test_bert_layer_with_dropout_reports_its_masks_as_saved():
+@pytest.mark.parametrize("regenerate", [False, True])
+def test_bert_layer_with_dropout_reports_its_masks_as_saved_unless_regenerated(regenerate, monkeypatch):
+    """Kept dropout masks are saved activations of a byte an element; RegenerateInBackward (on by
+    default) generates them again in the backward, and then none is saved."""
+    monkeypatch.setenv(pipeline.ENABLE_ENV if regenerate else pipeline.DISABLE_ENV, "regenerate")
     torch.manual_seed(0)
     entry = models.ZOO["bert_layer"](batch=2, seq=8, hidden=32, heads=2)
     step = compile_training(entry.training_module(), entry.example_inputs(), optimizer=SGD(lr=1e-3), target="llvm")
@@ -154,7 +158,10 @@ def test_bert_layer_with_dropout_reports_its_masks_as_saved():
     assert cats["parameters"] == _param_bytes(step) == cats["gradients"]
     assert cats["buffers"] == 8  # the dropout RNG state: (seed, counter) as uint32
     masks = [s for s in report["saved_activations"] if s["dtype"] == "bool"]
-    assert masks and all(s["bytes"] == int(np.prod(s["shape"])) for s in masks)
+    if regenerate:
+        assert masks == []
+    else:
+        assert masks and all(s["bytes"] == int(np.prod(s["shape"])) for s in masks)
     assert sum(cats.values()) == report["unplanned_total_bytes"]
 
 

@@ -448,16 +448,18 @@ class TrainingStep:
 ENTRY_FUNCTIONS = ("main", "main_adjoint", "train_step")
 
 
-def runtime_module(mod: tvm.IRModule, function: str = "train_step") -> tvm.IRModule:
-    """`function` of the training module as one build takes it, without the other entry functions:
-    ``train_step`` (what `compile_training` builds) or ``main_adjoint`` (what
-    `TrainingStep.loss_and_grads` builds when it is first called).  Built together, every pass of
-    the pipeline would run on both: most of a warm compile's time."""
-    if function not in ENTRY_FUNCTIONS:
-        raise ValueError(f"runtime_module: {function!r} is not one of the training module's {ENTRY_FUNCTIONS}")
-    kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint == function or gv.name_hint not in ENTRY_FUNCTIONS}
+def runtime_module(mod: tvm.IRModule, *functions: str) -> tvm.IRModule:
+    """`functions` of the training module (``train_step`` where none is named) as one build takes
+    them, without its other entry functions: `compile_training` builds ``train_step`` and
+    `TrainingStep.loss_and_grads` builds ``main_adjoint`` when first called.  Built together, every
+    pass of the pipeline would run on both: most of a warm compile's time."""
+    functions = functions or ("train_step",)
+    unknown = set(functions) - set(ENTRY_FUNCTIONS)
+    if unknown:
+        raise ValueError(f"runtime_module: {sorted(unknown)} not among the training module's {ENTRY_FUNCTIONS}")
+    kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint in functions or gv.name_hint not in ENTRY_FUNCTIONS}
     mod = tvm.IRModule(kept, attrs=mod.attrs)
-    return relax.transform.DeadCodeElimination(entry_functions=[function])(mod)
+    return relax.transform.DeadCodeElimination(entry_functions=list(functions))(mod)
 
 
 def captures_graphs(target: tvm.target.Target, precision: str, cuda_graph: bool | None) -> bool:
