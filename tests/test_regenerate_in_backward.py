@@ -94,3 +94,12 @@ def test_the_step_with_regenerated_masks_keeps_none_and_trains_as_before(monkeyp
         assert float(on(*inputs)) == float(off(*inputs))
     p_on, p_off = on.parameters(), off.parameters()
     assert all(rel_err(p_on[n], p_off[n]) <= 1e-6 for n in p_off)
+
+
+def test_a_function_with_a_memory_budget_is_left_to_rematerialize():
+    from tvm_evt.relax_passes.partition.rematerialize import BUDGET_ATTR
+
+    before = _dropout_step(regenerated=False)
+    before["main_adjoint"] = before["main_adjoint"].with_attr(BUDGET_ATTR, 1 << 20)
+    expected = tvm.IRModule(dict(before.functions_items()))  # (a module pass may change its input)
+    tvm.ir.assert_structural_equal(RegenerateInBackward()(before), expected)

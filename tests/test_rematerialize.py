@@ -250,7 +250,9 @@ def test_aim_memory_budget_finds_a_budget_whose_plan_fits():
     args = (entry.training_module(), entry.example_inputs())
     peak = planned_step_peak(*args, optimizer=SGD(lr=1e-2), target="llvm")
     assert aim_memory_budget(*args, peak, optimizer=SGD(lr=1e-2), target="llvm") == (None, peak)  # fits as it is
-    limit = int(0.85 * peak)
+    # (without a budget its dropout masks are generated again in the backward already: 3.26 MB; the
+    # lowest a budget's plan reaches is 2.87 MB)
+    limit = int(0.9 * peak)
     budget, planned = aim_memory_budget(*args, limit, optimizer=SGD(lr=1e-2), target="llvm")
     assert planned <= limit < peak
     assert planned_step_peak(*args, optimizer=SGD(lr=1e-2), target="llvm", memory_budget=budget) == planned
