@@ -30,7 +30,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .._rewrite import COPY_SUFFIX, POINTWISE, VIEWS, elements, flat_bindings, is_copy, op_name
-from .rematerialize import StepGraph, rewrite, step_graph
+from .rematerialize import StepGraph, rewrite, step_graphs
 
 CHAIN_OPS = POINTWISE | VIEWS | {"relax.astype"}
 
@@ -107,13 +107,7 @@ class RecomputeActivationsInBackward:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
-            try:
-                graph = step_graph(mod, func)
-            except ValueError:  # no loss returned first: not a training function
-                continue
+        for gv, graph in step_graphs(mod):
             recompute, sources = plan(graph)
             if not recompute:
                 continue

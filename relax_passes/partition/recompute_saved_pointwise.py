@@ -35,7 +35,7 @@ from tvm import relax
 
 from .._rewrite import POINTWISE as ELEMENTWISE, elements, flat_bindings, op_name
 from .evt_cost import tensor_bytes
-from .rematerialize import StepGraph, budgeted, rewrite, step_graph
+from .rematerialize import StepGraph, budgeted, rewrite, step_graphs
 
 POINTWISE = ELEMENTWISE | {"relax.astype"}
 
@@ -124,19 +124,9 @@ class RecomputeSavedPointwise:
         self.budgeted_only = budgeted_only
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
-            if self.budgeted_only and not budgeted(func):
-                continue
-            try:
-                graph = step_graph(mod, func)
-            except ValueError:  # no loss returned first: not a training function
-                continue
-            copies = plan(graph)
-            if copies:
-                updates[gv] = rewrite(mod, graph, copies)
+        skip = (lambda func: not budgeted(func)) if self.budgeted_only else None
+        updates = {gv: rewrite(mod, graph, copies) for gv, graph in step_graphs(mod, skip=skip)
+                   if (copies := plan(graph))}
         for gv, func in updates.items():
             mod[gv] = func
         return relax.transform.DeadCodeElimination()(mod) if updates else mod

@@ -28,7 +28,7 @@ import tvm
 from tvm import relax
 
 from .evt_cost import tensor_bytes
-from .rematerialize import StepGraph, budgeted, rewrite, step_graph, tensor_args
+from .rematerialize import StepGraph, budgeted, rewrite, step_graphs, tensor_args
 
 OPERAND_SHARE = 1 / 16  # a generated value's tensor operands: at most this share of its own bytes
 
@@ -52,17 +52,9 @@ class RegenerateInBackward:
     docstring); a function without a loss and a backward is left as it is."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or budgeted(func):
-                continue  # under a memory budget Rematerialize's plan decides what is recomputed, masks too
-            try:
-                graph = step_graph(mod, func)
-            except ValueError:  # no loss returned first: not a training function
-                continue
-            regenerate = plan(graph)
-            if regenerate:
-                updates[gv] = rewrite(mod, graph, regenerate)
+        # under a memory budget Rematerialize's plan decides what is recomputed, masks too
+        updates = {gv: rewrite(mod, graph, regenerate) for gv, graph in step_graphs(mod, skip=budgeted)
+                   if (regenerate := plan(graph))}
         for gv, func in updates.items():
             mod[gv] = func
         return mod

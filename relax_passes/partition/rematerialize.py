@@ -223,6 +223,19 @@ def step_graph(mod: tvm.IRModule, func: relax.Function) -> StepGraph:
     return StepGraph(func, boundary, nodes, saved, pinned, first_read, last_read)
 
 
+def step_graphs(mod: tvm.IRModule, skip=None):
+    """(GlobalVar, `step_graph`) of each training function of `mod` (a Relax function that returns
+    its loss first), but those `skip(func)` is true of."""
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or (skip is not None and skip(func)):
+            continue
+        try:
+            graph = step_graph(mod, func)
+        except ValueError:  # no loss returned first: not a training function
+            continue
+        yield gv, graph
+
+
 # ------------------------------------------------------------------------------ the estimate
 
 
