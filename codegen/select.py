@@ -54,6 +54,8 @@ _TABLE: tuple[tuple[str, KernelConfig], ...] = (
     ("default", _cfg((64, 128, 64), schedule=PP)),
     ("full", _cfg((128, 256, 64), (2, 1))),
     ("full", _cfg((128, 256, 64), (1, 2))),
+    # cuBLAS's choice (nvjet 256x128, cluster 1x2) for Llama's 8192-row GEMMs (H200, 2026-11-28)
+    ("full", _cfg((256, 128, 64), (1, 2))),
     ("full", _cfg((256, 128, 64))),
     ("full", _cfg((128, 128, 64), (1, 2))),
     ("quick", _cfg((128, 128, 64), (2, 1), schedule=PP)),
