@@ -23,6 +23,8 @@ What ``phases(target)`` runs after the training phase, in order:
                        J from forward values (one tensor kept instead of the chain's intermediates)
     RecomputeActivationsInBackward  (partition; off by default) a saved activation that is a pointwise
                        function of a value kept anyway (gelu(x), gelu'(x)) computed again in the backward
+    RegenerateInBackward  (partition) a saved value generated from a few bytes of the step's
+                       arguments (a dropout keep mask from the seed) generated again in the backward
     PadUnalignedMatmuls  (partition; CUDA only) matmuls whose contiguous extents TMA cannot stride
                        over (a vocabulary of 50257, 100 classes, K = 147) zero-padded to 16 bytes
                        (and the output sliced back), so the partitioner gives them to CUTLASS

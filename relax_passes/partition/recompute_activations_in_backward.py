@@ -19,8 +19,9 @@ Copies (``COPY_SUFFIX``) join no GEMM epilogue (``PartitionEVT``): there they wo
 forward GEMM that makes ``x`` and be stored again.  They run as TVM kernels in the backward, which
 read ``x`` and write ``y`` and ``gelu'(x)`` for the backward GEMMs: an elementwise pass more per
 activation (BERT-Large at batch 102: about 1.7 GB moved a layer) for a tensor less kept.  Off by
-default (``recompute_activations``) until timed on a GPU.  The numbers are the forward's: the same
-ops on the same values.
+default (``recompute_activations``): on an H200 it made BERT-Large 6-7 % slower a sample (2.79
+against 2.61-2.64 ms), and a memory budget reaches a larger batch faster.  The numbers are the
+forward's: the same ops on the same values.
 """
 
 from __future__ import annotations
