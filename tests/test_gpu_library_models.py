@@ -54,6 +54,32 @@ def test_library_model_bf16_step(name):
     assert any(not torch.equal(before[n], v) for n, v in step.parameters().items())
 
 
+# Enough tokens for FoldNormAffine (every weight a layer norm feeds no larger than its [tokens, H]
+# output): the bf16 step with the layer norms' scale and shift in the weights, against torch fp32
+# (H200: both passed, docs/bench/h200-2026-11-30b/gpu_folded.txt)
+FOLDED = {
+    "gpt2_lm": lambda: models.hf_gpt2_lm(batch=8, seq=128, layers=2, hidden=128, heads=2, vocab=50257, dropout=0.0),
+    "timm_vit": lambda: models.timm_model("vit_tiny_patch16_224", batch=64, image=32, classes=100, img_size=32,
+                                          patch_size=8, depth=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED))
+def test_folded_layer_norms_bf16_step(name, monkeypatch):
+    monkeypatch.setenv("TVM_EVT_ENABLE", "fold_norm")  # pipeline.OPTIONAL: opt-in
+    if name.startswith("timm"):
+        pytest.importorskip("timm")
+    torch.manual_seed(0)
+    entry = FOLDED[name]()
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    precision="bf16")
+    main = step.graph.mod["main"]
+    folded = [b for blk in main.body.blocks for b in blk.bindings
+              if getattr(getattr(b.value, "op", None), "name", "") == "relax.nn.layer_norm" and not b.value.attrs.scale]
+    assert len(folded) >= 3, "FoldNormAffine did not apply"
+    assert_bf16_step_close(step, entry, entry.example_inputs())
+
+
 # Convolutional networks as torchvision and timm build them, small images: a 7x7/2 stem on 3
 # channels, strided 1x1 downsamples, depthwise 3x3 and 5x5 (EfficientNet), squeeze-excitation
 CNN_CASES = {

@@ -595,3 +595,38 @@ def test_max_grad_norm_is_refused_with_data_parallel():
     with pytest.raises(ValueError, match="max_grad_norm"):
         tvm_evt.compile_training(entry.model, entry.example_inputs(), loss_fn=entry.loss_fn, target=LLVM,
                                  optimizer=tvm_evt.optim.AdamW(max_grad_norm=1.0), data_parallel=True)
+
+
+class _HeadlessAttention(torch.nn.Module):
+    """Attention written by hand over [batch, tokens, features], no heads: ``q @ k^T`` of two linear
+    layers (or the chunks of a fused one).  The backward's ``dQ = dS @ k`` transposes the forward's
+    transposed ``k`` again; after common subexpressions joined them, the partitioner read the inner
+    transpose the forward's GEMM had absorbed (an undefined variable at VM codegen)."""
+
+    def __init__(self, h: int = 32, fused: bool = False):
+        super().__init__()
+        self.fused = fused
+        self.qkv = torch.nn.Linear(h, 3 * h) if fused else None
+        self.q, self.k = (None, None) if fused else (torch.nn.Linear(h, h), torch.nn.Linear(h, h))
+
+    def forward(self, x):
+        if self.fused:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), x
+        return torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_linears", "fused_qkv"])
+def test_headless_attention_trains_as_torch(fused):
+    torch.manual_seed(0)
+    module, x, t = _HeadlessAttention(fused=fused), torch.randn(4, 32, 32), torch.randn(4, 32, 32)
+    step = tvm_evt.compile_training(module, [x, t], loss_fn=torch.nn.functional.mse_loss, target="llvm")
+    loss, grads = step.loss_and_grads(x, t)
+    module.zero_grad()
+    ref = torch.nn.functional.mse_loss(module(x), t)
+    ref.backward()
+    assert rel_err(loss, ref.detach()) <= 1e-5
+    largest = max(float(p.grad.norm()) for p in module.parameters())
+    for name, p in module.named_parameters():
+        assert grad_err(grads[name], p.grad, largest) <= 1e-4, name

@@ -47,6 +47,7 @@ from .relax_passes.training.cancel_transposes import CancelTransposes
 from .relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.training.convert_conv_layout import ConvertConvLayout
 from .relax_passes.training.expand_small_power import ExpandSmallPower
+from .relax_passes.training.fold_norm_affine import FoldNormAffine
 from .relax_passes.training.fuse_attention import FuseAttention
 from .relax_passes.training.fuse_batch_norm import FuseBatchNorm
 from .relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
@@ -213,6 +214,9 @@ def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
         *([RecognizeActivations()] if enabled("activations") else []),
         LowerDropout(),
         ExpandSmallPower(),
+        # a layer norm's scale and shift into the weights of the matmuls it feeds (pipeline.OPTIONAL),
+        # before the split: one scaled weight and one shift per fused projection
+        *([FoldNormAffine()] if enabled("fold_norm") else []),
         # a linear layer whose output is split along its features as one per piece (pipeline.OPTIONAL)
         *([SplitFusedProjection()] if enabled("split_projection") else []),
         # convolutions (and the batch norms and ReLUs between them) in NHWC: opt-in, pipeline.OPTIONAL

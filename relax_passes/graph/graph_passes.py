@@ -22,13 +22,16 @@ from .fold_constants import FoldConstants
 from .fold_layout import FoldLayoutIntoMatmul
 from .fuse_column_moments import FuseColumnMoments
 from .narrow_before_layout import NarrowBeforeLayout
+from .save_normalized_low_precision import SaveNormalizedLowPrecision
 from .save_softmax_low_precision import SaveSoftmaxLowPrecision
 from .swap_transposed_matmul import SwapTransposedMatmul
 
 
-def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.Sequential:
-    """The ordered graph passes run before partitioning for EVT (`save_softmax_low_precision`:
-    add SaveSoftmaxLowPrecision, which changes the softmax gradient's inputs by a bf16 rounding)."""
+def evt_graph_passes(save_softmax_low_precision: bool = False,
+                     save_normalized_low_precision: bool = False) -> tvm.transform.Sequential:
+    """The ordered graph passes run before partitioning for EVT (`save_softmax_low_precision`,
+    `save_normalized_low_precision`: add SaveSoftmaxLowPrecision / SaveNormalizedLowPrecision,
+    which change the softmax's / an affine-free layer norm's gradient inputs by a bf16 rounding)."""
     return tvm.transform.Sequential(
         [
             # backward of the loss head free of the loss value; seed constants folded
@@ -45,6 +48,8 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             AccumulateInFloat32(),  # the backward's bf16 sums (bias, batch norm) add in fp32
             FuseColumnMoments(),  # a batch norm's two column sums of a direction: one pass over its input
             *([SaveSoftmaxLowPrecision()] if save_softmax_low_precision else []),  # dS reads bf16 P
+            # an affine-free layer norm's gradient reads the bf16 xhat its GEMMs read
+            *([SaveNormalizedLowPrecision()] if save_normalized_low_precision else []),
             EliminateMaskedFillGradient(),  # causal masks: P is already 0 where dS was masked
             SwapTransposedMatmul(),  # (x^T dy)^T -> dy^T x: weight gradients need no transpose
             FoldLayoutIntoMatmul(),
@@ -53,6 +58,9 @@ def evt_graph_passes(save_softmax_low_precision: bool = False) -> tvm.transform.
             # forward statistics shared with their backward recomputation, dead loss code gone
             relax.transform.EliminateCommonSubexpr(),
             relax.transform.CanonicalizeBindings(),
+            # the layout chains CSE joined: the backward's transpose of a forward permute_dims
+            # (q @ k^T's dQ = dS @ k) is one of the forward's transposed operand, composed away
+            FoldLayoutIntoMatmul(),
             relax.transform.DeadCodeElimination(),
         ],
         name="EVTGraphPasses",

@@ -20,31 +20,44 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import mutate_relax_functions
+from .._rewrite import mutate_relax_functions, static_shape
 from ..lower._row_kernel import LOW
 
 SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 ASTYPE = tvm.ir.Op.get("relax.astype")
+RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 
-def low_precision_copies(func: relax.Function) -> dict:
-    """``{p: pb}`` for each float32 softmax ``p`` with a binding ``pb = astype(p, low)``."""
+def softmaxes(bindings: list) -> set:
+    """The vars bound to a softmax."""
+    return {b.var for b in bindings if isinstance(b.value, relax.Call) and b.value.op == SOFTMAX}
+
+
+def low_precision_copies(func: relax.Function, sources=softmaxes) -> dict:
+    """``{p: pb}`` for each float32 ``p`` of ``sources(bindings)`` (a softmax, by default) with a
+    binding ``pb = astype(p, low)`` or ``pb = astype(reshape(p), low)``."""
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
-    softmax = {b.var for b in bindings if isinstance(b.value, relax.Call) and b.value.op == SOFTMAX
-               and str(b.value.ty.dtype) == "float32"}
+    wide = {v for v in sources(bindings) if str(v.ty.dtype) == "float32"}
+    reshaped = {b.var: b.value.args[0] for b in bindings
+                if isinstance(b.value, relax.Call) and b.value.op == RESHAPE and b.value.args[0] in wide}
     copies = {}
     for b in bindings:
         v = b.value
-        if isinstance(v, relax.Call) and v.op == ASTYPE and str(v.attrs.dtype) in LOW and v.args[0] in softmax:
-            copies.setdefault(v.args[0], b.var)
+        if isinstance(v, relax.Call) and v.op == ASTYPE and str(v.attrs.dtype) in LOW:
+            p = reshaped.get(v.args[0], v.args[0])
+            if p in wide:
+                copies.setdefault(p, b.var)
     return copies
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def prime(self, func: relax.Function) -> None:
-        self.copies = low_precision_copies(func)
-        self.ready = set()  # softmax vars whose copy is bound already (readers before it keep p)
+class LowPrecisionReader(PyExprMutator):
+    """Readers of a float32 value of ``sources`` after its 16-bit copy read the widened copy
+    (``prime(func, sources)`` before each function)."""
+
+    def prime(self, func: relax.Function, sources=softmaxes) -> None:
+        self.copies = low_precision_copies(func, sources)
+        self.ready = set()  # values whose copy is bound already (readers before it keep p)
         self.widened = {}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -56,7 +69,7 @@ class _Rewriter(PyExprMutator):
         self.ready |= {p for p, pb in self.copies.items() if pb.same_as(binding.var)}
 
     def _reroute(self, value):
-        """`value` with each softmax var it reads replaced by the widened low-precision copy, or
+        """`value` with each such value it reads replaced by the widened low-precision copy, or
         None when it reads none."""
         if not isinstance(value, relax.Call) or not any(a in self.ready for a in value.args):
             return None
@@ -66,6 +79,8 @@ class _Rewriter(PyExprMutator):
     def _widened(self, p):
         if p not in self.widened:
             low = self.visit_expr(self.copies[p])
+            if static_shape(low) != static_shape(p):  # a copy of reshape(p): a view back to p's shape
+                low = self.builder_.emit(relax.op.reshape(low, p.ty.shape))
             self.widened[p] = self.builder_.emit(relax.op.astype(low, "float32"))
         return self.widened[p]
 
@@ -75,5 +90,5 @@ class SaveSoftmaxLowPrecision:
     """Readers of a float32 softmax that also has a 16-bit copy read the widened copy instead."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
+        rewriter = LowPrecisionReader(mod)
         return mutate_relax_functions(rewriter, mod, before_each=rewriter.prime)

@@ -3,7 +3,7 @@ optimizer step (steps 3-6 of ``tvm_evt.training``).
 
 Forward rewrites, before ``relax.transform.Gradient``: ``RecognizeActivations`` (a written-out GELU
 as its op), ``LowerDropout`` (Philox masks),
-``ExpandSmallPower``, ``SplitFusedProjection``, ``ConvertConvLayout``, ``CancelTransposes``,
+``ExpandSmallPower``, ``SplitFusedProjection``, ``FoldNormAffine``, ``ConvertConvLayout``, ``CancelTransposes``,
 ``Conv2dToMatmul``, ``FuseAttention``, ``PadAttentionKeys``, ``AutoMixedPrecision`` and
 ``ScaleLoss``, ``FuseBatchNorm``.  ``gradient_rules`` registers the gradients TVM 0.27 lacks;
 ``AppendOptimizer`` appends the fused optimizer update (``optimizers``, ``optimizer_update``,
