@@ -83,3 +83,40 @@ def assert_bf16_step_close(step, entry, inputs) -> None:
     ours, autocast = rel_err(flat(grads), flat(ref_grads)), rel_err(flat(amp_grads), flat(ref_grads))
     assert ours <= max(2e-2, AMP_SLACK * autocast), (ours, autocast, worst)
     assert all(e <= max(5e-2, 2 * AMP_SLACK * a) for e, a in errs.values()), worst
+
+
+# the error of every gradient, relative to the largest gradient's norm
+GRAD_TOL = 1e-4
+
+
+class FirstOutput(torch.nn.Module):
+    """A library layer whose first output (the hidden states) is the model's output."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        out = self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def matches_torch(module, inputs, loss_fn=None) -> tuple[dict, dict]:
+    """Compile `module` (its loss: ``loss_fn(module(*inputs[:-1]), inputs[-1])``, or the module's
+    own output without `loss_fn`) for the CPU; its loss and every gradient equal torch fp32's.
+    Returns (our gradients, the module's parameters with torch's gradients)."""
+    import tvm_evt
+
+    step = tvm_evt.compile_training(module, inputs, loss_fn=loss_fn, target="llvm")
+    loss, grads = step.loss_and_grads(*inputs)
+    module.zero_grad()
+    ref = loss_fn(module(*inputs[:-1]), inputs[-1]) if loss_fn else module(*inputs)
+    ref.backward()
+    params = dict(module.named_parameters())
+    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
+    assert set(grads) == set(params)
+    largest = max(p.grad.norm() for p in params.values())
+    for name, p in params.items():
+        err = float((grads[name] - p.grad).norm() / largest)
+        assert err <= GRAD_TOL, f"{name}: {err:.2e}"
+    return grads, params

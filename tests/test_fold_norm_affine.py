@@ -18,6 +18,7 @@ from tvm_evt.relax_passes.training.fold_norm_affine import FoldNormAffine
 from tvm_evt.training import build_training_module
 
 from _passes import assert_unchanged
+from _torch_ref import FirstOutput, matches_torch
 
 T, H, N = 16, 8, 12  # tokens (2 x 8), features, outputs: the weights [N, H] are no larger than [T, H]
 LN = dict(axes=[-1], epsilon=1e-5)
@@ -106,19 +107,6 @@ class _PreLN(torch.nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-def _grads_match(module, x, t):
-    step = tvm_evt.compile_training(module, [x, t], loss_fn=F.mse_loss, target="llvm")
-    loss, grads = step.loss_and_grads(x, t)
-    module.zero_grad()
-    ref = F.mse_loss(module(x), t)
-    ref.backward()
-    params = dict(module.named_parameters())
-    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
-    largest = max(p.grad.norm() for p in params.values())
-    for name, p in params.items():
-        assert float((grads[name] - p.grad).norm() / largest) <= 1e-4, name
-
-
 def _folded(module, x, t) -> int:
     """How many layer norms of the step's training graph lost their affine part."""
     graph = build_training_module(from_torch(module, [x, t], F.mse_loss), optim.SGD(lr=0.1))
@@ -141,7 +129,7 @@ def test_folded_block_trains_as_torch(affine, fold_on):
     torch.manual_seed(0)
     module, x, t = _PreLN(affine=affine), torch.randn(4, 32, 32), torch.randn(4, 32, 32)
     assert _folded(module, x, t) == 2
-    _grads_match(module, x, t)
+    matches_torch(module, (x, t), F.mse_loss)
 
 
 def test_off_by_default(monkeypatch):
@@ -164,19 +152,9 @@ def test_transformers_blocks_train_as_torch_with_the_fold(fold_on):
                                    hidden_dropout_prob=0, attention_probs_dropout_prob=0)
     # GPT-2: ln_1 -> c_attn, ln_2 -> c_fc; BERT's layer norms also feed residuals (post-LN): none
     for layer, folded in ((GPT2Block(gpt2), 2), (BertLayer(bert), 0)):
-        module = _First(layer).train()
+        module = FirstOutput(layer).train()
         assert _folded(module, x, t) == folded
-        _grads_match(module, x, t)
-
-
-class _First(torch.nn.Module):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        out = self.layer(x)
-        return out[0] if isinstance(out, tuple) else out
+        matches_torch(module, (x, t), F.mse_loss)
 
 
 def _normalized_before(low_copy=True):

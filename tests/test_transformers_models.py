@@ -8,45 +8,13 @@ import tvm
 import tvm_evt
 from tvm_evt.models import LibraryLoss
 
+from _torch_ref import FirstOutput, matches_torch
+
 transformers = pytest.importorskip("transformers")
-
-# the error of every gradient, relative to the largest gradient's norm
-GRAD_TOL = 1e-4
-
-
-class _FirstOutput(torch.nn.Module):
-    """A transformers layer whose first output (the hidden states) is the model's output."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        out = self.layer(x)
-        return out[0] if isinstance(out, tuple) else out
-
-
-def _matches_torch(module, inputs, loss_fn=None) -> tuple[dict, dict]:
-    """Compile `module` (its loss: ``loss_fn(module(*inputs[:-1]), inputs[-1])``, or the module's
-    own output without `loss_fn`) for the CPU; its loss and every gradient equal torch fp32's.
-    Returns (our gradients, the module's parameters with torch's gradients)."""
-    step = tvm_evt.compile_training(module, inputs, loss_fn=loss_fn, target="llvm")
-    loss, grads = step.loss_and_grads(*inputs)
-    module.zero_grad()
-    ref = loss_fn(module(*inputs[:-1]), inputs[-1]) if loss_fn else module(*inputs)
-    ref.backward()
-    params = dict(module.named_parameters())
-    assert abs(float(loss) - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
-    assert set(grads) == set(params)
-    largest = max(p.grad.norm() for p in params.values())
-    for name, p in params.items():
-        err = float((grads[name] - p.grad).norm() / largest)
-        assert err <= GRAD_TOL, f"{name}: {err:.2e}"
-    return grads, params
 
 
 def _check(model, x, target):
-    _matches_torch(model, (x, target), F.mse_loss)
+    matches_torch(model, (x, target), F.mse_loss)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -59,7 +27,7 @@ def test_gpt2_block(attention):
     torch.manual_seed(0)
     config = GPT2Config(n_embd=64, n_head=4, n_layer=1, attn_pdrop=0.0, resid_pdrop=0.0)
     config._attn_implementation = attention
-    _check(_FirstOutput(GPT2Block(config)), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
+    _check(FirstOutput(GPT2Block(config)), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -71,11 +39,11 @@ def test_bert_layer(attention):
     config = BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     config._attn_implementation = attention
-    _check(_FirstOutput(BertLayer(config)), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
+    _check(FirstOutput(BertLayer(config)), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
 
 
 def _check_lm(model, input_ids, labels):
-    return _matches_torch(model, (input_ids, labels))
+    return matches_torch(model, (input_ids, labels))
 
 
 def test_bert_for_masked_lm_leaves_the_padding_row_alone():
@@ -168,7 +136,7 @@ def test_sdpa_forms_match_torch():
     model = _SDPAForms()
     x, pad = torch.randn(2, 12, 32), torch.ones(2, 12)
     pad[1, -5:] = 0
-    _matches_torch(model, (x, pad, torch.randn(2, 12, 32)), F.mse_loss)
+    matches_torch(model, (x, pad, torch.randn(2, 12, 32)), F.mse_loss)
 
 
 def _step_ops(graph) -> list[str]:
@@ -201,7 +169,7 @@ def test_sdpa_layers_reach_the_attention_op(family):
     config._attn_implementation = "sdpa"
     layer = Layer(config)
     x, target = torch.randn(2, 32, 128), torch.randn(2, 32, 128)
-    imported = tvm_evt.from_torch(_FirstOutput(layer), (x, target), F.mse_loss)
+    imported = tvm_evt.from_torch(FirstOutput(layer), (x, target), F.mse_loss)
     graph = tvm_evt.build_training_module(imported, None, "bf16")
     ops = _step_ops(graph)
     assert ops.count(attention_op.FORWARD) == 1 and ops.count(attention_op.BACKWARD) == 1
@@ -334,6 +302,6 @@ def test_bert_layer_builds_the_zoo_layers_kernels():
         rows = tuning.kernel_traffic(runtime_module(graph.mod), target)
         return sorted((r["kind"], r["calls"], r["bytes"]) for r in rows)
 
-    ours = kernels(_FirstOutput(BertLayer(config)))
+    ours = kernels(FirstOutput(BertLayer(config)))
     assert [k for k, _, _ in ours].count("flash") == 2  # SDPA's forward and backward kernels
     assert ours == kernels(zoo)
