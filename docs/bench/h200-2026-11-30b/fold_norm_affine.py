@@ -8,12 +8,12 @@ from tvm_evt import models, pipeline
 
 name = sys.argv[1]
 make = {"bert": lambda: models.bert_layer(batch=16, seq=512, hidden=1024, heads=16, use_sdpa=True),
-        "gpt2": lambda: models.gpt2_block(batch=8, seq=1024, hidden=1024, heads=16, use_sdpa=True)}[name]
+        "gpt2": lambda: models.gpt2_block(batch=8, seq=1024, hidden=1024, heads=16, use_sdpa=True),
+        "vit": lambda: models.PRESETS["vit_b16_block"](batch=128)}[name]
 
 def build(fold):
     os.environ.pop(pipeline.DISABLE_ENV, None)
-    if not fold:
-        os.environ[pipeline.DISABLE_ENV] = "fold_norm"
+    os.environ[pipeline.ENABLE_ENV] = "fold_norm" if fold else ""
     torch.manual_seed(0)
     e = make()
     x = e.example_inputs()
