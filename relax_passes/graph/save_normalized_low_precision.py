@@ -9,7 +9,8 @@ row's ``rstd`` where it kept the layer norm's input and output.  The values chan
 rounding of ``xhat`` (relative 2^-9), the rounding the weight gradients read it with.
 
 ``xhat`` is found as `DecomposeLayerNorm` spells it: ``(x - mean(x)) * rsqrt(...)`` over the last
-axis.  The same rewrite as `SaveSoftmaxLowPrecision`, for other values.
+axis, and its copy also through the reshape to the GEMM's [tokens, H] (widened back as a view).
+The same rewrite as `SaveSoftmaxLowPrecision`, for other values.
 """
 
 from __future__ import annotations
@@ -55,4 +56,4 @@ class SaveNormalizedLowPrecision:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = LowPrecisionReader(mod)
-        return mutate_relax_functions(rewriter, mod, before_each=lambda f: rewriter.prime(f, normalized_rows))
+        return mutate_relax_functions(rewriter, mod, before_each=lambda f: rewriter.prime(f, normalized_rows, through_reshape=True))

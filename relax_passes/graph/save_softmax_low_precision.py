@@ -33,13 +33,13 @@ def softmaxes(bindings: list) -> set:
     return {b.var for b in bindings if isinstance(b.value, relax.Call) and b.value.op == SOFTMAX}
 
 
-def low_precision_copies(func: relax.Function, sources=softmaxes) -> dict:
+def low_precision_copies(func: relax.Function, sources=softmaxes, through_reshape: bool = False) -> dict:
     """``{p: pb}`` for each float32 ``p`` of ``sources(bindings)`` (a softmax, by default) with a
-    binding ``pb = astype(p, low)`` or ``pb = astype(reshape(p), low)``."""
+    binding ``pb = astype(p, low)`` (or, `through_reshape`, ``pb = astype(reshape(p), low)``)."""
     bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
     wide = {v for v in sources(bindings) if str(v.ty.dtype) == "float32"}
-    reshaped = {b.var: b.value.args[0] for b in bindings
-                if isinstance(b.value, relax.Call) and b.value.op == RESHAPE and b.value.args[0] in wide}
+    reshaped = {b.var: b.value.args[0] for b in bindings if through_reshape
+                and isinstance(b.value, relax.Call) and b.value.op == RESHAPE and b.value.args[0] in wide}
     copies = {}
     for b in bindings:
         v = b.value
@@ -53,10 +53,10 @@ def low_precision_copies(func: relax.Function, sources=softmaxes) -> dict:
 @mutator
 class LowPrecisionReader(PyExprMutator):
     """Readers of a float32 value of ``sources`` after its 16-bit copy read the widened copy
-    (``prime(func, sources)`` before each function)."""
+    (``prime(func, sources, through_reshape)`` before each function)."""
 
-    def prime(self, func: relax.Function, sources=softmaxes) -> None:
-        self.copies = low_precision_copies(func, sources)
+    def prime(self, func: relax.Function, sources=softmaxes, through_reshape: bool = False) -> None:
+        self.copies = low_precision_copies(func, sources, through_reshape)
         self.ready = set()  # values whose copy is bound already (readers before it keep p)
         self.widened = {}
 
