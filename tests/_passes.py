@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tvm
+from tvm import relax
 
 
 def assert_unchanged(module_pass, mod: tvm.IRModule) -> None:
@@ -10,3 +11,10 @@ def assert_unchanged(module_pass, mod: tvm.IRModule) -> None:
     change its input)."""
     expected = tvm.IRModule(dict(mod.functions_items()))
     tvm.ir.assert_structural_equal(module_pass(mod), expected)
+
+
+def affine_free_layer_norms(func: relax.Function) -> int:
+    """How many ``layer_norm`` calls of `func` neither scale nor shift (FoldNormAffine's)."""
+    return sum(1 for block in func.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.nn.layer_norm"
+               and not b.value.attrs.scale and not b.value.attrs.center)

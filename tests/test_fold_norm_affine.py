@@ -17,7 +17,7 @@ from tvm_evt.relax_passes.graph.save_normalized_low_precision import SaveNormali
 from tvm_evt.relax_passes.training.fold_norm_affine import FoldNormAffine
 from tvm_evt.training import build_training_module
 
-from _passes import assert_unchanged
+from _passes import affine_free_layer_norms, assert_unchanged
 from _torch_ref import FirstOutput, matches_torch
 
 T, H, N = 16, 8, 12  # tokens (2 x 8), features, outputs: the weights [N, H] are no larger than [T, H]
@@ -110,9 +110,7 @@ class _PreLN(torch.nn.Module):
 def _folded(module, x, t) -> int:
     """How many layer norms of the step's training graph lost their affine part."""
     graph = build_training_module(from_torch(module, [x, t], F.mse_loss), optim.SGD(lr=0.1))
-    return sum(1 for b in graph.mod["main"].body.blocks for v in b.bindings
-               if isinstance(v.value, relax.Call) and getattr(v.value.op, "name", "") == "relax.nn.layer_norm"
-               and not v.value.attrs.scale and not v.value.attrs.center)
+    return affine_free_layer_norms(graph.mod["main"])
 
 
 @pytest.fixture
@@ -157,7 +155,7 @@ def test_transformers_blocks_train_as_torch_with_the_fold(fold_on):
         matches_torch(module, (x, t), F.mse_loss)
 
 
-def _normalized_before(low_copy=True):
+def _normalized_before():
     """A decomposed affine-free layer norm (as DecomposeLayerNorm spells it), its bf16 copy through
     a reshape (the GEMM's operand), and a later float32 reader (the gradient's xhat * mean(...))."""
     bb = relax.BlockBuilder()

@@ -19,9 +19,9 @@ import tvm
 from tvm import relax
 
 from .._rewrite import mutate_relax_functions
+from ..lower.fuse_layer_norm import _is_last_axis_mean
 from .save_softmax_low_precision import LowPrecisionReader
 
-MEAN = tvm.ir.Op.get("relax.mean")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
 RSQRT = tvm.ir.Op.get("relax.rsqrt")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
@@ -42,10 +42,9 @@ def normalized_rows(bindings: list) -> set:
             continue
         centered, rstd = product.args
         sub = _is(bound, centered, SUBTRACT)
-        mean = _is(bound, sub.args[1], MEAN) if sub is not None else None
-        ndim = b.var.ty.ndim
-        if (mean is not None and mean.args[0].same_as(sub.args[0]) and _is(bound, rstd, RSQRT) is not None
-                and [int(a) % ndim for a in (mean.attrs.axis or [])] == [ndim - 1]):
+        mean = bound.get(sub.args[1]) if sub is not None else None
+        if (_is_last_axis_mean(mean, b.var.ty.ndim) and mean.args[0].same_as(sub.args[0])
+                and _is(bound, rstd, RSQRT) is not None):
             found.add(b.var)
     return found
 
@@ -56,4 +55,5 @@ class SaveNormalizedLowPrecision:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = LowPrecisionReader(mod)
-        return mutate_relax_functions(rewriter, mod, before_each=lambda f: rewriter.prime(f, normalized_rows, through_reshape=True))
+        return mutate_relax_functions(rewriter, mod,
+                                      before_each=lambda f: rewriter.prime(f, normalized_rows, through_reshape=True))

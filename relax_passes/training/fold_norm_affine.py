@@ -60,9 +60,11 @@ def _reads_as_lhs(value, var, width: int) -> bool:
 
 
 def linear_readers(func: relax.Function) -> dict:
-    """``{y: (matmuls, reshapes)}`` for each affine layer norm ``y`` of `func` over its last axis
-    that only matmuls read, as their left operand (directly, or through reshapes that keep the last
-    axis and that only such matmuls read): the matmul bindings' vars and the reshape vars."""
+    """``{y: (matmuls, reshapes, biased)}`` for each affine layer norm ``y`` of `func` over its last
+    axis that only matmuls read, as their left operand (directly, or through reshapes that keep the
+    last axis and that only such matmuls read): the matmul bindings' vars, the reshape vars, and
+    ``{matmul var: add var}`` for the matmuls whose one reader adds a vector of their output's width
+    to them (a linear layer's bias, which then takes the shift)."""
     bindings, _ = flat_bindings(func)
     uses = binding_uses(func)
     bindings_by_var = {b.var: b.value for b in bindings}
@@ -92,7 +94,7 @@ def linear_readers(func: relax.Function) -> dict:
         # (not a 30k-word vocabulary head at a few thousand tokens)
         size = _elements(b.var)
         if matmuls and not others and all(_elements(bindings_by_var[m].args[1]) <= size for m in matmuls):
-            found[b.var] = (matmuls, reshapes)
+            found[b.var] = (matmuls, reshapes, _bias_adds(bindings, uses, matmuls))
     return found
 
 
@@ -103,12 +105,13 @@ def _elements(expr) -> int:
 
 @mutator
 class _Folder(PyExprMutator):
-    def prime(self, func: relax.Function) -> None:
-        self.found = linear_readers(func)
+    def prime(self, found: dict) -> None:
+        """`found`: the function's `linear_readers`."""
+        self.found = found
         self.norm = {}  # reshape var or layer-norm var -> (xhat-side value, the layer norm's call)
-        self.folded = {m for matmuls, _ in self.found.values() for m in matmuls}
-        self.reshapes = {r for _, reshapes in self.found.values() for r in reshapes}
-        self.biased = _bias_adds(func, self.folded)  # matmul var -> the add of its bias
+        self.folded = {m for matmuls, _, _ in found.values() for m in matmuls}
+        self.reshapes = {r for _, reshapes, _ in found.values() for r in reshapes}
+        self.biased = {m: add for _, _, biased in found.values() for m, add in biased.items()}
         self.shifts = {}  # add var -> the shift its bias takes on
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -181,11 +184,9 @@ def _affine(ln: relax.Call) -> tuple[bool, bool]:
     return bool(ln.attrs.scale) and not trivial(gamma, 1), bool(ln.attrs.center) and not trivial(beta, 0)
 
 
-def _bias_adds(func: relax.Function, matmuls: set) -> dict:
+def _bias_adds(bindings: list, uses: dict, matmuls: list) -> dict:
     """``{matmul var: add var}`` for the matmuls of `matmuls` whose one reader adds a vector of
-    their output's width to them (a linear layer's bias), so the shift joins that vector."""
-    bindings, _ = flat_bindings(func)
-    uses = binding_uses(func)
+    their output's width to them (`bindings`, `uses`: `flat_bindings`, `binding_uses`)."""
     found = {}
     for m in matmuls:
         readers = uses.get(m, [])
@@ -206,8 +207,10 @@ class FoldNormAffine:
     """Move the scale and shift of every layer norm that feeds matmuls into those matmuls' weights."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        if not any(linear_readers(f) for f in mod.functions.values() if isinstance(f, relax.Function)):
+        found = {gv: linear_readers(f) for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+        if not any(found.values()):
             return mod
+        by_func = {mod[gv]: readers for gv, readers in found.items()}
         folder = _Folder(mod)
-        mod = mutate_relax_functions(folder, mod, before_each=folder.prime)
+        mod = mutate_relax_functions(folder, mod, before_each=lambda f: folder.prime(by_func[f]))
         return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))

@@ -216,12 +216,13 @@ def max_min_grad(orig_var, orig_call, output_grad, ctx):
 ##################### Normalization #####################
 
 
-def _normalize_backward(grad, x, scale, axes, epsilon):
-    """dx and xhat for y = xhat * scale, xhat = (x - mean) * rsqrt(var + eps) over `axes`."""
+def _normalize_backward(grad, x, scale, axes, epsilon, xhat=None):
+    """dx and xhat for y = xhat * scale, xhat = (x - mean) * rsqrt(var + eps) over `axes`; `xhat`
+    given (the forward's own value) is read instead of recomputed from x."""
     mean = R.mean(x, axes, keepdims=True)
     centered = x - mean
     rstd = R.rsqrt(R.mean(centered * centered, axes, keepdims=True) + _const(epsilon, x))
-    xhat = centered * rstd
+    xhat = centered * rstd if xhat is None else xhat
     gy = grad * scale if scale is not None else grad
     dx = rstd * (gy - R.mean(gy, axes, keepdims=True) - xhat * R.mean(gy * xhat, axes, keepdims=True))
     return dx, xhat
@@ -241,17 +242,12 @@ def layer_norm_grad(orig_var, orig_call, output_grad, ctx):
     axes = _norm_axes(orig_call.attrs.axes, ndim)
     bshape = [shape[a] if a in axes else 1 for a in range(ndim)]
     scale = R.reshape(gamma, bshape) if orig_call.attrs.scale else None
-    if not (orig_call.attrs.scale or orig_call.attrs.center):
-        # the output is xhat itself (FoldNormAffine's layer norms): the gradient reads it, and
-        # rstd, instead of recomputing xhat from x, so x need not outlive the forward
-        # (SaveNormalizedLowPrecision then reads the bf16 copy the next GEMM reads)
-        mean = R.mean(x, axes, keepdims=True)
-        centered = x - mean
-        rstd = R.rsqrt(R.mean(centered * centered, axes, keepdims=True) + _const(float(orig_call.attrs.epsilon), x))
-        g = output_grad
-        dx = rstd * (g - R.mean(g, axes, keepdims=True) - orig_var * R.mean(g * orig_var, axes, keepdims=True))
-        return [dx, no_grad(gamma), no_grad(beta)]
-    dx, xhat = _normalize_backward(output_grad, x, scale, axes, float(orig_call.attrs.epsilon))
+    # affine-free, the output is xhat itself (FoldNormAffine's layer norms): the gradient reads it,
+    # and rstd, instead of recomputing xhat from x, so x need not outlive the forward
+    # (SaveNormalizedLowPrecision then reads the bf16 copy the next GEMM reads)
+    affine_free = not (orig_call.attrs.scale or orig_call.attrs.center)
+    dx, xhat = _normalize_backward(output_grad, x, scale, axes, float(orig_call.attrs.epsilon),
+                                   xhat=orig_var if affine_free else None)
     dgamma = (
         _param_grad(output_grad * xhat, gamma, axes, ndim, orig_call)
         if orig_call.attrs.scale
