@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Mapping
 
 from .backend import (CODEGEN_VERSION, Decomposition, KernelConfig, Raster, Schedule, atomic_reduction,
                       default_config, emit, smem)
+from .backend.functors import BITS
 from .build.cache import atomic_write, file_lock
 from .ir import (AccFetch, AuxLoad, AuxStore, Compute, Dropout, EpilogueGraph, OpKind, Partition, Reduction,
                  ReduceAxis, TensorDesc)
@@ -194,6 +195,22 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     * long K over half a wave to one wave of 128x128 tiles: data-parallel, the default (H100,
       2026-11-27: ViT-B/16's 2304x768x25216, 108 tiles, 0.132 against 0.146 stream-K; on an H200
       stream-K had taken 0.129 against split-K 2's 0.153);
+    * wide outputs (both sides 4096 to 16384) over K >= 4096, Llama-7B's layer (hidden 4096, FFN
+      11008, 8192 tokens; H200, 2026-11-30, ms against the rules below, ``docs/bench/h200-2026-11-30c/``):
+      - two or more stores with heavy arithmetic (the SiLU gate's forward, storing the product and
+        what its gradient reads): ping-pong 128x128 with a 2x1 cluster, 1.305 / 1.596 (the
+        default); its long main loop hides one warp group's epilogue behind the other's MMAs;
+      - two or more stores of 16-bit outputs, or K >= 16384: 256x128 with a 1x2 cluster and a
+        128x16 epilogue tile, which keeps three main-loop stages where the default epilogue tile
+        left two: 8192x11008x4096 (two loads, two bf16 stores) 1.184 / 1.393 (the narrow
+        ping-pong below), the 32000-word head's dX (three float32 stores) 2.864 / 3.873; with a
+        float32 store at K 4096-11008 it ranged from 3 % ahead to 18 % behind (1.158 / 1.191,
+        0.455 / 0.451, 1.296 / 1.101);
+      - one float32 store (the weight gradients, a residual sum): ping-pong 128x128 with a 64x16
+        epilogue tile, which overlaps the wide store with the other warp group's main loop;
+        11008x4096x8192 1.065 / 1.162 (128x256), 4096x11008x8192 1.005 / 1.070, 4096x4096x8192
+        0.435 / 0.449, 8192x4096x4096 0.414 / 0.437.  Not past 16384: the head's weight gradient
+        32000x4096x8192 took 3.470 against 128x256's 3.229.  A single bf16 store keeps 128x256;
     * short K (256..1024) over two or more waves with at most one stored output: ping-pong
       128x128 (0.049 / 0.056), with a 2x1 cluster when N >= 4096 (0.264 / 0.300); attention's
       K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
@@ -238,6 +255,8 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     stores = sum(isinstance(node, AuxStore) for node in partition.epilogue.nodes)
     loads = sum(isinstance(node, AuxLoad) for node in partition.epilogue.nodes)
     heavy = alu_heavy(partition)
+    store_bits = {BITS[node.dtype] for node in partition.epilogue.nodes if isinstance(node, AuxStore)}
+    wide = g.batch == 1 and k >= 4096 and 4096 <= min(m, n) and max(m, n) <= 16384
     long_k = g.batch == 1 and k >= 4096 and k >= 4 * max(m, n)  # a weight gradient's reduction
     if n <= 64 and m >= 128 and not long_k:
         cfg = _cfg((128, 64, 64))
@@ -255,6 +274,12 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         return default
     elif long_k and tiles(128, 128) <= num_sms // 2:
         cfg = _cfg((128, 128, 64), decomposition=SPLIT, splits=long_k_splits(m, n, k, num_sms))
+    elif wide and heavy and stores > 1:
+        cfg = _cfg((128, 128, 64), (2, 1), schedule=PP)
+    elif wide and not heavy and stores > 1 and (store_bits == {16} or k >= 16384):
+        cfg = _cfg((256, 128, 64), (1, 2), epi_tile=(128, 16))
+    elif wide and not heavy and stores == 1 and store_bits == {32}:
+        cfg = _cfg((128, 128, 64), schedule=PP, epi_tile=(64, 16))
     elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and (stores <= 1 or not heavy):
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
     elif 256 <= k <= 1024 and n >= 3072 and tiles(128, 256) >= 2 * num_sms and heavy:

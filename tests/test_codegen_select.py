@@ -372,3 +372,50 @@ def test_heuristic_two_light_stores_take_ping_pong(mnk, want):
     p = _two_light_stores(*mnk)
     assert sum(type(n).__name__ == "AuxStore" for n in p.epilogue.nodes) == 2 and not select.alu_heavy(p)
     assert select.heuristic_config(p).name == want
+
+
+def _wide_case(m, n, k, stores):
+    """A GEMM whose epilogue stores ``stores``: "f32" (the float32 result: a weight gradient),
+    "bf16" (the result), "two_bf16" (the result and twice it), "bf16_f32" (the result and twice
+    it in float32) or "silu_pair" (the result and its SiLU: heavy arithmetic)."""
+    from tvm import relax
+
+    from tvm_evt.codegen.frontend import from_function
+    from tvm_evt.codegen.passes import lower
+
+    params, mm = bench._operands(bench.Problem("p", "dgrad", m, n, k))
+    bb = relax.BlockBuilder()
+    with bb.function("wide", params):
+        with bb.dataflow():
+            y = bb.emit(mm)
+            two = relax.const(2.0, "bfloat16")
+            outs = {
+                "f32": lambda: [bb.emit(relax.op.astype(y, "float32"))],
+                "bf16": lambda: [y],
+                "two_bf16": lambda: [y, bb.emit(relax.op.multiply(y, two))],
+                "bf16_f32": lambda: [y, bb.emit(relax.op.multiply(relax.op.astype(y, "float32"),
+                                                                  relax.const(2.0, "float32")))],
+                "silu_pair": lambda: [y, bb.emit(relax.op.nn.silu(y))],
+            }[stores]()
+            out = bb.emit_output(outs[0] if len(outs) == 1 else relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return lower(from_function(bb.get()["wide"]))
+
+
+@pytest.mark.parametrize("stores,mnk,want", [
+    # Llama-7B's layer (hidden 4096, FFN 11008, 8192 tokens): wide outputs over K >= 4096
+    ("f32", (11008, 4096, 8192), "pp_128x128x64_c1x1_e64x16"),  # a weight gradient into float32
+    ("f32", (4096, 4096, 8192), "pp_128x128x64_c1x1_e64x16"),
+    ("f32", (32000, 4096, 8192), "coop_128x256x64_c1x1"),  # past 16384: the head's, 128x256 measured faster
+    ("f32", (4096, 1024, 16384), "coop_128x256x64_c1x1"),  # BERT-Large's FFN weight gradient: not wide
+    ("bf16", (8192, 11008, 4096), "coop_128x256x64_c1x1"),  # one 16-bit store keeps 128x256
+    ("two_bf16", (8192, 11008, 4096), "coop_256x128x64_c1x2_e128x16"),
+    ("bf16_f32", (8192, 4096, 4096), "pp_128x128x64_c1x1_e64x16"),  # a float32 store at K 4096: as before
+    ("bf16_f32", (8192, 4096, 32000), "coop_256x128x64_c1x2_e128x16"),  # ... but K >= 16384 (the head's dX)
+    ("bf16_f32", (16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # BERT-Large's and GPT-2's: not wide
+    ("silu_pair", (8192, 11008, 4096), "pp_128x128x64_c2x1"),  # heavy, two stores
+])
+def test_heuristic_wide_outputs(stores, mnk, want):
+    p = _wide_case(*mnk, stores)
+    assert select.alu_heavy(p) == (stores == "silu_pair")
+    assert select.heuristic_config(p).name == want
