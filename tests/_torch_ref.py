@@ -89,18 +89,6 @@ def assert_bf16_step_close(step, entry, inputs) -> None:
 GRAD_TOL = 1e-4
 
 
-class FirstOutput(torch.nn.Module):
-    """A library layer whose first output (the hidden states) is the model's output."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        out = self.layer(x)
-        return out[0] if isinstance(out, tuple) else out
-
-
 def matches_torch(module, inputs, loss_fn=None) -> tuple[dict, dict]:
     """Compile `module` (its loss: ``loss_fn(module(*inputs[:-1]), inputs[-1])``, or the module's
     own output without `loss_fn`) for the CPU; its loss and every gradient equal torch fp32's.

@@ -13,12 +13,13 @@ from tvm import relax
 import tvm_evt
 from tvm_evt import optim, pipeline
 from tvm_evt.frontend import from_torch
+from tvm_evt.models import FirstOutput
 from tvm_evt.relax_passes.graph.save_normalized_low_precision import SaveNormalizedLowPrecision
 from tvm_evt.relax_passes.training.fold_norm_affine import FoldNormAffine
 from tvm_evt.training import build_training_module
 
 from _passes import affine_free_layer_norms, assert_unchanged
-from _torch_ref import FirstOutput, matches_torch
+from _torch_ref import matches_torch
 
 T, H, N = 16, 8, 12  # tokens (2 x 8), features, outputs: the weights [N, H] are no larger than [T, H]
 LN = dict(axes=[-1], epsilon=1e-5)

@@ -6,9 +6,10 @@ import torch.nn.functional as F
 import tvm
 
 import tvm_evt
-from tvm_evt.models import LibraryLoss
+from tvm_evt import models
+from tvm_evt.models import FirstOutput, LibraryLoss
 
-from _torch_ref import FirstOutput, matches_torch
+from _torch_ref import matches_torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +33,11 @@ def test_gpt2_block(attention):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_bert_layer(attention):
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertLayer
-
+    """transformers' BertLayer as the bench builds it (``models.hf_bert_layer``), dropout off."""
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    config._attn_implementation = attention
-    _check(FirstOutput(BertLayer(config)), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
+    entry = models.hf_bert_layer(batch=2, seq=16, hidden=64, heads=4, ffn=128, dropout=0.0, attention=attention)
+    assert type(entry.model.layer).__module__ == "transformers.models.bert.modeling_bert"
+    matches_torch(entry.model, entry.example_inputs(), entry.loss_fn)
 
 
 def _check_lm(model, input_ids, labels):

@@ -52,6 +52,8 @@ MODELS = {
     "xml_cnn": ("xml_cnn_eurlex", {}, {"batch": 8, "seq": 128}, "XML-CNN (EUR-Lex)"),
     # the third-party suite: whole models as transformers and timm build them, with the library's
     # default attention (SDPA) for every system; batches to be confirmed against an 80 GB H100
+    "hf_bert_layer": ("hf_bert_large_layer", {"batch": 32, "seq": 512}, {"batch": 4, "seq": 128},
+                      "BertLayer (BERT-Large, transformers)"),
     "hf_bert_large": ("hf_bert_large_mlm", {"batch": 32, "seq": 512}, {"batch": 4, "seq": 128, "layers": 2},
                       "BertForMaskedLM (BERT-Large, transformers)"),
     "hf_gpt2_medium": ("hf_gpt2_medium_lm", {"batch": 16, "seq": 1024}, {"batch": 2, "seq": 256, "layers": 2},

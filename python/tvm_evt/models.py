@@ -39,6 +39,7 @@ __all__ = [
     "BertEmbeddings",
     "BertForMaskedLM",
     "BertLayer",
+    "FirstOutput",
     "Bottleneck",
     "GPT2Block",
     "LossWrapper",
@@ -757,6 +758,35 @@ class LibraryLoss(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
+class FirstOutput(nn.Module):
+    """A library layer whose first output (the hidden states) is the model's output (transformers'
+    layers return tuples)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def hf_bert_layer(batch: int = 2, seq: int = 16, hidden: int = 64, heads: int = 4, ffn: int | None = None,
+                  dropout: float = 0.1, attention: str = "sdpa") -> ZooEntry:
+    """transformers' ``BertLayer`` (post-LN, GELU FFN, dropout), regressed as the zoo's ``bert_layer``
+    is: the same work written by the library."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer as LibraryBertLayer
+
+    ffn = 4 * hidden if ffn is None else ffn
+    config = BertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=ffn,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config._attn_implementation = attention
+    return _regression(FirstOutput(LibraryBertLayer(config)), (batch, seq, hidden), (batch, seq, hidden),
+                       f"transformers BertLayer ({attention} attention), hidden {hidden}, heads {heads}, FFN {ffn}, "
+                       f"seq {seq}, batch {batch}")
+
+
 def _causal_lm_inputs(batch: int, seq: int, vocab: int) -> Callable[[], tuple[torch.Tensor, ...]]:
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randint(0, vocab, (batch, seq))
@@ -869,6 +899,7 @@ PRESETS: dict[str, Callable[..., ZooEntry]] = {
 """Published sizes (BERT-Base/Large, GPT-2 medium, ViT-B/16, ResNet-18/50, XML-CNN on EUR-Lex)."""
 
 PRESETS.update({  # the same sizes as the libraries build them (the bench's third-party suite)
+    "hf_bert_large_layer": partial(hf_bert_layer, hidden=1024, heads=16, ffn=4096),
     "hf_bert_large_mlm": partial(hf_bert_mlm, layers=24, hidden=1024, heads=16, vocab=30522),
     "hf_gpt2_medium_lm": partial(hf_gpt2_lm, layers=24, hidden=1024, heads=16, vocab=50257),
     "hf_llama_4x4096": partial(hf_llama_lm, layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000),
