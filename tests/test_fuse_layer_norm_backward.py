@@ -309,3 +309,49 @@ def test_a_scheduled_kernel_with_an_epilogue_builds_for_cuda():
     func = after[fused.args[0]]
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tvm.target.Target(CUDA))
     assert "__shfl_down_sync" in lib.mod.imports[0].inspect_source()
+
+
+def _rms_grad(n=64, given=False):
+    """gradient_rules.rms_norm_grad's spelling: dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w
+    (or g given, as a GEMM epilogue leaves it), dx cast to bf16."""
+    bb = relax.BlockBuilder()
+    t = lambda name, shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
+    dy, w, xhat, rstd, gin = t("dy", (2, 5, n)), t("w", (n,)), t("xhat", (2, 5, n)), t("rstd", (2, 5, 1)), t("g", (2, 5, n))
+    with bb.function("main", [gin, xhat, rstd] if given else [dy, w, xhat, rstd]):
+        with bb.dataflow():
+            emit = bb.emit
+            g = gin if given else emit(relax.op.multiply(dy, emit(relax.op.reshape(w, (1, 1, n)))))
+            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(emit(relax.op.multiply(g, xhat)), [2], keepdims=True))))
+            dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(g, c))))
+            out = bb.emit_output(relax.Tuple([emit(relax.op.astype(dx, "bfloat16"))]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("given,name", [(False, "rms_norm_grad_2x5x64_dyg_bfloat16"),
+                                        (True, "rms_norm_grad_2x5x64_g_bfloat16")])
+def test_rms_norm_gradient_chain_becomes_one_call(given, name):
+    after = FuseLayerNormBackward()(_rms_grad(given=given))
+    ops = [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+    assert "relax.mean" not in ops and "relax.subtract" not in ops and "relax.astype" not in ops
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint == name
+    script = after[fused.args[0]].script()
+    assert "sum_h" in script and "sum_g" not in script  # no mean(g) taken out
+
+
+@pytest.mark.parametrize("given,n", [(False, 64), (True, 1000)])
+def test_rms_norm_kernel_computes_what_the_ops_computed(given, n):
+    rng = np.random.default_rng()
+    shapes = [(2, 5, n), (2, 5, n), (2, 5, 1)] if given else [(2, 5, n), (n,), (2, 5, n), (2, 5, 1)]
+    args = [rng.standard_normal(s).astype("float32") for s in shapes]
+    before = _rms_grad(n, given)
+    (want,), (got,) = _run(before, args), _run(FuseLayerNormBackward(scheduled=False)(before), args)
+    np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_scheduled_rms_norm_kernel_builds_for_cuda():
+    func = layer_norm_grad_primfunc((4, 16, 4096), (1, 1, 4096), False, True, "bfloat16", centered=False)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    assert "__shfl_down_sync" in lib.mod.imports[0].inspect_source()

@@ -135,7 +135,7 @@ class Phase:
 PHASES = (
     Phase("import", "frontend", ()),
     Phase("training", "relax_passes.training",
-          ("RecognizeActivations", "LowerDropout", "ExpandSmallPower", "FoldNormAffine", "SplitFusedProjection", "ConvertConvLayout", "CancelTransposes",
+          ("RecognizeActivations", "LowerDropout", "ExpandSmallPower", "RecognizeRMSNorm", "FoldNormAffine", "SplitFusedProjection", "ConvertConvLayout", "CancelTransposes",
            "Conv2dToMatmul", "FuseAttention", "PadAttentionKeys", "AutoMixedPrecision", "ScaleLoss",
            "FuseBatchNorm", "AppendOptimizer", "SplitAdjoint", "AppendBucketUpdates")),
     Phase("graph", "relax_passes.graph",
@@ -199,6 +199,10 @@ OPTIONAL = {
                          "measured peak 587.4 -> 570.6 MB, 1.738 -> 1.814 ms per step; ViT-B/16 block at batch 128: "
                          "932.8 -> 872.0 MB, 3.503 -> 3.578 ms: about 75 us of extra weight-sized kernels either way, "
                          "so it is opt-in)", default=False),
+    "rms_norm": Rewrite("RecognizeRMSNorm: an RMS norm written out as elementwise ops and a mean (transformers' "
+                        "LlamaRMSNorm) as relax.nn.rms_norm before Gradient, whose input gradient FuseLayerNormBackward "
+                        "makes one row kernel (modelled traffic of Llama 4 x 4096 at 8192 tokens: see "
+                        "docs/bench/h200-2026-11-30c/; not yet timed, so opt-in)", default=False),
     "implicit_conv": Rewrite("Conv2dToMatmul(implicit=True): an NHWC convolution with overlapping windows (3x3) "
                              "of a bf16/fp16 step as tvm_evt.conv2d, run with its two gradients as CUTLASS SM90 "
                              "implicit-GEMM kernels on CUDA (OffloadConv): no im2col gathers or col2im sums "

@@ -48,6 +48,7 @@ from .relax_passes.training.conv2d_to_matmul import Conv2dToMatmul
 from .relax_passes.training.convert_conv_layout import ConvertConvLayout
 from .relax_passes.training.expand_small_power import ExpandSmallPower
 from .relax_passes.training.fold_norm_affine import FoldNormAffine
+from .relax_passes.training.recognize_rms_norm import RecognizeRMSNorm
 from .relax_passes.training.fuse_attention import FuseAttention
 from .relax_passes.training.fuse_batch_norm import FuseBatchNorm
 from .relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
@@ -214,6 +215,9 @@ def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
         *([RecognizeActivations()] if enabled("activations") else []),
         LowerDropout(),
         ExpandSmallPower(),
+        # an RMS norm written out (transformers' LlamaRMSNorm) as relax.nn.rms_norm, whose gradient
+        # is one row kernel on CUDA (pipeline.OPTIONAL)
+        *([RecognizeRMSNorm()] if enabled("rms_norm") else []),
         # a layer norm's scale and shift into the weights of the matmuls it feeds (pipeline.OPTIONAL),
         # before the split: one scaled weight and one shift per fused projection
         *([FoldNormAffine()] if enabled("fold_norm") else []),

@@ -11,7 +11,11 @@
 spelled exactly as `gradient_rules.layer_norm_grad` spells its recomputation (the backward is
 already reductions + elementwise), so EliminateCommonSubexpr computes ``mean`` / ``rstd`` once
 for forward and backward, and each piece is a row reduction or an epilogue op.  ``scale`` /
-``center`` false drop the gamma / beta term.
+``center`` false drop the gamma / beta term.  ``R.nn.rms_norm(x, w, axes, eps)`` likewise, as
+`gradient_rules.rms_norm_grad` spells it::
+
+    rstd = rsqrt(mean(x * x, axes) + eps)
+    y    = x * rstd * reshape(w)
 """
 
 from __future__ import annotations
@@ -23,15 +27,16 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .._rewrite import mutate_relax_functions
 
 LAYER_NORM = tvm.ir.Op.get("relax.nn.layer_norm")
+RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
 
 
 @mutator
 class _LayerNormDecomposer(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if call.op != LAYER_NORM or not isinstance(call.args[0].ty.shape, relax.ShapeExpr):
+        if call.op not in (LAYER_NORM, RMS_NORM) or not isinstance(call.args[0].ty.shape, relax.ShapeExpr):
             return call
-        x, gamma, beta = call.args
+        x, gamma = call.args[:2]
         attrs = call.attrs
         shape = [int(s) for s in x.ty.shape.values]
         ndim = len(shape)
@@ -39,6 +44,11 @@ class _LayerNormDecomposer(PyExprMutator):
         bshape = [shape[a] if a in axes else 1 for a in range(ndim)]
         eps = relax.const(float(attrs.epsilon), str(x.ty.dtype))
         emit = self.builder_.emit
+        if call.op == RMS_NORM:
+            square = emit(relax.op.multiply(x, x))
+            rstd = emit(relax.op.rsqrt(emit(relax.op.add(emit(relax.op.mean(square, axes, keepdims=True)), eps))))
+            return relax.op.multiply(emit(relax.op.multiply(x, rstd)), emit(relax.op.reshape(gamma, bshape)))
+        beta = call.args[2]
         mean = emit(relax.op.mean(x, axes, keepdims=True))
         centered = emit(relax.op.subtract(x, mean))
         square = emit(relax.op.multiply(centered, centered))
@@ -54,7 +64,7 @@ class _LayerNormDecomposer(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="DecomposeLayerNorm")
 class DecomposeLayerNorm:
-    """Decompose every ``relax.nn.layer_norm`` of every Relax function."""
+    """Decompose every ``relax.nn.layer_norm`` and ``relax.nn.rms_norm`` of every Relax function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return mutate_relax_functions(_LayerNormDecomposer(mod), mod)

@@ -8,6 +8,9 @@ last axis as row means and elementwise ops::
     dx = rstd * ((g - mean(g)) - xhat * mean(h))
     [dxl = astype(dx, low)]             # optional casts of the result
 
+and the RMS norm's (``gradient_rules.rms_norm_grad``: ``y = xhat * w``, ``xhat = x * rstd``, no
+mean taken out) the same without ``mean(g)``: ``dx = rstd * (g - xhat * mean(h))``.
+
 DLight ran it as four or five kernels over the [rows, n] float32 block (BERT-Large: ~0.35 ms per
 layer norm on H100).  On the CUDA route this pass makes it one ``call_tir``, scheduled one thread
 block per row with both means as cross-thread reductions, writing ``dx`` (when something other
@@ -61,12 +64,13 @@ class LayerNormGradChain:
     tail: Prologue | None = None  # elementwise ops applied in the kernel to `tail_from`, the last one written
     dx: relax.Var | None = None
     tail_from: relax.Var | None = None  # dx, or its one cast (which the kernel then writes too)
+    centered: bool = True  # a layer norm's (g - mean(g)); False: an RMS norm's g
 
 
 def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool, write_dx: bool,
-                             low: str | None, scheduled: bool = True) -> tirx.PrimFunc:
+                             low: str | None, scheduled: bool = True, centered: bool = True) -> tirx.PrimFunc:
     """Parameters ``(g | dy, gamma), [h], xhat, rstd``, then ``dx`` (if `write_dx`) and
-    ``astype(dx, low)`` (if `low`)."""
+    ``astype(dx, low)`` (if `low`); `centered` False: the RMS norm's gradient (no ``mean(g)``)."""
     *lead, n = shape
     names = (["dy", "gamma"] if gamma_shape else ["g"]) + (["h"] if given_h else []) + ["xhat", "rstd"]
     shapes = {"gamma": gamma_shape, "rstd": (*lead, 1)}
@@ -74,25 +78,25 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
     read = lambda name: (lambda idx: at(ts[name], idx))  # noqa: E731
     return _grad_primfunc(shape, list(ts.values()), None if gamma_shape else read("g"),
                           read("dy") if gamma_shape else None, ts.get("gamma"), read("h") if given_h else None,
-                          read("xhat"), ts["rstd"], write_dx, low, scheduled)
+                          read("xhat"), ts["rstd"], write_dx, low, scheduled, centered=centered)
 
 
 def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write_dx: bool, low: str | None,
-                   scheduled: bool, tail_of=None) -> tirx.PrimFunc:
+                   scheduled: bool, tail_of=None, centered: bool = True) -> tirx.PrimFunc:
     """The kernel over the placeholders `params`; each input is a function of the index (``*_of``),
     ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``; ``tail_of(idx, dx)``,
-    if given, a last output computed from ``dx``."""
+    if given, a last output computed from ``dx``; `centered` False leaves out ``mean(g)``."""
     *lead, n = shape
     inv_n = tirx.const(1.0 / n, "float32")
     g = g_of if g_of is not None else (lambda idx: dy_of(idx) * at(gamma, idx))
     h = h_of if h_of is not None else (lambda idx: g(idx) * xhat_of(idx))
     k1, k2 = te.reduce_axis((0, n), name="k1"), te.reduce_axis((0, n), name="k2")
-    sum_g = te.compute(lead, lambda *r: te.sum(g((*r, k1)), axis=k1), name="sum_g")
+    sum_g = te.compute(lead, lambda *r: te.sum(g((*r, k1)), axis=k1), name="sum_g") if centered else None
     sum_h = te.compute(lead, lambda *r: te.sum(h((*r, k2)), axis=k2), name="sum_h")
 
     def values(*idx):
         r = idx[:-1]
-        a = g(idx) - sum_g[r] * inv_n
+        a = g(idx) - sum_g[r] * inv_n if centered else g(idx)
         c = xhat_of(idx) * (sum_h[r] * inv_n)
         dx = rstd[(*r, 0)] * (a - c)
         return tuple(([dx] if write_dx else []) + ([dx.astype(low)] if low else [])
@@ -104,7 +108,7 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
     if not scheduled:
         return func
     sch = tvm.s_tir.Schedule(func)  # both sums read straight from global memory (no staging)
-    schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"], n, stage=False)
+    schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"] if centered else ["sum_h"], n, stage=False)
     return mark_scheduled(sch)
 
 
@@ -171,20 +175,26 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
             continue
         a, c = sub.args
         sub_a, mul_c = call(a, SUBTRACT), call(c, MULTIPLY)
-        if sub_a is None or mul_c is None or not (only_read_by(a, {d}) and only_read_by(c, {d})):
+        if mul_c is None or not only_read_by(c, {d}):
             continue
-        g, m1 = sub_a.args
-        mean1 = call(m1, MEAN)
-        if mean1 is None or not mean1.args[0].same_as(g) or not _is_last_axis_mean(mean1, len(shape)) \
-                or not only_read_by(m1, {a}) or not f32(g, shape):
-            continue
+        mean1 = call(sub_a.args[1], MEAN) if sub_a is not None else None
+        centered = mean1 is not None and mean1.args[0].same_as(sub_a.args[0])
+        if centered:  # a layer norm's: a = g - mean(g)
+            g, m1 = sub_a.args
+            if not _is_last_axis_mean(mean1, len(shape)) or not only_read_by(a, {d}) \
+                    or not only_read_by(m1, {a}) or not f32(g, shape):
+                continue
+        else:  # an RMS norm's: a is g
+            g, m1 = a, None
+            if not f32(g, shape):
+                continue
         xhat, m2 = mul_c.args if call(mul_c.args[1], MEAN) is not None else mul_c.args[::-1]
         mean2 = call(m2, MEAN)
         if mean2 is None or not _is_last_axis_mean(mean2, len(shape)) or not only_read_by(m2, {c}) \
                 or not f32(xhat, shape):
             continue
         h = mean2.args[0]
-        chain = {dx, d, a, c, m1, m2}
+        chain = {dx, d, a, c, m1, m2} if centered else {dx, d, c, m2}
         mul_h = call(h, MULTIPLY)
         if mul_h is not None and only_read_by(h, {m2}) and (
                 (mul_h.args[0].same_as(g) and mul_h.args[1].same_as(xhat))
@@ -249,7 +259,8 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
             return p if all(blocks.get(v) == blocks.get(dx) for v in p.vars) else Prologue(expr, (), (expr,))
 
         found[key] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
-                                        write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx, tail_from)
+                                        write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx, tail_from,
+                                        centered)
     return found
 
 
@@ -261,7 +272,7 @@ def _fuse(scheduled: bool):
         extra = (chain.gamma,) if chain.gamma is not None else ()
         tail = [chain.tail] if chain.tail is not None else []
         leaves = unique_leaves(*prologues, *tail, extra=(*extra, chain.rstd))
-        name = ("layer_norm_grad_" + "x".join(map(str, shape)) + ("_dyg" if chain.gamma is not None else "_g")
+        name = (("layer_norm_grad_" if chain.centered else "rms_norm_grad_") + "x".join(map(str, shape)) + ("_dyg" if chain.gamma is not None else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
                 + (f"_{chain.low}" if chain.low else "") + ("_tail" if tail else "")
                 + prologue_tag(prologues + tail, leaves))
@@ -277,7 +288,7 @@ def _fuse(scheduled: bool):
                 tail_of = lambda idx, dx: compute(idx, {chain.tail_from: start(dx)})  # noqa: E731
             return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
                                   of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled,
-                                  tail_of)
+                                  tail_of, chain.centered)
 
         gvar = add_function_once(mutator.builder_, name, make)
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
