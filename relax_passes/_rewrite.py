@@ -289,6 +289,42 @@ def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.
     return mutator.builder_.get()
 
 
+@mutator
+class _BindingReplacer(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, find: Callable):
+        super().__init__(mod)
+        self.find = find
+        self.replace: dict = {}
+        self.replaced = 0
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.DataflowBlock:
+        self.replace = self.find(block)
+        return super().visit_dataflow_block_(block)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        build = self.replace.get(binding.var)
+        if build is None:
+            return super().visit_var_binding_(binding)
+        self.replaced += 1
+        value = self.builder_.normalize(build(self.visit_expr))
+        self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, value))
+
+
+def replace_bindings(mod: tvm.IRModule, find: Callable) -> tvm.IRModule:
+    """Each Relax function of `mod` with the values of its dataflow blocks' bindings replaced:
+    `find(block)` gives ``{var: build}``, ``build(visit)`` the new value from the operands it
+    passes through `visit` (the mutator's ``visit_expr``).  The intermediates nothing reads any
+    more are dropped from the functions that changed."""
+    replacer = _BindingReplacer(mod, find)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            replacer.replaced = 0
+            new = replacer.visit_expr(func)
+            if replacer.replaced:
+                replacer.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+    return replacer.builder_.get()
+
+
 def escaping_vars(func: relax.Function) -> frozenset:
     """The dataflow vars `func` reads outside the dataflow block that binds them: in its result or
     a plain binding block (ill-formed; the partitioner takes them for values nothing reads)."""

@@ -30,9 +30,8 @@ from typing import Callable
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import bind_as, dtype_of, scalar_value, static_shape
+from .._rewrite import dtype_of, replace_bindings, scalar_value, static_shape
 
 _erf = np.vectorize(math.erf)
 
@@ -150,24 +149,9 @@ class _Block:
         return found
 
 
-@mutator
-class _Recognizer(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.replace: dict = {}
-        self.replaced = 0
-
-    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.DataflowBlock:
-        self.replace = _Block(block).matches()
-        return super().visit_dataflow_block_(block)
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        new = self.replace.get(binding.var)
-        if new is None:
-            return super().visit_var_binding_(binding)
-        self.replaced += 1
-        value = self.builder_.normalize(relax.Call(new.op, [self.visit_expr(new.args[0])], new.attrs))
-        self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, value))
+def _replacements(block: relax.DataflowBlock) -> dict:
+    return {var: (lambda visit, new=new: relax.Call(new.op, [visit(new.args[0])], new.attrs))
+            for var, new in _Block(block).matches().items()}
 
 
 @tvm.transform.module_pass(opt_level=0, name="RecognizeActivations")
@@ -176,11 +160,4 @@ class RecognizeActivations:
     and drop the intermediates nothing else reads (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        recognizer = _Recognizer(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                recognizer.replaced = 0
-                new = recognizer.visit_expr(func)
-                if recognizer.replaced:
-                    recognizer.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
-        return recognizer.builder_.get()
+        return replace_bindings(mod, _replacements)

@@ -24,9 +24,8 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import bind_as, scalar_value, static_shape
+from .._rewrite import replace_bindings, scalar_value, static_shape
 
 MULTIPLY, MEAN, ADD, RSQRT = (tvm.ir.Op.get(f"relax.{name}") for name in ("multiply", "mean", "add", "rsqrt"))
 
@@ -126,31 +125,16 @@ def _args(value):
     return []
 
 
-@mutator
-class _Recognizer(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.replace: dict = {}
-        self.replaced = 0
+def _replacements(block: relax.DataflowBlock) -> dict:
+    def build(x, weight, eps):
+        def make(visit):
+            data = visit(x)
+            dtype = str(data.ty.dtype)
+            w = relax.const(np.ones(static_shape(data)[-1], dtype=dtype), dtype) if weight is None else visit(weight)
+            return relax.op.nn.rms_norm(data, w, axes=[-1], epsilon=eps)
+        return make
 
-    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.DataflowBlock:
-        self.replace = _Block(block).matches()
-        return super().visit_dataflow_block_(block)
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        match = self.replace.get(binding.var)
-        if match is None:
-            return super().visit_var_binding_(binding)
-        x, weight, eps = match
-        x = self.visit_expr(x)
-        dtype = str(x.ty.dtype)
-        if weight is None:
-            weight = relax.const(np.ones(static_shape(x)[-1], dtype=dtype), dtype)
-        else:
-            weight = self.visit_expr(weight)
-        self.replaced += 1
-        value = self.builder_.normalize(relax.op.nn.rms_norm(x, weight, axes=[-1], epsilon=eps))
-        self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, value))
+    return {var: build(*match) for var, match in _Block(block).matches().items()}
 
 
 @tvm.transform.module_pass(opt_level=0, name="RecognizeRMSNorm")
@@ -159,11 +143,4 @@ class RecognizeRMSNorm:
     intermediates nothing else reads (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        recognizer = _Recognizer(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                recognizer.replaced = 0
-                new = recognizer.visit_expr(func)
-                if recognizer.replaced:
-                    recognizer.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
-        return recognizer.builder_.get()
+        return replace_bindings(mod, _replacements)
