@@ -64,10 +64,11 @@ def torch_cuda_step(entry, inputs, autocast: bool):
 AMP_SLACK = 1.5  # our bf16 gradients may be this much further from fp32 than autocast's
 
 
-def assert_bf16_step_close(step, entry, inputs) -> None:
+def assert_bf16_step_close(step, entry, inputs) -> tuple[float, float]:
     """A bf16 step's loss and gradients on `inputs` against torch in fp32, with torch's own bf16
     autocast as the yardstick: on a tiny batch-norm net (statistics over 512 positions) autocast
-    itself is 2-4 % off fp32, so a fixed bound against the autocast result would compare two noises."""
+    itself is 2-4 % off fp32, so a fixed bound against the autocast result would compare two noises.
+    Returns the two errors of all gradients together (ours, autocast's) against fp32."""
     loss, grads = step.loss_and_grads(*[t.cuda() for t in inputs])
     grads = {n: g.double().cpu() for n, g in grads.items()}
     ref_loss, ref_grads = torch_cuda_step(entry, inputs, autocast=False)
@@ -83,6 +84,7 @@ def assert_bf16_step_close(step, entry, inputs) -> None:
     ours, autocast = rel_err(flat(grads), flat(ref_grads)), rel_err(flat(amp_grads), flat(ref_grads))
     assert ours <= max(2e-2, AMP_SLACK * autocast), (ours, autocast, worst)
     assert all(e <= max(5e-2, 2 * AMP_SLACK * a) for e, a in errs.values()), worst
+    return ours, autocast
 
 
 # the error of every gradient, relative to the largest gradient's norm

@@ -113,3 +113,22 @@ def test_library_cnn_bf16_step(name):
     depthwise = [c for c in report["convolutions"] if c.get("kind") == "depthwise"]
     assert all(c["kernel"] for c in depthwise) and (depthwise or name == "tv_resnet18"), report["convolutions"]
     assert_bf16_step_close(step, entry, entry.example_inputs())
+
+
+@pytest.mark.parametrize("batch", [4, 32])
+def test_resnet18_bf16_gradients_within_autocast_error(batch):
+    """torchvision's ResNet-18 at 32x32 (the shape its bf16 gradients were once 1.14x the largest
+    gradient's norm off): our bf16 step's gradients against fp32, next to torch's own autocast step
+    on the same weights and batch; both errors go to $OUT/resnet18_bf16_b{batch}.json when OUT is set."""
+    pytest.importorskip("torchvision")
+    import json
+    import os
+
+    torch.manual_seed(0)
+    entry = models.torchvision_model("resnet18", batch=batch, image=32, classes=100)
+    step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,
+                                    precision="bf16")
+    ours, autocast = assert_bf16_step_close(step, entry, entry.example_inputs())
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"resnet18_bf16_b{batch}.json"), "w") as f:
+            json.dump({"batch": batch, "image": 32, "tvm_evt_vs_fp32": ours, "autocast_vs_fp32": autocast}, f)
