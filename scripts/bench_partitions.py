@@ -10,8 +10,9 @@ for a compile, since the optional rewrites change the partitions.
     python scripts/bench_partitions.py gpt2_medium --only main_adjoint_evt0_13_c5 --sweep quick
 
 times the chosen partitions under every configuration of a search space (``select.candidates``,
-with narrow-epilogue variants) next to their plain GEMM: what an epilogue costs, and whether a
-configuration hides it; ``--configs pp_128x128x64_c1x1_e64x16,...`` times only those.
+with narrow-epilogue variants) next to their plain GEMM and torch.matmul (cuBLAS) on the same
+shape and layouts: what an epilogue costs, whether a configuration hides it, and how far the main
+loop is from the library's; ``--configs pp_128x128x64_c1x1_e64x16,...`` times only those.
 """
 import argparse
 import json
@@ -49,7 +50,9 @@ def main(argv=None) -> int:
         only = set(args.configs.split(",")) if args.configs else None
         rows = tuning.sweep_configs(parts, args.sweep, only=only)
         for r in rows:
-            print(f"{r['symbol']} batch {r['batch']} {'x'.join(map(str, r['mnk']))}: plain GEMM {r['plain_ms']:.3f} ms")
+            library = f", cuBLAS {r['library_ms']:.3f}" if r.get("library_ms") is not None else ""
+            print(f"{r['symbol']} batch {r['batch']} {'x'.join(map(str, r['mnk']))} {r['layout']}: plain GEMM "
+                  f"{r['plain_ms']:.3f} ms{library}; untuned builds run {r['heuristic']}")
             for name, ms in sorted(r["ms"].items(), key=lambda kv: kv[1]):
                 print(f"    {name:40s} {ms:8.3f}" + (f"  {r['errors'][name]}" if name in r["errors"] else ""))
         if args.out:

@@ -214,6 +214,23 @@ def test_sweep_times_only_the_configurations_asked_for(small_bert_partitions):
         tuning.sweep_configs(parts, "quick", measure, only=["no_such_config"])
 
 
+def test_sweep_rows_carry_the_librarys_time_where_the_measure_has_one(small_bert_partitions):
+    parts = small_bert_partitions[:2]
+
+    class Measure:  # a fake GPU whose "cuBLAS" takes m / 1000 ms
+        def __call__(self, jobs):
+            return {name: 1.0 for name in jobs}
+
+        def matmul_ms(self, gemm):
+            return gemm.m / 1000
+
+    rows = tuning.sweep_configs(parts, "quick", Measure())
+    for r in rows:
+        p = next(p for p in parts if p.symbol == r["symbol"])
+        assert r["library_ms"] == p.gemm.m / 1000 and r["layout"] == p.gemm.layout_name and r["heuristic"]
+    assert all(r["library_ms"] is None for r in tuning.sweep_configs(parts, "quick", lambda jobs: {n: 1.0 for n in jobs}))
+
+
 def test_compare_configs_times_each_partition_under_default_and_heuristic(small_bert_partitions):
     from tvm_evt.codegen import select
     from tvm_evt.codegen.legality import fitting_config

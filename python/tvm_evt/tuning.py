@@ -195,6 +195,28 @@ class GpuMeasure:
         scale = k ** -0.5 if role == "b" else 1.0
         return (t.randn(desc.shape, device="cuda") * scale).to(dtypes[desc.dtype])
 
+    def matmul_ms(self, gemm) -> float:
+        """``torch.matmul`` (cuBLAS) on `gemm`'s shapes and operand layouts (a ``GemmSpec``),
+        median of ``iters`` after ``warmup``: the library's time for the plain GEMM."""
+        t = self.torch
+        a = t.randn(gemm.batch, gemm.m, gemm.k, device="cuda").to(t.bfloat16)
+        b = t.randn(gemm.batch, gemm.k, gemm.n, device="cuda").to(t.bfloat16)
+        if not gemm.a_k_major:  # stored [k, m]
+            a = a.transpose(1, 2).contiguous().transpose(1, 2)
+        if gemm.b_k_major:  # stored [n, k]
+            b = b.transpose(1, 2).contiguous().transpose(1, 2)
+        if gemm.batch == 1:
+            a, b = a[0], b[0]
+        for _ in range(self.warmup):
+            t.matmul(a, b)
+        events = [(t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
+        for start, end in events:
+            start.record()
+            t.matmul(a, b)
+            end.record()
+        t.cuda.synchronize()
+        return sorted(s.elapsed_time(e) for s, e in events)[self.iters // 2]
+
     def _outputs(self, partition):
         t = self.torch
         dt = {"bfloat16": t.bfloat16, "float32": t.float32, "float16": t.float16, "bool": t.bool}
@@ -305,7 +327,9 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     configuration: what the epilogue costs, and whether some configuration hides it.  The
     shape heuristic's choice (``select.heuristic_config``, what an untuned build runs) is timed
     too.  ``only`` keeps the configurations of those names (after fitting).  One row per partition:
-    ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``errors``."""
+    ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``heuristic`` (its name), ``errors``, and
+    ``library_ms``: the plain GEMM by ``measure.matmul_ms`` (cuBLAS through torch on a GPU), None
+    where the measure has none."""
     from .codegen import select
     from .codegen.backend import default_config
     from .codegen.legality import fitting_config
@@ -330,8 +354,11 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
         plain = f"{p.symbol}_plain__{default.name}"
         jobs[plain] = (select.plain_partition(p, plain), default)
         rows.append({"symbol": p.symbol, "batch": p.gemm.batch, "mnk": [p.gemm.m, p.gemm.n, p.gemm.k],
+                     "layout": p.gemm.layout_name, "heuristic": fitting_config(p, select.heuristic_config(p)).name,
                      "plain": plain, "jobs": names})
     times = measure(jobs)
+    matmul = getattr(measure, "matmul_ms", None)
+    by_symbol = {p.symbol: p for p in partitions}
     errors = getattr(measure, "records", {})
     for row in rows:
         row["plain_ms"] = times[row.pop("plain")]
@@ -339,6 +366,7 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
         row["ms"] = {n.rsplit("__", 1)[1]: times[n] for n in names}
         row["best"] = min(row["ms"], key=row["ms"].get)
         row["errors"] = {n.rsplit("__", 1)[1]: errors[n]["error"] for n in names if errors.get(n, {}).get("error")}
+        row["library_ms"] = matmul(by_symbol[row["symbol"]].gemm) if matmul is not None else None
     return sorted(rows, key=lambda r: -r["ms"][r["best"]])
 
 
