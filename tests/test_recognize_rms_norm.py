@@ -140,3 +140,34 @@ def test_llama_norm_gradients_are_row_kernels_on_cuda(monkeypatch):
     rows = tuning.kernel_traffic(graph.mod, cuda)
     grads = [r for r in rows if r["kernel"].startswith("rms_norm_grad")]
     assert sum(r["calls"] for r in grads) == 3, [r["kernel"] for r in rows]
+
+
+NORMS = {  # transformers' own RMS norms, each spelt its own way (Gemma scales by 1 + w)
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    "gemma": ("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm"),
+    "t5": ("transformers.models.t5.modeling_t5", "T5LayerNorm"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NORMS))
+def test_library_rms_norms_become_the_op_and_train_as_torch(family, monkeypatch):
+    import importlib
+
+    import torch.nn.functional as F
+
+    from tvm_evt.frontend import from_torch
+    from tvm_evt.relax_passes.training.expand_small_power import ExpandSmallPower
+
+    pytest.importorskip("transformers")
+    module, name = NORMS[family]
+    norm = getattr(importlib.import_module(module), name)(16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.normal_()  # Gemma's starts at zero (its scale is 1 + w)
+    model = torch.nn.Sequential(norm, torch.nn.Linear(16, 8))
+    x, target = torch.randn(2, 6, 16), torch.randn(2, 6, 8)
+    imported = from_torch(model, (x, target), F.mse_loss)
+    assert RecognizeRMSNorm()(ExpandSmallPower()(imported.mod))["main"].script().count("R.nn.rms_norm") == 1
+    monkeypatch.setenv("TVM_EVT_ENABLE", "rms_norm")
+    matches_torch(model, (x, target), F.mse_loss)
