@@ -207,15 +207,15 @@ class GpuMeasure:
             b = b.transpose(1, 2).contiguous().transpose(1, 2)
         if gemm.batch == 1:
             a, b = a[0], b[0]
+        return self._median_ms(lambda: t.matmul(a, b))
+
+    def _median_ms(self, run) -> float:
+        """The median of ``iters`` CUDA-event timings of `run` after ``warmup`` calls."""
+        from .bench_e2e import time_steps
+
         for _ in range(self.warmup):
-            t.matmul(a, b)
-        events = [(t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
-        for start, end in events:
-            start.record()
-            t.matmul(a, b)
-            end.record()
-        t.cuda.synchronize()
-        return sorted(s.elapsed_time(e) for s, e in events)[self.iters // 2]
+            run()
+        return sorted(time_steps(run, self.iters))[self.iters // 2]
 
     def _outputs(self, partition):
         t = self.torch
@@ -273,16 +273,7 @@ class GpuMeasure:
                         if err > 1e-2:
                             rec["error"] = f"differs from the default configuration (rel err {err:.3g})"
                             continue
-                    for _ in range(self.warmup):
-                        fn(*inputs, *outputs)
-                    events = [(t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True))
-                              for _ in range(self.iters)]
-                    for start, end in events:
-                        start.record()
-                        fn(*inputs, *outputs)
-                        end.record()
-                    t.cuda.synchronize()
-                    rec["ms"] = times[name] = sorted(s.elapsed_time(e) for s, e in events)[self.iters // 2]
+                    rec["ms"] = times[name] = self._median_ms(lambda: fn(*inputs, *outputs))
                 except Exception as err:  # noqa: BLE001 - one bad kernel must not stop tuning
                     rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         return {n: times.get(n, math.inf) for n in jobs}

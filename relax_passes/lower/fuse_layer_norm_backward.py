@@ -272,7 +272,8 @@ def _fuse(scheduled: bool):
         extra = (chain.gamma,) if chain.gamma is not None else ()
         tail = [chain.tail] if chain.tail is not None else []
         leaves = unique_leaves(*prologues, *tail, extra=(*extra, chain.rstd))
-        name = (("layer_norm_grad_" if chain.centered else "rms_norm_grad_") + "x".join(map(str, shape)) + ("_dyg" if chain.gamma is not None else "_g")
+        name = (("layer_norm_grad_" if chain.centered else "rms_norm_grad_") + "x".join(map(str, shape))
+                + ("_dyg" if chain.gamma is not None else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
                 + (f"_{chain.low}" if chain.low else "") + ("_tail" if tail else "")
                 + prologue_tag(prologues + tail, leaves))

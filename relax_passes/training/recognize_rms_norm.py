@@ -38,9 +38,8 @@ class _Block:
         self.bound = {b.var: b.value for b in bindings}
         self.readers: dict = {}
         for b in bindings:
-            for arg in _args(b.value):
-                if isinstance(arg, relax.Var):
-                    self.readers.setdefault(arg, []).append(b.var)
+            for arg in relax.analysis.free_vars(b.value):
+                self.readers.setdefault(arg, []).append(b.var)
 
     def resolve(self, expr):
         """`expr` seen through aliases (``a = b``)."""
@@ -98,31 +97,19 @@ class _Block:
             norm = self.call(n, MULTIPLY)
             if norm is None or {self.resolve(a) for a in norm.args} != {x, r}:
                 continue
-            inner = [self.resolve(value.args[0]), self.resolve(m), self.resolve(mean.args[0])]
-            owners = [r, self.resolve(value.args[0]), self.resolve(m)]
-            if not all(self.only_reader(v, owner) for v, owner in zip(inner, owners)):
-                continue
+            v, m, s = self.resolve(value.args[0]), self.resolve(m), self.resolve(mean.args[0])
+            if not (self.only_reader(v, r) and self.only_reader(m, v) and self.only_reader(s, m)):
+                continue  # an intermediate read outside the pattern
             weight, y = None, n
             n_readers = self.readers.get(n, [])
             scaled = self.call(n_readers[0], MULTIPLY) if len(n_readers) == 1 else None
             if scaled is not None:
                 other = [a for a in scaled.args if not self.resolve(a).same_as(n)]
-                if len(other) == 1 and static_shape(other[0]) == (shape[-1],) and str(other[0].ty.dtype) == str(x.ty.dtype):
+                if len(other) == 1 and static_shape(other[0]) == (shape[-1],) \
+                        and str(other[0].ty.dtype) == str(x.ty.dtype):
                     weight, y = other[0], n_readers[0]
             found[y] = (x, weight, float(eps_value))
         return found
-
-
-def _args(value):
-    if isinstance(value, relax.Call):
-        return list(value.args)
-    if isinstance(value, relax.Var):
-        return [value]
-    if isinstance(value, relax.Tuple):
-        return list(value.fields)
-    if isinstance(value, relax.TupleGetItem):
-        return [value.tuple_value]
-    return []
 
 
 def _replacements(block: relax.DataflowBlock) -> dict:
