@@ -345,39 +345,11 @@ def test_bench_prebuild_builds_what_needs_no_timing(cache_home, monkeypatch, cap
     assert select.SelectionCache().load() == {}  # nothing persisted
 
 
-def _two_light_stores(m, n, k):
-    """A dX GEMM storing its bf16 result and that result times two in float32: two stores, no heavy
-    arithmetic (the shape of ViT-B/16's residual-gradient sums with a layer norm's gamma)."""
-    from tvm import relax
-
-    from tvm_evt.codegen.frontend import from_function
-    from tvm_evt.codegen.passes import lower
-
-    params, mm = bench._operands(bench.Problem("p", "dgrad", m, n, k))
-    bb = relax.BlockBuilder()
-    with bb.function("two_stores", params):
-        with bb.dataflow():
-            y = bb.emit(mm)
-            y32 = bb.emit(relax.op.astype(y, "float32"))
-            out = bb.emit_output(relax.Tuple([y, bb.emit(relax.op.multiply(y32, relax.const(2.0, "float32")))]))
-        bb.emit_func_output(out)
-    return lower(from_function(bb.get()["two_stores"]))
-
-
-@pytest.mark.parametrize("mnk,want", [
-    ((16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # long K: the narrow epilogue tile hides the stores
-    ((25216, 768, 768), "pp_128x128x64_c1x1"),  # short K: ping-pong, as with one store
-])
-def test_heuristic_two_light_stores_take_ping_pong(mnk, want):
-    p = _two_light_stores(*mnk)
-    assert sum(type(n).__name__ == "AuxStore" for n in p.epilogue.nodes) == 2 and not select.alu_heavy(p)
-    assert select.heuristic_config(p).name == want
-
-
-def _wide_case(m, n, k, stores):
+def _epilogue_case(m, n, k, stores):
     """A GEMM whose epilogue stores ``stores``: "f32" (the float32 result: a weight gradient),
     "bf16" (the result), "two_bf16" (the result and twice it), "bf16_f32" (the result and twice
-    it in float32) or "silu_pair" (the result and its SiLU: heavy arithmetic)."""
+    it in float32: two light stores, as ViT-B/16's residual-gradient sums with a layer norm's gamma)
+    or "silu_pair" (the result and its SiLU: heavy arithmetic)."""
     from tvm import relax
 
     from tvm_evt.codegen.frontend import from_function
@@ -402,6 +374,16 @@ def _wide_case(m, n, k, stores):
     return lower(from_function(bb.get()["wide"]))
 
 
+@pytest.mark.parametrize("mnk,want", [
+    ((16384, 1024, 4096), "pp_128x128x64_c1x1_e64x16"),  # long K: the narrow epilogue tile hides the stores
+    ((25216, 768, 768), "pp_128x128x64_c1x1"),  # short K: ping-pong, as with one store
+])
+def test_heuristic_two_light_stores_take_ping_pong(mnk, want):
+    p = _epilogue_case(*mnk, "bf16_f32")
+    assert sum(type(n).__name__ == "AuxStore" for n in p.epilogue.nodes) == 2 and not select.alu_heavy(p)
+    assert select.heuristic_config(p).name == want
+
+
 @pytest.mark.parametrize("stores,mnk,want", [
     # Llama-7B's layer (hidden 4096, FFN 11008, 8192 tokens): wide outputs over K >= 4096
     ("f32", (11008, 4096, 8192), "pp_128x128x64_c1x1_e64x16"),  # a weight gradient into float32
@@ -416,6 +398,6 @@ def _wide_case(m, n, k, stores):
     ("silu_pair", (8192, 11008, 4096), "pp_128x128x64_c2x1"),  # heavy, two stores
 ])
 def test_heuristic_wide_outputs(stores, mnk, want):
-    p = _wide_case(*mnk, stores)
+    p = _epilogue_case(*mnk, stores)
     assert select.alu_heavy(p) == (stores == "silu_pair")
     assert select.heuristic_config(p).name == want
