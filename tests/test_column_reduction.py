@@ -9,7 +9,7 @@ from tvm.support import nvcc
 
 from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
 
-from tvm_evt.relax_passes.lower.column_reduction import ColumnReduction
+from tvm_evt.relax_passes.lower.column_reduction import THREADS, ColumnReduction
 
 
 def _kernels():
@@ -22,7 +22,17 @@ def _kernels():
     kr = te.reduce_axis((0, 16384), "k")
     xl = te.placeholder((65536, 128), "float32", name="xl")
     kl = te.reduce_axis((0, 65536), "k")
+    kv = te.placeholder((2, 8, 4, 1024, 128), "bfloat16", name="kv")  # 2 x 8 x 1024 x 128 / 4: 2^19 threads
+    kg = te.reduce_axis((0, 4), "g")
+    x33 = te.placeholder((33, 16, 65536), "bfloat16", name="x33")
+    k33 = te.reduce_axis((0, 33), "k")
     return {
+        # grouped-query attention's key gradient: the 4 query heads of a key/value head summed
+        "gqa_heads": ([kv, te.compute((2, 8, 1024, 128), lambda b, h, s, d: te.sum(
+            kv[b, h, kg, s, d].astype("float32"), axis=kg), name="y")], 4),
+        # 33 rows are more than a short reduction takes: row groups
+        "rows_33": ([x33, te.compute((16, 65536), lambda m, n: te.sum(x33[k33, m, n].astype("float32"), axis=k33),
+                                     name="y")], 4),
         # batch norm's Σ(x - mean)·dy over a split reduction's groups: fp32 mean -> 4 columns
         "batch_norm": ([x3, mean, te.compute((32, 512), lambda g, n: te.sum(
             x3[g, k40, n].astype("float32") * (x3[g, k40, n].astype("float32") - mean[0, 0, n]), axis=k40),
@@ -71,8 +81,20 @@ def test_row_groups_are_the_threads_along_y(row_groups):
     assert f'T.thread_binding({row_groups}, thread="threadIdx.y")' in script.replace("T.int64(", "(").replace("), thread", ", thread")
 
 
+@pytest.mark.parametrize("name, short", [("gqa_heads", True), ("rows_33", False), ("bias_grad", False),
+                                         ("batch_norm", False)])
+def test_short_reductions_are_one_thread_a_column_vector(name, short):
+    """At most SHORT_ROWS rows under enough column vectors: each thread sums all the rows of its
+    columns (no threads along y, no partial results); more rows, or fewer columns: row groups."""
+    tensors, _ = _kernels()[name]
+    script = _schedule(tensors)["main"].script().replace("T.int64(", "(").replace("), thread", ", thread")
+    assert ('thread="threadIdx.y"' not in script) == short
+    assert (f'T.thread_binding({THREADS}, thread="threadIdx.x")' in script) == short
+    assert ("rf" in script) != short
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "column_max", "column_min"])
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "column_max", "column_min", "gqa_heads"])
 def test_column_reductions_compile_with_nvcc(name):
     tensors, _ = _kernels()[name]
     src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
@@ -82,7 +104,7 @@ def test_column_reductions_compile_with_nvcc(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32"])
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "gqa_heads", "rows_33"])
 def test_column_sums_on_gpu_match_llvm(name):
     tensors, _ = _kernels()[name]
     assert_matches_llvm_on_gpu(_schedule(tensors), tensors, rtol=1e-5)
