@@ -78,10 +78,9 @@ def test_folded_layer_norms_bf16_step(name, monkeypatch):
     assert_bf16_step_close(step, entry, entry.example_inputs())
 
 
-def test_rms_norm_op_bf16_step(monkeypatch):
-    """Llama with its RMS norms as relax.nn.rms_norm (RecognizeRMSNorm, opt-in) and their input
+def test_rms_norm_op_bf16_step():
+    """Llama with its RMS norms as relax.nn.rms_norm (RecognizeRMSNorm, on by default) and their input
     gradients as FuseLayerNormBackward's row kernels: the bf16 step against torch fp32."""
-    monkeypatch.setenv("TVM_EVT_ENABLE", "rms_norm")  # pipeline.OPTIONAL: opt-in
     torch.manual_seed(0)
     entry = models.hf_llama_lm(batch=2, seq=96, layers=2, hidden=256, heads=4, kv_heads=2, ffn=256, vocab=1000)
     step = tvm_evt.compile_training(copy.deepcopy(entry.model), entry.example_inputs(), loss_fn=entry.loss_fn,

@@ -1,4 +1,4 @@
-"""RecognizeRMSNorm (``TVM_EVT_ENABLE=rms_norm``): an RMS norm written out as ops becomes
+"""RecognizeRMSNorm (on by default; ``TVM_EVT_DISABLE=rms_norm``): an RMS norm written out as ops becomes
 ``relax.nn.rms_norm``; Llama as transformers builds it trains as torch computes it with the op, and
 on the CUDA route each norm's input gradient is one row kernel."""
 import numpy as np
@@ -115,25 +115,23 @@ def test_left_alone(mod):
     assert_unchanged(RecognizeRMSNorm(), mod)
 
 
-def test_llama_trains_as_torch_with_the_op(monkeypatch):
+def test_llama_trains_as_torch_with_the_op():
     """transformers' LlamaForCausalLM (three LlamaRMSNorms) with the norms as the op: loss and every
     gradient equal torch fp32 (the LlamaRMSNorm weights' too)."""
     pytest.importorskip("transformers")
-    monkeypatch.setenv("TVM_EVT_ENABLE", "rms_norm")
     assert pipeline.enabled("rms_norm")
     torch.manual_seed(0)
     entry = models.hf_llama_lm(batch=2, seq=16, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
     matches_torch(entry.model, entry.example_inputs())
 
 
-def test_llama_norm_gradients_are_row_kernels_on_cuda(monkeypatch):
+def test_llama_norm_gradients_are_row_kernels_on_cuda():
     """On the CUDA route (no GPU needed: the front passes and FuseLayerNormBackward), each of a
     small Llama's RMS norms has its input gradient as one rms_norm_grad kernel."""
     pytest.importorskip("transformers")
     from tvm_evt import tuning
     from tvm_evt.training import hopper_target
 
-    monkeypatch.setenv("TVM_EVT_ENABLE", "rms_norm")
     entry = models.hf_llama_lm(batch=1, seq=64, layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=512)
     cuda = hopper_target()
     _, graph = tuning.training_graph(entry, "bf16", target=cuda)
@@ -151,7 +149,7 @@ NORMS = {  # transformers' own RMS norms, each spelt its own way (Gemma scales b
 
 
 @pytest.mark.parametrize("family", sorted(NORMS))
-def test_library_rms_norms_become_the_op_and_train_as_torch(family, monkeypatch):
+def test_library_rms_norms_become_the_op_and_train_as_torch(family):
     import importlib
 
     import torch.nn.functional as F
@@ -169,5 +167,4 @@ def test_library_rms_norms_become_the_op_and_train_as_torch(family, monkeypatch)
     x, target = torch.randn(2, 6, 16), torch.randn(2, 6, 8)
     imported = from_torch(model, (x, target), F.mse_loss)
     assert RecognizeRMSNorm()(ExpandSmallPower()(imported.mod))["main"].script().count("R.nn.rms_norm") == 1
-    monkeypatch.setenv("TVM_EVT_ENABLE", "rms_norm")
     matches_torch(model, (x, target), F.mse_loss)
