@@ -278,3 +278,96 @@ def test_plain_tvm_cuda_schedule_takes_the_portable_form():
         mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                       dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
     assert int(mod["optimizer_update"].attrs["tirx.is_scheduled"]) == 1
+
+
+# ------------------------------------------------------------------ weight copies (bf16 / fp16)
+
+COPIES = ["bfloat16", None, "float16"]  # the first and last parameter have a copy
+
+
+def _bits(a: np.ndarray, dtype: str) -> np.ndarray:
+    """`a` (float32) rounded to `dtype` as its raw 16 bits (torch rounds to nearest even, as TVM)."""
+    t = torch.from_numpy(np.ascontiguousarray(a)).to(getattr(torch, dtype))
+    return t.view(torch.int16).numpy()
+
+
+def _raw16(t) -> np.ndarray:
+    return torch.from_dlpack(t).view(torch.int16).cpu().numpy()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_portable_forms_write_each_copy_as_the_new_parameter_cast(inplace):
+    """Each copy is its new parameter rounded to the copy's dtype, bit for bit, in the out-of-place
+    (TE) and in-place (loop) forms; the parameters and slots are what they are without copies."""
+    optimizer = CASES["adamw"][0]
+    params, grads = _inputs()
+    specs = [(s, "float32") for s in SHAPES]
+    slots = optimizer.slots()
+    if inplace:
+        func = optimizer_update.loop_primfunc(optimizer, specs, copies=COPIES, gpu=False, inplace=True)
+        plain = optimizer_update.loop_primfunc(optimizer, specs, gpu=False, inplace=True)
+    else:
+        func = optimizer_update.update_primfunc(optimizer, specs, copies=COPIES)
+        plain = optimizer_update.update_primfunc(optimizer, specs)
+    copied = [(s, c) for s, c in zip(SHAPES, COPIES) if c is not None]
+    assert len(func.params) == len(plain.params) + len(copied)
+    dev = tvm.cpu()
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    base = tvm.compile(tvm.IRModule({"main": plain.with_attr("global_symbol", "main")}), target="llvm")
+    state = [np.zeros_like(p) for _ in slots for p in params]
+    arrays = params + grads[0] + state + [np.float32(1)]
+    n = len(SHAPES)
+    outs_plain = [tvm.runtime.empty(s, "float32", dev) for s in SHAPES * (1 + len(slots))]
+    args_plain = [tvm.runtime.tensor(np.asarray(a, dtype="float32"), dev) for a in arrays]
+    base["main"](*args_plain, *([] if inplace else outs_plain))
+    want = [a.numpy() for a in (args_plain[:n] + args_plain[2 * n:2 * n + n * len(slots)] if inplace else outs_plain)]
+    args = [tvm.runtime.tensor(np.asarray(a, dtype="float32"), dev) for a in arrays]
+    copies = [tvm.runtime.empty(s, c, dev) for s, c in copied]
+    if inplace:
+        lib["main"](*args, *copies)
+        got = [a.numpy() for a in args[:n] + args[2 * n:2 * n + n * len(slots)]]
+    else:
+        outs = [tvm.runtime.empty(s, "float32", dev) for s in SHAPES * (1 + len(slots))]
+        lib["main"](*args, *outs, *copies)
+        got = [o.numpy() for o in outs]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    new_params = [got[i] for i, c in enumerate(COPIES) if c is not None]
+    for copy, p, (_, c) in zip(copies, new_params, copied):
+        np.testing.assert_array_equal(_raw16(copy), _bits(p, c))
+
+
+def test_gpu_form_with_copies_builds_for_cuda():
+    """The one-kernel form (rebuilt from the portable one's attributes, as ScheduleTIRForGPU does)
+    takes the copies' arguments too, and compiles (nvrtc/nvcc: no GPU needed)."""
+    optimizer = CASES["adamw"][0]
+    func = optimizer_update.loop_primfunc(optimizer, [(s, "float32") for s in SHAPES], copies=COPIES,
+                                          gpu=False, inplace=True)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        gpu = ScheduleTIRForGPU()(tvm.IRModule({"optimizer_update": func.with_attr("global_symbol",
+                                                                                  "optimizer_update")}))
+    gpu = gpu["optimizer_update"]
+    assert int(gpu.attrs["tirx.is_scheduled"]) == 1 and len(gpu.params) == len(func.params)
+    src = tvm.tirx.build(tvm.IRModule({"optimizer_update": gpu}), target=target).imports[0].inspect_source()
+    assert "nv_bfloat16" in src and "half" in src
+
+
+@pytest.mark.gpu
+def test_gpu_form_copies_match_the_portable_form():
+    if not tvm.cuda(0).exist:
+        pytest.skip("no CUDA device")
+    optimizer = CASES["adamw"][0]
+    params, grads = _inputs()
+    specs = [(s, "float32") for s in SHAPES]
+    func = optimizer_update.loop_primfunc(optimizer, specs, copies=COPIES, gpu=True, inplace=True)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                      target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    dev = tvm.cuda(0)
+    state = [np.zeros_like(p) for _ in optimizer.slots() for p in params]
+    args = [tvm.runtime.tensor(np.asarray(a, dtype="float32"), dev) for a in params + grads[0] + state + [np.float32(1)]]
+    copies = [tvm.runtime.empty(s, c, dev) for s, c in zip(SHAPES, COPIES) if c is not None]
+    lib["main"](*args, *copies)
+    new_params = [args[i].numpy() for i, c in enumerate(COPIES) if c is not None]
+    for copy, p, c in zip(copies, new_params, [c for c in COPIES if c is not None]):
+        np.testing.assert_array_equal(_raw16(copy), _bits(p, c))

@@ -19,7 +19,8 @@ category, so the categories add up to ``unplanned_total_bytes``.  How each is de
 
 * the arguments by their position (``StepLayout``): inputs (and loss targets), parameters, model
   ``buffers`` (batch-norm statistics) and the dropout RNG state, optimizer slots
-  (``optimizer_state``), the step count and loss scaler (``counters``);
+  (``optimizer_state``), the step count and loss scaler (``counters``), the weights' bf16/fp16
+  copies (``parameters`` too: ``StepLayout.copies``);
 * ``step_outputs``: tensors the step returns (the loss, new parameters and slots, the step count)
   that it allocates, which an in-place step does not;
 * ``gradients``: the tensors the optimizer update reads as gradients (each of its calls takes a
@@ -266,7 +267,8 @@ def _argument_categories(layout, num_args: int) -> list[str]:
     n_in, n_p = layout.num_inputs, layout.num_params
     cats = ["inputs"] * n_in + ["parameters"] * n_p
     cats += ["buffers"] * layout.num_rest + ["optimizer_state"] * layout.num_slot_tensors
-    cats += ["counters"] * (num_args - len(cats))  # the step count, the loss scaler
+    cats += ["counters"] * (num_args - len(cats) - len(layout.copies))  # the step count, the loss scaler
+    cats += ["parameters"] * len(layout.copies)
     if len(cats) != num_args:
         raise ValueError(f"memory_report: {FUNCTION} takes {num_args} arguments, its layout {layout} names more")
     return cats

@@ -189,9 +189,11 @@ class TrainingGraph:
 
 
 def build_training_module(imported: ImportedModel, optimizer, precision: str = "fp32",
-                          inplace: bool = False) -> TrainingGraph:
+                          inplace: bool = False, weight_copies: bool | None = None) -> TrainingGraph:
     """Steps 2-6 of the module docstring; `inplace`: the optimizer update writes over the parameters
-    and slots train_step is given (``AppendOptimizer``; not with fp16's dynamic loss scaling)."""
+    and slots train_step is given (``AppendOptimizer``; not with fp16's dynamic loss scaling);
+    `weight_copies`: the step keeps the bf16/fp16 casts of its weights, written by the update
+    (``AppendOptimizer``; None: ``pipeline.OPTIONAL["weight_copies"]``)."""
     if inplace and precision == "fp16":
         raise ValueError("inplace=True (which cuda_graph=True implies): fp16 steps scale their loss dynamically "
                          "and must keep the old parameters when the gradients overflow; use bf16 or fp32, or "
@@ -199,7 +201,10 @@ def build_training_module(imported: ImportedModel, optimizer, precision: str = "
     mod, loss_scale, has_seed = build_adjoint_module(imported, precision)
     n_p = len(imported.param_names)
     overwrites = [imported.buffer_names.index(name) for name in imported.mutated_buffers]
-    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace, overwrites=overwrites)
+    if weight_copies is None:
+        weight_copies = enabled("weight_copies")
+    appender = AppendOptimizer(_resolve_optimizer(optimizer), n_p, loss_scale, inplace=inplace, overwrites=overwrites,
+                               weight_copies=weight_copies)
     mod = appender(mod)
     return TrainingGraph(mod, appender.layout, loss_scale, has_seed, inplace)
 
@@ -300,6 +305,7 @@ class TrainingStep:
         self._scaler = []
         if loss_scale is not None:
             self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
+        self._copies = [self._copy_of(i, dtype) for i, dtype in layout.copies]
 
     # -- helpers
     @staticmethod
@@ -312,6 +318,16 @@ class TrainingStep:
     def _tensor(self, t):
         # an in-place step writes over its parameters: they must be its own, not views of the caller's
         return to_tvm(t.detach().clone() if self.graph.inplace else t.detach(), self.device)
+
+    def _copy_of(self, index: int, dtype: str):
+        """Parameter `index` cast to `dtype` on the device (a weight copy, ``StepLayout.copies``)."""
+        import torch
+
+        return to_tvm(to_torch(self._params[index]).to(getattr(torch, dtype)), self.device)
+
+    def _state(self) -> list:
+        """train_step's arguments after the inputs, parameters and buffers."""
+        return self._slots + [self._step] + self._scaler + self._copies
 
     def _check_inputs(self, inputs: Sequence) -> list:
         return input_arguments(self.imported, inputs, self.device)
@@ -326,8 +342,7 @@ class TrainingStep:
 
     # -- public API
     def __call__(self, *inputs):
-        args = self._check_inputs(inputs) + self._params + self._rest()
-        args += self._slots + [self._step] + self._scaler
+        args = self._check_inputs(inputs) + self._params + self._rest() + self._state()
         out = self._train(*args)
         self._ran = True
         lay = self.layout
@@ -339,7 +354,10 @@ class TrainingStep:
         self._slots = [out[i + k] for k in range(lay.num_slot_tensors)]
         i += lay.num_slot_tensors
         self._step = out[i]
-        self._scaler = [out[i + 1 + k] for k in range(len(self._scaler))]
+        i += 1
+        self._scaler = [out[i + k] for k in range(len(self._scaler))]
+        i += len(self._scaler)
+        self._copies = [out[i + k] for k in range(len(self._copies))]
         if lay.advances_seed:
             self._rng = out[len(out) - 1]
         return to_torch(out[0])
@@ -383,6 +401,9 @@ class TrainingStep:
                 if tuple(v.shape) != want:
                     raise InputMismatchError(f"parameter '{k}': expected shape {list(want)}, got {list(v.shape)}")
                 self._replace(self._params, idx, v)
+                for c, (i, dtype) in enumerate(self.layout.copies):
+                    if i == idx:  # its weight copy, made again from the value loaded
+                        self._replace(self._copies, c, to_torch(self._copy_of(i, dtype)))
 
     def _replace(self, store, key, value) -> None:
         """``store[key] = value``; an in-place step copies `value` into the tensor it has instead
@@ -428,7 +449,7 @@ class TrainingStep:
         if inputs and not self._ran:
             before = device_used_bytes(self.device)
             if before is not None:  # the state the step holds already; the run copies the inputs in
-                state = self._params + self._rest() + self._slots + [self._step] + self._scaler
+                state = self._params + self._rest() + self._state()
                 held = sum(int(np.prod(a.shape, dtype=np.int64)) * tvm.runtime.DataType(a.dtype).itemsize
                            for a in state)
                 self(*inputs)

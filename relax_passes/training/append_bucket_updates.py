@@ -53,7 +53,7 @@ class AppendBucketUpdates:
             args = params + grads + [v for s in slots for v in state[s]] + [step]
             with bb.function(UPDATE_NAME.format(b), args, attrs={"num_input": len(args)}):
                 with bb.dataflow():
-                    new_params, new_state = emit_update(bb, self.optimizer, params, grads, state, step)
+                    new_params, new_state, _ = emit_update(bb, self.optimizer, params, grads, state, step)
                     out = bb.emit_output(relax.Tuple([*new_params, *(v for s in slots for v in new_state[s])]))
                 bb.emit_func_output(out)
         step = relax.Var("step", scalar)

@@ -15,6 +15,11 @@ GPU sat idle between those small kernels while the host launched the next one.
   out to the parameters (``ELEMS_PER_BLOCK`` elements a block, each thread's loads coalesced),
   each thread reading p, g and the slots of an element once and writing the new ones once.
 
+A parameter that the step reads as a bf16/fp16 copy (``copies``: ``AppendOptimizer`` with
+``weight_copies``) also has that copy written by the update, from the new value it has in
+registers: the next step's GEMMs read it instead of casting the float32 parameter again (a read of
+four bytes an element and a write of two, a kernel a weight, for two more bytes written here).
+
 The PrimFunc's attributes carry the optimizer and the shapes, so the GPU form is rebuilt from the
 portable one (``gpu_variant``) as ``philox.gpu_variant`` does for the dropout masks.
 
@@ -46,7 +51,7 @@ from . import optimizers
 from .._rewrite import OPAQUE, emit_call_tir, emit_call_tir_inplace
 
 OPTIMIZER_ATTR = "tvm_evt.optimizer"  # {"type": class name, "fields": {...}}
-PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype], ...]
+PARAMS_ATTR = "tvm_evt.optimizer_params"  # [[shape, dtype, gradient dtype, copy dtype or null], ...]
 INPLACE_ATTR = "tvm_evt.optimizer_inplace"  # the update writes over the parameters and slots
 THREADS = 256
 PER_THREAD = 4  # elements a thread updates, THREADS apart (coalesced)
@@ -83,11 +88,19 @@ def _element(optimizer, slots, p, g, state, step, dtype: str, grad_dtype: str):
     return _as(new_p, dtype), [_as(new_state[s], dtype) for s in slots]
 
 
-def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:
-    """Arguments ``(*p, *g, *slots (slot-major), step, *new_p, *new_slots (slot-major))``; params
-    are (shape, dtype); a gradient has its parameter's shape and dtype unless ``grad_dtypes`` says."""
+def _copies(params, copies) -> list:
+    """The copy dtype of each parameter (None: no copy)."""
+    return list(copies) if copies is not None else [None] * len(params)
+
+
+def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None,
+                    copies=None) -> tirx.PrimFunc:
+    """Arguments ``(*p, *g, *slots (slot-major), step, *new_p, *new_slots (slot-major), *new
+    copies)``; params are (shape, dtype); a gradient has its parameter's shape and dtype unless
+    ``grad_dtypes`` says; ``copies``: each parameter's copy dtype, or None (module docstring)."""
     slots = optimizer.slots()
     grad_dtypes = list(grad_dtypes or [dtype for _, dtype in params])
+    copies = _copies(params, copies)
     ps = [te.placeholder(shape, dtype, f"p{i}") for i, (shape, dtype) in enumerate(params)]
     gs = [te.placeholder(shape, gd, f"g{i}") for i, ((shape, _), gd) in enumerate(zip(params, grad_dtypes))]
     states = {s: [te.placeholder(shape, dtype, f"{s}{i}") for i, (shape, dtype) in enumerate(params)]
@@ -109,25 +122,32 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
         new_p.append(te.compute(shape, output(i, dtype, 0), name=f"new_p{i}"))
         for k, s in enumerate(slots):
             new_slots[s].append(te.compute(shape, output(i, dtype, k + 1), name=f"new_{s}{i}"))
+    def copy(i, dtype, c):  # the new parameter i, cast to c
+        new = output(i, dtype, 0)
+        return lambda *idx: tirx.Cast(c, new(*idx))
+
+    new_copies = [te.compute(shape, copy(i, dtype, c), name=f"copy{i}")
+                  for i, ((shape, dtype), c) in enumerate(zip(params, copies)) if c is not None]
     args = ps + gs + [t for s in slots for t in states[s]] + [step] + new_p + [t for s in slots for t in new_slots[s]]
-    func = te.create_prim_func(args).without_attr("global_symbol")  # the module names it
+    func = te.create_prim_func(args + new_copies).without_attr("global_symbol")  # the module names it
     # opaque to FuseOps: a producer fused into it would make a new PrimFunc without the attributes
     # the GPU form is rebuilt from (and AnnotateTIROpPattern keeps a pattern already set)
-    return _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, inplace=False)
+    return _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, copies, inplace=False)
 
 
-def _attrs(func: tirx.PrimFunc, optimizer, params, grad_dtypes, inplace: bool) -> tirx.PrimFunc:
+def _attrs(func: tirx.PrimFunc, optimizer, params, grad_dtypes, copies, inplace: bool) -> tirx.PrimFunc:
     """`func` tagged with what its GPU form is rebuilt from (``gpu_variant``)."""
     func = func.with_attr(OPTIMIZER_ATTR, _to_attr(optimizer))
-    func = func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd] for (shape, dtype), gd in zip(params, grad_dtypes)]))
+    func = func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd, c] for (shape, dtype), gd, c
+                                                   in zip(params, grad_dtypes, _copies(params, copies))]))
     return func.with_attr(INPLACE_ATTR, True) if inplace else func
 
 
-def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None, *,
+def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None, copies=None, *,
                   gpu: bool, inplace: bool = False) -> tirx.PrimFunc:
     """The update as explicit loops over each parameter's flat elements.  Arguments: those of
-    ``update_primfunc``, or, `inplace`, ``(*p, *g, *slots (slot-major), step)`` with the new values
-    stored over p and the slots.  `gpu`: scheduled for CUDA as one kernel (parameter i owns blocks
+    ``update_primfunc``, or, `inplace`, ``(*p, *g, *slots (slot-major), step, *copies)`` with the
+    new values stored over p, the slots and the copies.  `gpu`: scheduled for CUDA as one kernel (parameter i owns blocks
     [start_i, start_i + ceil(numel_i / ELEMS_PER_BLOCK)); thread t of a block updates its elements
     t, t + THREADS, ..., PER_THREAD of them); else serial loops, a portable form."""
     from tvm.script.ir_builder import IRBuilder
@@ -135,6 +155,7 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
 
     slots = optimizer.slots()
     grad_dtypes = list(grad_dtypes or [dtype for _, dtype in params])
+    copies = _copies(params, copies)
     numels = [math.prod(shape) for shape, _ in params]
     idx = "int64" if max(numels) >= 2**31 - ELEMS_PER_BLOCK else "int32"
     with IRBuilder() as ib:
@@ -151,6 +172,8 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
             step = T.arg("step", T.buffer((), FLOAT32))
             new_p = ps if inplace else args("new_p")
             new_states = states if inplace else {s: args(f"new_{s}") for s in slots}
+            copy = {i: T.arg(f"copy{i}", T.buffer(shape, c)) for i, ((shape, _), c) in enumerate(zip(params, copies))
+                    if c is not None}
 
             def update(i, dtype, numel, e):
                 """Element e of parameter i: every value read, then the new ones stored (in place,
@@ -164,14 +187,19 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
                 value, values = _element(optimizer, slots, load(ps[i]), load(gs[i]),
                                          {s: load(states[s][i]) for s in slots},
                                          tirx.BufferLoad(step, []), dtype, grad_dtypes[i])
+                if i in copy:  # the value bound once: the parameter's store and its copy's read it
+                    value = T.bind(value)
                 T.buffer_store(flat(new_p[i]), value, [e])
                 for s, v in zip(slots, values):
                     T.buffer_store(flat(new_states[s][i]), v, [e])
+                if i in copy:
+                    T.buffer_store(flat(copy[i]), tirx.Cast(copies[i], value), [e])
 
             element_loops(numels, lambda i, e: update(i, params[i][1], numels[i], e), gpu=gpu, idx=idx,
                           per_thread=PER_THREAD)
     func = ib.get().without_attr("global_symbol")  # the module names it: a deep model's has several
-    return func if gpu else _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, inplace)
+    return func if gpu else _attrs(func.with_attr("op_pattern", OPAQUE), optimizer, params, grad_dtypes, copies,
+                                   inplace)
 
 
 def element_loops(numels: list[int], body, *, gpu: bool, idx: str = "int32", per_thread: int = 1) -> None:
@@ -202,17 +230,19 @@ def element_loops(numels: list[int], body, *, gpu: bool, idx: str = "int32", per
                                     body(i, e)
 
 
-def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None) -> tirx.PrimFunc:
+def gpu_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dtypes=None,
+                 copies=None) -> tirx.PrimFunc:
     """``update_primfunc``'s arguments, scheduled for CUDA as one kernel (``loop_primfunc``)."""
-    return loop_primfunc(optimizer, params, grad_dtypes, gpu=True)
+    return loop_primfunc(optimizer, params, grad_dtypes, copies, gpu=True)
 
 
 def gpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """The one-kernel CUDA form of an update PrimFunc (one tagged ``OPTIMIZER_ATTR``), in place
     where it is."""
     specs = json.loads(str(func.attrs[PARAMS_ATTR]))
-    return loop_primfunc(_from_attr(str(func.attrs[OPTIMIZER_ATTR])), [(tuple(shape), dtype) for shape, dtype, _ in specs],
-                         [gd for _, _, gd in specs], gpu=True, inplace=INPLACE_ATTR in func.attrs)
+    return loop_primfunc(_from_attr(str(func.attrs[OPTIMIZER_ATTR])), [(tuple(spec[0]), spec[1]) for spec in specs],
+                         [spec[2] for spec in specs], [spec[3] for spec in specs], gpu=True,
+                         inplace=INPLACE_ATTR in func.attrs)
 
 
 def kernel_groups(keys: list) -> list[tuple[int, int]]:
@@ -255,13 +285,16 @@ def _longest_repeat(keys: list) -> tuple[int, int, int]:
 
 
 def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, step,
-                inplace: bool = False) -> tuple[list, dict]:
+                inplace: bool = False, copies: list | None = None) -> tuple[list, dict, list]:
     """Emit the update of every parameter as one ``call_tir`` a group of ``kernel_groups``
-    (`inplace`: ``call_tir_inplace`` over the parameters and slots): (new params, {slot: new
-    tensors})."""
+    (`inplace`: ``call_tir_inplace`` over the parameters, slots and copies): (new params, {slot:
+    new tensors}, new copies).  `copies`: for each parameter its low-precision copy (a Relax var,
+    the tensor an in-place update writes over; its dtype the copy's) or None; a new copy a
+    parameter that has one (module docstring)."""
     slots = optimizer.slots()
+    copies = _copies(params, copies)
     if not params:
-        return [], {s: [] for s in slots}
+        return [], {s: [] for s in slots}, []
     specs = []
     for p, g in zip(params, grads):
         shape = tuple(int(d) for d in p.ty.shape.values)
@@ -269,21 +302,25 @@ def emit_update(bb: relax.BlockBuilder, optimizer, params, grads, state: dict, s
             raise ValueError(f"optimizer update: the gradient of {p.name} has shape {g.ty}, its parameter {p.ty}")
         specs.append((shape, str(p.ty.dtype)))
     grad_dtypes = [str(g.ty.dtype) for g in grads]
-    new_params, new_state = [], {s: [] for s in slots}
-    for start, stop in kernel_groups([(*spec, gd) for spec, gd in zip(specs, grad_dtypes)]):
+    copy_dtypes = [str(c.ty.dtype) if c is not None else None for c in copies]
+    new_params, new_state, new_copies = [], {s: [] for s in slots}, []
+    for start, stop in kernel_groups([(*spec, gd, c) for spec, gd, c in zip(specs, grad_dtypes, copy_dtypes)]):
         group = slice(start, stop)
-        func = (loop_primfunc(optimizer, specs[group], grad_dtypes[group], gpu=False, inplace=True) if inplace
-                else update_primfunc(optimizer, specs[group], grad_dtypes[group]))
+        func = (loop_primfunc(optimizer, specs[group], grad_dtypes[group], copy_dtypes[group], gpu=False, inplace=True)
+                if inplace else update_primfunc(optimizer, specs[group], grad_dtypes[group], copy_dtypes[group]))
         gv = bb.add_func(func, "optimizer_update")  # a group equal to one added before: that one's var
-        out_ty = [p.ty for p in params[group]] * (1 + len(slots))
+        copied = [c for c in copies[group] if c is not None]
+        out_ty = [p.ty for p in params[group]] * (1 + len(slots)) + [c.ty for c in copied]
         args = list(params[group]) + list(grads[group]) + [t for s in slots for t in state[s][group]] + [step]
         n = stop - start
-        if inplace:  # the outputs are p and the slots: arguments 0..n-1 and 2n..
+        if inplace:  # the outputs are p, the slots and the copies: arguments 0..n-1, 2n.. and after step
             indices = list(range(n)) + list(range(2 * n, 2 * n + n * len(slots)))
-            outs = emit_call_tir_inplace(bb, gv, args, indices, out_ty)
+            indices += list(range(len(args), len(args) + len(copied)))
+            outs = emit_call_tir_inplace(bb, gv, args + copied, indices, out_ty)
         else:
             outs = emit_call_tir(bb, gv, args, out_ty)
         new_params += outs[:n]
         for k, s in enumerate(slots):
             new_state[s] += outs[n * (1 + k): n * (2 + k)]
-    return new_params, new_state
+        new_copies += outs[n * (1 + len(slots)):]
+    return new_params, new_state, new_copies
