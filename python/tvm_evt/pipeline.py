@@ -206,7 +206,9 @@ OPTIONAL = {
                         "docs/bench/h200-2026-11-30d/)"),
     "weight_copies": Rewrite("AppendOptimizer(weight_copies=True): a float32 weight a bf16/fp16 step casts for its "
                              "GEMMs is kept as that copy, written by the optimizer update, instead of cast again "
-                             "each step (a kernel a weight reading 4 bytes an element and writing 2)"),
+                             "each step (a kernel a weight reading 4 bytes an element and writing 2) (H200 bf16, "
+                             "Llama 4 x 4096: kernels busy 84.61 -> 83.65 ms a step, step 85.92 -> 85.59 ms; "
+                             "docs/bench/h200-2026-11-30d/)"),
     "implicit_conv": Rewrite("Conv2dToMatmul(implicit=True): an NHWC convolution with overlapping windows (3x3) "
                              "of a bf16/fp16 step as tvm_evt.conv2d, run with its two gradients as CUTLASS SM90 "
                              "implicit-GEMM kernels on CUDA (OffloadConv): no im2col gathers or col2im sums "

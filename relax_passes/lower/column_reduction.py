@@ -25,7 +25,8 @@ Grouped-query attention makes one: its key and value gradients are computed per 
 summed over the query heads that share a key/value head (``[B, Hk, G, S, D]`` summed over
 ``G``, 4 for Llama's 32 query heads over 8).  Under the row-group schedule each thread read one
 vector and four threads combined theirs across ``threadIdx.y``: on H200 that kernel took 1.1 ms a
-step of the bench's Llama (eight 100 MB calls, 0.73 TB/s).
+step of the bench's Llama (eight 100 MB calls, 0.73 TB/s); with this schedule about 0.2 ms
+(the step's kernels 84.32 -> about 83.4 ms, ``docs/bench/h200-2026-11-30d/``).
 
 It takes a function that is, after inlining, one block with spatial iterators ``[..., n]`` and
 one reduction iterator ``r``, reducing into ``out[..., n]`` with one of ``REDUCERS``, where every
