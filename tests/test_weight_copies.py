@@ -77,16 +77,17 @@ def test_the_step_reads_its_weights_copies_instead_of_casting_them(precision):
     assert len(plain.mod["train_step"].ret_ty.fields) == len(fields) - n
 
 
-@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("precision,inplace", [("bf16", False), ("bf16", True), ("fp16", False)])
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
-def test_steps_with_copies_train_bit_for_bit_as_casting(inplace, dropout, monkeypatch):
-    """Three bf16 steps (llvm): every loss and parameter equal bit for bit with and without copies."""
+def test_steps_with_copies_train_bit_for_bit_as_casting(precision, inplace, dropout, monkeypatch):
+    """Three steps (llvm): every loss and parameter equal bit for bit with and without copies (fp16:
+    with its dynamic loss scaler, which keeps the old copies with the old parameters on an overflow)."""
     torch.manual_seed(0)
     model = _Net(dropout)
 
     def trained(on: bool):
         monkeypatch.setenv(pipeline.DISABLE_ENV, "" if on else "weight_copies")
-        step = tvm_evt.compile_training(copy.deepcopy(model), _inputs(), precision="bf16", target="llvm",
+        step = tvm_evt.compile_training(copy.deepcopy(model), _inputs(), precision=precision, target="llvm",
                                         inplace=inplace, optimizer=optim.AdamW(lr=1e-2))
         assert bool(step.layout.copies) == on
         losses = [float(step(*_inputs(k))) for k in range(3)]

@@ -119,17 +119,11 @@ class _ReadCopies(relax.expr_functor.PyExprMutator):
         super().__init__()
         self.copies = copies  # parameter var -> copy var
 
-    def _value(self, var):
-        try:
-            return self.lookup_binding(var)
-        except Exception:  # pylint: disable=broad-except  (a function parameter has no binding)
-            return None
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if call.op != ASTYPE or not isinstance(call.args[0], relax.Var):
             return call
-        source, chain = _moved_from(call.args[0], self._value)
+        source, chain = _moved_from(call.args[0], self.lookup_binding)  # None for a function parameter
         copy = self.copies.get(source)
         if copy is None or str(call.attrs.dtype) != str(copy.ty.dtype):
             return call
