@@ -12,7 +12,8 @@ The training graph is built by `relax_passes` in this order:
    `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment; opt-in);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
-6. `AppendOptimizer`: ``train_step`` = forward + backward + update, one dataflow graph;
+6. `AppendOptimizer`: ``train_step`` = forward + backward + update, one dataflow graph; under mixed
+   precision the weights it casts for its GEMMs are kept as bf16/fp16 copies the update writes;
 7. build for the target (llvm on CPU, CUDA on a GPU).
 """
 
