@@ -24,7 +24,14 @@ def _kernels():
     dq, dk, dv = (te.placeholder((2, 16, 4, 64), "bfloat16", name=n) for n in ("dq", "dk", "dv"))
     a3 = te.placeholder((32, 3), "bfloat16", name="a3")
     xt = te.placeholder((256, 32), "bfloat16", name="xt")
+    lab = te.placeholder((32, 1), "int64", name="lab")
+    stat = te.placeholder((32, 1), "float32", name="stat")
     return {
+        # a cross-entropy gradient's one-hot: the class index compared with the row's int64 label,
+        # a float32 row statistic; staged, and neither per-row value narrows the bf16 vectors
+        "one_hot": ([x, lab, stat, te.compute((32, 256), lambda i, j: tirx.Select(
+            j.astype("int64") == lab[i, 0], (x[i, j].astype("float32") - stat[i, 0]).astype("bfloat16"),
+            tirx.const(0, "bfloat16")), name="y")], 8),
         # a 7x7/2 convolution's im2col rows on 3 float32 channels (a stem), cast to bf16: the input
         # gathered under the padding guard element by element, the rows stored as 8-lane vectors
         "stem_gather": _stem_gather(),
@@ -139,7 +146,7 @@ def test_bool_kernels_are_staged_through_registers(name):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("name", [*STAGED, "stem_gather"])
+@pytest.mark.parametrize("name", [*STAGED, "stem_gather", "one_hot"])
 def test_staged_bool_kernels_compile_with_nvcc(name):
     """A vectorized compare did not build ('Cannot convert type T.boolx8 to CUDA type', ResNet's
     ReLU backward in NHWC); the staged form does, with 16-byte accesses for the non-bool data."""
@@ -186,7 +193,7 @@ def test_vectorized_kernels_compile_with_nvcc(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast", "fp32_add", "concat", *STAGED,
-                                  "stem_gather"])
+                                  "stem_gather", "one_hot"])
 def test_vectorized_kernels_on_gpu_match_llvm(name):
     tensors, _ = _kernels()[name]
     assert_matches_llvm_on_gpu(_schedule(tensors), tensors)

@@ -28,6 +28,9 @@ holds), is read the same way, element by element.  Before, these kernels ran one
 (BERT-Large's dropout backward, a bf16 [16384, 1024] where/multiply: 0.084 ms for 84 MB, 1 TB/s;
 staged, 0.025 ms on H100).
 
+In a staged kernel only the accesses along the vector set its width: a per-row value it reads (a
+cross-entropy gradient's int64 label, a float32 row statistic) is one scalar a row, and no longer
+halves a bf16 kernel's lanes (that gradient over Llama's [8192, 32000] logits ran 2 lanes wide).
 A staged kernel may also *gather* under a guard: a buffer read inside an ``if_then_else`` branch at
 an index that is not contiguous along the vector (an im2col row of a convolution on 3 channels,
 ``x[img, i(col), j(col), col % 3]`` where the window is inside the image, zero where it overlaps
@@ -167,7 +170,10 @@ def _plan(block: tirx.SBlock, guards: list) -> Plan:
             analyzer.bind(iv.var, iv.dom)
         vector = [(b, idx) for b, idx in vector
                   if b in written or b not in guarded or _friendly(b, idx, inner.var, 1, analyzer)]
-    widest = max((tvm.DataType(str(b.dtype)).bits for b, _ in vector), default=8)
+    # staged, the values are computed one lane at a time: only the accesses along the vector are
+    # vectors (a per-row label or statistic read by a bf16 kernel does not narrow its lanes)
+    sized = [(b, idx) for b, idx in vector if any(_uses_var(i, inner.var) for i in idx)] if staged else vector
+    widest = max((tvm.DataType(str(b.dtype)).bits for b, _ in sized), default=8)
     lanes = max(1, VECTOR_BYTES * 8 // widest)
     analyzer = sym.Analyzer()
     for iv in block.iter_vars:
