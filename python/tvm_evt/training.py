@@ -306,7 +306,7 @@ class TrainingStep:
         self._scaler = []
         if loss_scale is not None:
             self._scaler = [self._scalar(loss_scale.init_scale), self._scalar(0.0)]
-        self._copies = [self._copy_of(i, dtype) for i, dtype in layout.copies]
+        self._copies = [to_tvm(self._cast_parameter(i, dtype), self.device) for i, dtype in layout.copies]
 
     # -- helpers
     @staticmethod
@@ -320,11 +320,12 @@ class TrainingStep:
         # an in-place step writes over its parameters: they must be its own, not views of the caller's
         return to_tvm(t.detach().clone() if self.graph.inplace else t.detach(), self.device)
 
-    def _copy_of(self, index: int, dtype: str):
-        """Parameter `index` cast to `dtype` on the device (a weight copy, ``StepLayout.copies``)."""
+    def _cast_parameter(self, index: int, dtype: str):
+        """Parameter `index` cast to `dtype`, a torch tensor on the device (a weight copy,
+        ``StepLayout.copies``)."""
         import torch
 
-        return to_tvm(to_torch(self._params[index]).to(getattr(torch, dtype)), self.device)
+        return to_torch(self._params[index]).to(getattr(torch, dtype))
 
     def _state(self) -> list:
         """train_step's arguments after the inputs, parameters and buffers."""
@@ -404,7 +405,7 @@ class TrainingStep:
                 self._replace(self._params, idx, v)
                 for c, (i, dtype) in enumerate(self.layout.copies):
                     if i == idx:  # its weight copy, made again from the value loaded
-                        self._replace(self._copies, c, to_torch(self._copy_of(i, dtype)))
+                        self._replace(self._copies, c, self._cast_parameter(i, dtype))
 
     def _replace(self, store, key, value) -> None:
         """``store[key] = value``; an in-place step copies `value` into the tensor it has instead

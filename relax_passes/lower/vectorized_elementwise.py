@@ -163,11 +163,11 @@ def _plan(block: tirx.SBlock, guards: list) -> Plan:
     along = [(b, idx) for b, idx in accesses if any(_uses_var(i, inner.var) for i in idx)]
     staged = _bool_values_along(block, inner.var, guards) or any(str(b.dtype) == "bool" for b, _ in along)
     vector = [(b, idx) for b, idx in accesses if str(b.dtype) != "bool"] if staged else accesses
+    analyzer = sym.Analyzer()
+    for iv in block.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
     if staged:  # gathers under a guard are read element by element: the stores set the lanes
         guarded, written = _guarded_buffers(block), {r.source for r in block.writes}
-        analyzer = sym.Analyzer()
-        for iv in block.iter_vars:
-            analyzer.bind(iv.var, iv.dom)
         vector = [(b, idx) for b, idx in vector
                   if b in written or b not in guarded or _friendly(b, idx, inner.var, 1, analyzer)]
     # staged, the values are computed one lane at a time: only the accesses along the vector are
@@ -175,9 +175,6 @@ def _plan(block: tirx.SBlock, guards: list) -> Plan:
     sized = [(b, idx) for b, idx in vector if any(_uses_var(i, inner.var) for i in idx)] if staged else vector
     widest = max((tvm.DataType(str(b.dtype)).bits for b, _ in sized), default=8)
     lanes = max(1, VECTOR_BYTES * 8 // widest)
-    analyzer = sym.Analyzer()
-    for iv in block.iter_vars:
-        analyzer.bind(iv.var, iv.dom)
     while lanes > 1:
         if extent % lanes == 0 and all(c % lanes == 0 for c in bounds) and \
                 all(_friendly(buf, idx, inner.var, lanes, analyzer) for buf, idx in vector):
@@ -185,8 +182,6 @@ def _plan(block: tirx.SBlock, guards: list) -> Plan:
         lanes //= 2
     if lanes == 1 or not staged:
         return Plan(lanes)
-    guarded = _guarded_buffers(block)
-    written = {r.source for r in block.writes}
     places: dict = {}  # buffer -> the index tuples it is read at
     for b, idx in along:
         if str(b.dtype) != "bool" and b not in written:

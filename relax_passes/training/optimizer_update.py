@@ -122,6 +122,7 @@ def update_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_d
         new_p.append(te.compute(shape, output(i, dtype, 0), name=f"new_p{i}"))
         for k, s in enumerate(slots):
             new_slots[s].append(te.compute(shape, output(i, dtype, k + 1), name=f"new_{s}{i}"))
+
     def copy(i, dtype, c):  # the new parameter i, cast to c
         new = output(i, dtype, 0)
         return lambda *idx: tirx.Cast(c, new(*idx))
@@ -139,7 +140,7 @@ def _attrs(func: tirx.PrimFunc, optimizer, params, grad_dtypes, copies, inplace:
     """`func` tagged with what its GPU form is rebuilt from (``gpu_variant``)."""
     func = func.with_attr(OPTIMIZER_ATTR, _to_attr(optimizer))
     func = func.with_attr(PARAMS_ATTR, json.dumps([[list(shape), dtype, gd, c] for (shape, dtype), gd, c
-                                                   in zip(params, grad_dtypes, _copies(params, copies))]))
+                                                   in zip(params, grad_dtypes, copies)]))
     return func.with_attr(INPLACE_ATTR, True) if inplace else func
 
 
@@ -147,9 +148,10 @@ def loop_primfunc(optimizer, params: list[tuple[tuple[int, ...], str]], grad_dty
                   gpu: bool, inplace: bool = False) -> tirx.PrimFunc:
     """The update as explicit loops over each parameter's flat elements.  Arguments: those of
     ``update_primfunc``, or, `inplace`, ``(*p, *g, *slots (slot-major), step, *copies)`` with the
-    new values stored over p, the slots and the copies.  `gpu`: scheduled for CUDA as one kernel (parameter i owns blocks
-    [start_i, start_i + ceil(numel_i / ELEMS_PER_BLOCK)); thread t of a block updates its elements
-    t, t + THREADS, ..., PER_THREAD of them); else serial loops, a portable form."""
+    new values stored over p, the slots and the copies.  `gpu`: scheduled for CUDA as one kernel
+    (parameter i owns blocks [start_i, start_i + ceil(numel_i / ELEMS_PER_BLOCK)); thread t of a
+    block updates its elements t, t + THREADS, ..., PER_THREAD of them); else serial loops, a
+    portable form."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
