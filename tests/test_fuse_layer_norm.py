@@ -256,3 +256,89 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
         else:  # a bf16 rounding may flip where the fused kernel rounds once instead of twice
             w, g = w.astype("float32"), g.astype("float32")
             assert np.linalg.norm(g - w) <= 2e-2 * np.linalg.norm(w) + 1e-6
+
+
+def _rms_norm(n=64, rstd_read=True, widened=False):
+    """DecomposeLayerNorm's spelling of an RMS norm (``rstd = rsqrt(mean(x * x) + eps)``,
+    ``y = x * rstd * w``), the result cast to bf16 for a GEMM and, as the gradient does, xhat and
+    rstd read after it."""
+    bb = relax.BlockBuilder()
+    x_in = relax.Var("x", relax.TensorType((2, 5, n), "bfloat16" if widened else "float32"))
+    w = relax.Var("w", relax.TensorType((n,), "float32"))
+    with bb.function("main", [x_in, w]):
+        with bb.dataflow():
+            emit = bb.emit
+            x = emit(relax.op.astype(x_in, "float32")) if widened else x_in
+            var = emit(relax.op.mean(emit(relax.op.multiply(x, x)), [2], keepdims=True))
+            rstd = emit(relax.op.rsqrt(emit(relax.op.add(var, relax.const(1e-6, "float32")))))
+            xhat = emit(relax.op.multiply(x, rstd))
+            y = emit(relax.op.multiply(xhat, emit(relax.op.reshape(w, (1, 1, n)))))
+            outs = [emit(relax.op.astype(y, "bfloat16"))]
+            outs += [emit(relax.op.multiply(xhat, rstd))] if rstd_read else []
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("rstd_read,name", [(True, "rms_norm_2x5x64_g_eps1em06_rstd_bfloat16"),
+                                            (False, "rms_norm_2x5x64_g_eps1em06_bfloat16")])
+def test_rms_norm_chain_becomes_one_call(rstd_read, name):
+    after = FuseLayerNorm()(_rms_norm(rstd_read=rstd_read))
+    ops = [c.op.name for c in _calls(after) if isinstance(c.op, tvm.ir.Op)]
+    assert not set(ops) & {"relax.mean", "relax.rsqrt", "relax.astype", "relax.add"}
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint == name
+    script = after[fused.args[0]].script()
+    assert "row_sqsum" in script and "row_sum" not in script.replace("row_sqsum", "")  # no mean taken out
+    # the gradient's xhat: the graph's multiply, bound again after the call from x and rstd
+    assert ops.count("relax.multiply") == (2 if rstd_read else 0)
+
+
+@pytest.mark.parametrize("widened", [False, True])
+def test_rms_norm_kernel_computes_what_the_ops_computed(widened):
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    args = [(rng.standard_normal((2, 5, 64)) * 3 + 1).astype(ml_dtypes.bfloat16 if widened else "float32"),
+            rng.standard_normal(64).astype("float32")]
+    before = _rms_norm(widened=widened)
+    want, got = _run(before, args), _run(FuseLayerNorm(scheduled=False)(before), args)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g.astype("float32"), w.astype("float32"), rtol=2**-7 if g.dtype != np.float32
+                                   else 1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("centered", [True, False])
+def test_statistics_are_written_by_the_kernel_that_writes_the_elements(centered):
+    """One kernel: the row statistics come from the sums the element values use (no second
+    launch reading x again)."""
+    import re
+
+    func = layer_norm_primfunc((4, 16, 4096), 1e-6, (4096,), None, ("rstd",), "bfloat16", in_dtype="bfloat16",
+                               centered=centered)
+    src = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert len(set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", src))) == 1
+    assert "stats_ptr[" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, in_dtype", [(4096, "float32"), (4096, "bfloat16"), (1000, "float32")])
+def test_rms_norm_kernel_on_gpu_matches_torch(n, in_dtype):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    rows = 4096
+    func = layer_norm_primfunc((rows, n), 1e-6, (n,), None, ("rstd",), "bfloat16", in_dtype=in_dtype, centered=False)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    x_in = (torch.randn(rows, n, device="cuda") * 3 + 1).to(getattr(torch, in_dtype))
+    w = torch.randn(n, device="cuda")
+    rstd = torch.full((rows, 1), float("nan"), device="cuda")
+    y = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (x_in, w, rstd, y)])
+    torch.cuda.synchronize()
+    xd = x_in.double()
+    ref_rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(rstd.double(), ref_rstd, rtol=1e-5)
+    ref = torch.nn.functional.rms_norm(xd, (n,), w.double(), 1e-6)
+    assert (y.double() - ref).norm() <= 1e-2 * ref.norm()

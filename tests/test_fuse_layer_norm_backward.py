@@ -131,14 +131,14 @@ def test_scheduled_kernel_on_gpu_matches_torch_autograd(n):
     assert (dxl.double() - ref).norm() <= 1e-2 * ref.norm()
 
 
-def _recomputed_inputs(n=64):
+def _recomputed_inputs(n=64, lead=(2, 5)):
     """The gradient of a layer norm whose forward saved x16 and the row statistics, not xhat
     (FuseLayerNorm's recompute): xhat = (astype(x16) - mean) * rstd, and dy an elementwise
     function of xhat (a loss on the normalized value), both also read by the weight gradients."""
     bb = relax.BlockBuilder()
-    x16 = relax.Var("x16", relax.TensorType((2, 5, n), "bfloat16"))
+    x16 = relax.Var("x16", relax.TensorType((*lead, n), "bfloat16"))
     t = lambda name, shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
-    mean, rstd, gamma, y = t("mean", (2, 5, 1)), t("rstd", (2, 5, 1)), t("gamma", (n,)), t("y", (2, 5, n))
+    mean, rstd, gamma, y = t("mean", (*lead, 1)), t("rstd", (*lead, 1)), t("gamma", (n,)), t("y", (*lead, n))
     with bb.function("main", [x16, mean, rstd, gamma, y]):
         with bb.dataflow():
             emit = bb.emit
@@ -146,8 +146,8 @@ def _recomputed_inputs(n=64):
             dy = emit(relax.op.multiply(emit(relax.op.subtract(xhat, y)), relax.const(2.0, "float32")))
             g = emit(relax.op.multiply(dy, gamma))
             dx = _input_gradient(emit, g, xhat, rstd)
-            dgamma = emit(relax.op.sum(emit(relax.op.multiply(dy, xhat)), [0, 1]))
-            dbeta = emit(relax.op.sum(dy, [0, 1]))
+            dgamma = emit(relax.op.sum(emit(relax.op.multiply(dy, xhat)), list(range(len(lead)))))
+            dbeta = emit(relax.op.sum(dy, list(range(len(lead)))))
             out = bb.emit_output(relax.Tuple([emit(relax.op.astype(dx, "bfloat16")), dgamma, dbeta]))
         bb.emit_func_output(out)
     return bb.get()
@@ -179,6 +179,66 @@ def test_a_kernel_with_a_prologue_computes_what_the_ops_computed():
     want, got = _run(before, args), _run(FuseLayerNormBackward(scheduled=False)(before), args)
     for w, g in zip(want, got):
         np.testing.assert_allclose(g.astype("float32"), w.astype("float32"), rtol=2**-7, atol=1e-4)
+
+
+ROWS = (4, 1056)  # 4224 rows: enough for groups of 8 rows (rows_per_block), 528 thread blocks
+
+
+def _ml_inputs(n, lead):
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((*lead, n)) * 2 + 1).astype(ml_dtypes.bfloat16),
+            rng.standard_normal((*lead, 1)).astype("float32"), rng.uniform(0.5, 2, (*lead, 1)).astype("float32"),
+            rng.standard_normal(n).astype("float32"), rng.standard_normal((*lead, n)).astype("float32")]
+
+
+def test_the_weight_gradients_are_partial_sums_of_the_kernel():
+    """With rows enough, sum(dy * xhat) and sum(dy) over the rows come out of the kernel as
+    partial sums over groups of 8 rows ([groups, V, threads]); what is left of them is a sum over
+    the 528 groups."""
+    after = FuseLayerNormBackward()(_recomputed_inputs(64, ROWS))
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert fused.args[0].name_hint.startswith("layer_norm_grad_4x1056x64_dyg_bfloat16_sum_dy_xhat_sum_dy_g8_p")
+    assert [tuple(int(d) for d in f.shape) for f in fused.ty.fields] == [(4, 1056, 64), (528, 2, 32), (528, 2, 32)]
+    sums = [c for c in _calls(after) if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.sum"]
+    assert [tuple(int(d) for d in c.args[0].ty.shape) for c in sums] == [(528, 64), (528, 64)]
+    assert not any(c.op.name == "relax.multiply" for c in _calls(after) if isinstance(c.op, tvm.ir.Op))
+
+
+def test_a_kernel_with_weight_gradient_partials_computes_what_the_ops_computed():
+    args = _ml_inputs(64, ROWS)
+    before = _recomputed_inputs(64, ROWS)
+    want, got = _run(before, args), _run(FuseLayerNormBackward(scheduled=False)(before), args)
+    np.testing.assert_allclose(got[0].astype("float32"), want[0].astype("float32"), rtol=2**-7, atol=1e-4)
+    for w, g in zip(want[1:], got[1:]):  # float32 sums over 4224 rows, associated differently
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
+
+
+def test_a_weight_gradient_read_before_the_kernel_stays_a_sum():
+    """The fused call sits at the chain's last op: a sum something reads before that is left."""
+    before = _recomputed_inputs(64, ROWS)
+    bb = relax.BlockBuilder()
+    params = list(before["main"].params)
+    with bb.function("main", params):
+        x16, mean, rstd, gamma, y = params
+        with bb.dataflow():
+            emit = bb.emit
+            xhat = emit(relax.op.multiply(emit(relax.op.subtract(emit(relax.op.astype(x16, "float32")), mean)), rstd))
+            dy = emit(relax.op.multiply(emit(relax.op.subtract(xhat, y)), relax.const(2.0, "float32")))
+            dbeta = emit(relax.op.sum(dy, [0, 1]))
+            early = emit(relax.op.multiply(dbeta, relax.const(3.0, "float32")))  # before the chain's end
+            dx = _input_gradient(emit, emit(relax.op.multiply(dy, gamma)), xhat, rstd)
+            dgamma = emit(relax.op.sum(emit(relax.op.multiply(dy, xhat)), [0, 1]))
+            out = bb.emit_output(relax.Tuple([emit(relax.op.astype(dx, "bfloat16")), dgamma, early]))
+        bb.emit_func_output(out)
+    after = FuseLayerNormBackward()(bb.get())
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert "_bfloat16_sum_dy_xhat_g8_p" in fused.args[0].name_hint  # dgamma's partials alone
+    args = _ml_inputs(64, ROWS)
+    want, got = _run(bb.get(), args), _run(FuseLayerNormBackward(scheduled=False)(bb.get()), args)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g.astype("float32"), w.astype("float32"), rtol=1e-2, atol=1e-3 * np.abs(w.astype("float32")).max())
 
 
 def _with_tail(n=64):
@@ -311,19 +371,25 @@ def test_a_scheduled_kernel_with_an_epilogue_builds_for_cuda():
     assert "__shfl_down_sync" in lib.mod.imports[0].inspect_source()
 
 
-def _rms_grad(n=64, given=False):
+def _rms_grad(n=64, given=False, lead=(2, 5), dw=False):
     """gradient_rules.rms_norm_grad's spelling: dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w
-    (or g given, as a GEMM epilogue leaves it), dx cast to bf16."""
+    (or g given, as a GEMM epilogue leaves it), dx cast to bf16; with `dw`, the weight's gradient
+    sum(dy * xhat) over the rows too."""
     bb = relax.BlockBuilder()
     t = lambda name, shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
-    dy, w, xhat, rstd, gin = t("dy", (2, 5, n)), t("w", (n,)), t("xhat", (2, 5, n)), t("rstd", (2, 5, 1)), t("g", (2, 5, n))
+    dy, w, xhat, rstd = t("dy", (*lead, n)), t("w", (n,)), t("xhat", (*lead, n)), t("rstd", (*lead, 1))
+    gin = t("g", (*lead, n))
     with bb.function("main", [gin, xhat, rstd] if given else [dy, w, xhat, rstd]):
         with bb.dataflow():
             emit = bb.emit
-            g = gin if given else emit(relax.op.multiply(dy, emit(relax.op.reshape(w, (1, 1, n)))))
-            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(emit(relax.op.multiply(g, xhat)), [2], keepdims=True))))
+            g = gin if given else emit(relax.op.multiply(dy, emit(relax.op.reshape(w, (1,) * len(lead) + (n,)))))
+            c = emit(relax.op.multiply(xhat, emit(relax.op.mean(emit(relax.op.multiply(g, xhat)), [len(lead)],
+                                                                keepdims=True))))
             dx = emit(relax.op.multiply(rstd, emit(relax.op.subtract(g, c))))
-            out = bb.emit_output(relax.Tuple([emit(relax.op.astype(dx, "bfloat16"))]))
+            outs = [emit(relax.op.astype(dx, "bfloat16"))]
+            if dw:
+                outs.append(emit(relax.op.sum(emit(relax.op.multiply(dy, xhat)), list(range(len(lead))))))
+            out = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -355,3 +421,42 @@ def test_scheduled_rms_norm_kernel_builds_for_cuda():
     func = layer_norm_grad_primfunc((4, 16, 4096), (1, 1, 4096), False, True, "bfloat16", centered=False)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
     assert "__shfl_down_sync" in lib.mod.imports[0].inspect_source()
+
+
+def _rms_kernel_with_dw(n, lead):
+    after = FuseLayerNormBackward()(_rms_grad(n, lead=lead, dw=True))
+    (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
+    assert "_sum_dy_xhat_g" in fused.args[0].name_hint
+    return after[fused.args[0]].with_attr("global_symbol", "main")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_scheduled_rms_norm_kernel_with_weight_gradient_partials_builds_for_cuda():
+    """Each thread keeps its 8 columns' partial sums in registers (4096 over 512 threads)."""
+    lib = tvm.compile(tvm.IRModule({"main": _rms_kernel_with_dw(4096, ROWS)}), target=tvm.target.Target(CUDA))
+    src = lib.mod.imports[0].inspect_source()
+    assert "float colsum0_local_ptr[8];" in src and "__shfl_down_sync" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,lead", [(4096, (4, 2048)), (1024, (16, 512))])
+def test_rms_norm_kernel_with_weight_gradient_partials_on_gpu_matches_torch(n, lead):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    func = _rms_kernel_with_dw(n, lead)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
+    x = torch.randn(*lead, n, device="cuda", dtype=torch.float64).requires_grad_()
+    w, dy = torch.randn(n, device="cuda", dtype=torch.float64), torch.randn(*lead, n, device="cuda", dtype=torch.float64)
+    torch.nn.functional.rms_norm(x, (n,), w, 1e-6).backward(dy)
+    rstd = torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-6)
+    xhat = x.detach() * rstd
+    dx = torch.full((*lead, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    partial = torch.full([int(d) for d in func.buffer_map[func.params[-1]].shape], float("nan"), device="cuda")
+    ins = [t.float().contiguous() for t in (dy, w, xhat, rstd)]
+    lib["main"](*[tvm.runtime.from_dlpack(t) for t in (*ins, dx, partial)])
+    torch.cuda.synchronize()
+    dw = partial.double().reshape(-1, n).sum(0)
+    want = (dy * xhat).sum(tuple(range(len(lead))))
+    assert (dw - want).norm() <= 1e-5 * want.norm()
+    assert (dx.double() - x.grad).norm() <= 1e-2 * x.grad.norm()

@@ -8,12 +8,13 @@ import math
 from typing import Callable
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .._rewrite import OPAQUE, mutate_relax_functions
 
 LOW = ("bfloat16", "float16")
+MIN_GROUP_ROWS = 4  # rows_per_block's least: fewer, and the partial sums cost about what they save
 
 
 def threads_per_row(n: int) -> int:
@@ -28,17 +29,39 @@ def block_names(name: str, outputs: int) -> list[str]:
 
 
 def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[str], n: int,
-                  stage: bool) -> None:
+                  stage: bool, column_sums: tuple[str, ...] = (), rows_per_block: int = 1,
+                  row_outputs: tuple[str, ...] = ()) -> None:
     """One thread block per row of the loop nest of the `outputs` blocks (one nest).  The
     `reductions` (row-shaped blocks, producers first) are computed per row in shared memory as
     cross-thread reductions; with `stage`, the first reduction's input row is first copied into
     shared memory, read from there by the reductions and the `outputs`.  Every loop over the row
-    is split across the block's threads."""
+    is split across the block's threads.  `row_outputs` (a block a nest, over ``[..., 1]``: values
+    of the reductions written once a row) join the row loop, after the `outputs`; every thread of
+    the row's block computes and stores their (equal) values.
+
+    With `column_sums` (blocks ``[groups, V, threads]`` that sum a value over the rows of each group
+    of `rows_per_block` rows: ``column_partials``' shape), a block walks its group's rows one after
+    the other, and each thread adds the columns it computes the outputs of into registers, at the
+    same index as it reads them for the outputs (so the loads are shared); each thread writes its
+    partial sums once, after the group."""
     threads = threads_per_row(n)
     outs = [sch.get_sblock(o) for o in outputs]
     reds = [sch.get_sblock(r) for r in reductions]
+    sums = [sch.get_sblock(c) for c in column_sums]
     *lead, col = sch.get_loops(outs[0])
     row = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+    for name in row_outputs:
+        *lead_o, _unit = sch.get_loops(sch.get_sblock(name))
+        row = sch.merge(row, sch.fuse(*lead_o) if len(lead_o) > 1 else lead_o[0])
+    if sums:
+        group, row = sch.split(row, [None, rows_per_block])
+        for block in sums:  # [groups, V, threads, rows of the group] -> [groups, rows of the group, V, threads]
+            g, v, t, i = sch.get_loops(block)
+            sch.reorder(i, v, t)
+        group = sch.merge(group, *[sch.get_loops(b)[0] for b in sums])
+        row = sch.merge(sch.get_loops(outs[0])[1], *[sch.get_loops(b)[1] for b in sums])
+        vec, col = sch.split(sch.get_loops(outs[0])[-1], [n // threads, threads])
+        vec = sch.merge(vec, *[sch.get_loops(b)[2] for b in sums])
     for block in reversed(reds):  # consumers first: each lands before what reads it
         sch.compute_at(block, row)
     for block in reds:
@@ -48,10 +71,56 @@ def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[
         staged = sch.cache_read(reds[0], 0, "shared", consumer_blocks=[*reds, *outs])
         sch.compute_at(staged, row)
         row_blocks.insert(0, staged)
-    sch.bind(row, "blockIdx.x")
+    sch.bind(group if sums else row, "blockIdx.x")
     for loop in (sch.get_loops(b)[-1] for b in row_blocks):
         sch.bind(sch.split(loop, [None, threads])[1], "threadIdx.x")
-    sch.bind(sch.split(col, [None, threads])[1], "threadIdx.x")
+    if not sums:
+        sch.bind(sch.split(col, [None, threads])[1], "threadIdx.x")
+        return
+    sch.bind(col, "threadIdx.x")
+    sch.unroll(vec)
+    for block in sums:
+        sch.bind(sch.get_loops(block)[-1], "threadIdx.x")
+        partial = sch.cache_write(block, 0, "local")  # V registers a thread
+        sch.reverse_compute_at(partial, group)
+        v, t = sch.get_loops(partial)[-2:]
+        sch.bind(t, "threadIdx.x")
+        sch.unroll(v)
+
+
+def column_partials(shape: tuple[int, ...], rows_per_block: int, value, name: str):
+    """``[groups, V, threads]`` float32: the sum of ``value(idx)`` over each group of
+    `rows_per_block` consecutive rows of `shape` (its leading axes flattened) at column
+    ``v * threads + t`` (``schedule_rows``' column sums; their sum over the groups, read as
+    ``[groups, n]``, is the column sum)."""
+    *lead, n = shape
+    threads = threads_per_row(n)
+    rows = math.prod(lead)
+    i = te.reduce_axis((0, rows_per_block), name=f"{name}_i")
+
+    def index(group, v, t):
+        flat, idx = group * rows_per_block + i, []
+        for extent in reversed(lead):
+            idx.append(tirx.floormod(flat, extent))
+            flat = tirx.floordiv(flat, extent)
+        return (*reversed(idx), v * threads + t)
+
+    return te.compute((rows // rows_per_block, n // threads, threads),
+                      lambda g, v, t: te.sum(value(index(g, v, t)), axis=i), name=name)
+
+
+def rows_per_block(shape: tuple[int, ...], blocks: int = 4 * 132) -> int | None:
+    """Rows a thread block of a row kernel with column sums walks: the largest divisor of the
+    row count that leaves at least `blocks` blocks (four an H100/H200 SM), so that the partial
+    sums stay small against the rows; None where that is under ``MIN_GROUP_ROWS`` rows (the
+    partials would cost about what they save) or the row does not split evenly over the
+    threads."""
+    *lead, n = shape
+    rows = math.prod(lead)
+    if n % threads_per_row(n):
+        return None
+    best = max(d for d in range(1, max(1, rows // blocks) + 1) if rows % d == 0)
+    return best if best >= MIN_GROUP_ROWS else None
 
 
 def scheduled(sch: tvm.s_tir.Schedule) -> tirx.PrimFunc:

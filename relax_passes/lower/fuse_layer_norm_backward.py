@@ -22,6 +22,13 @@ writes, a loss gradient ``dy`` from them and the target.  With ``epilogue=True``
 dropout scale and mask -- run in the kernel too, which writes their result instead of ``dx``; and
 where ``dx``'s one cast has other readers after such a chain (BERT-Large: dropout's backward of the
 bf16 ``dx`` a GEMM epilogue also reads), the kernel writes the cast and the chain's result.
+The norm's weight gradients over the rows, ``sum(dy * xhat)`` (the scale's) and ``sum(dy)`` (the
+shift's), come out of the same kernel when it takes ``dy`` and there are rows enough
+(``_row_kernel.rows_per_block``): each thread block walks a group of rows one after the other,
+each thread adds the values it computes at its columns into registers, and writes them once as a
+``[groups, V, threads]`` partial sum, whose sum over the groups is a small kernel.  They were a
+column-sum kernel each that read ``dy`` and ``x`` again (Llama: 9 of 269 MB a step; the partials
+are 16 MB).
 Each element is computed with the graph's operations in the graph's order (the sums may associate
 differently).  All values float32, in one dataflow block; only ``dx`` is read
 outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
@@ -29,21 +36,26 @@ outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``L
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tvm
 from tvm import relax, te, tirx
 
-from .._rewrite import add_function_once, binding_uses, emit_call_tir, flat_bindings, op_name, static_shape
+from .._rewrite import add_function_once, bind_as, binding_uses, emit_call_tir, flat_bindings, op_name, static_shape
 from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders,
                         prologue_compute, prologue_tag, unique_leaves)
-from ._row_kernel import LOW, block_names, fuse_chains, schedule_rows, scheduled as mark_scheduled
+from ._row_kernel import (LOW, block_names, column_partials, fuse_chains, rows_per_block, schedule_rows,
+                          scheduled as mark_scheduled, threads_per_row)
 from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
 ASTYPE = tvm.ir.Op.get("relax.astype")
+SUM = tvm.ir.Op.get("relax.sum")
+# a weight gradient's column sum the kernel can make from what it reads: kind -> value at an index
+COLUMN_SUMS = {"dy_xhat": lambda dy, xhat: dy * xhat, "dy": lambda dy, _xhat: dy}
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,8 @@ class LayerNormGradChain:
     dx: relax.Var | None = None
     tail_from: relax.Var | None = None  # dx, or its one cast (which the kernel then writes too)
     centered: bool = True  # a layer norm's (g - mean(g)); False: an RMS norm's g
+    col_sums: tuple = ()  # (sum var, COLUMN_SUMS kind): weight gradients the kernel makes partial sums of
+    group_rows: int = 1  # rows a thread block walks when col_sums (rows_per_block)
 
 
 def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool, write_dx: bool,
@@ -82,10 +96,13 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
 
 
 def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write_dx: bool, low: str | None,
-                   scheduled: bool, tail_of=None, centered: bool = True) -> tirx.PrimFunc:
+                   scheduled: bool, tail_of=None, centered: bool = True, col_sums: tuple[str, ...] = (),
+                   group_rows: int = 1) -> tirx.PrimFunc:
     """The kernel over the placeholders `params`; each input is a function of the index (``*_of``),
     ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``; ``tail_of(idx, dx)``,
-    if given, a last output computed from ``dx``; `centered` False leaves out ``mean(g)``."""
+    if given, a last output computed from ``dx``; `centered` False leaves out ``mean(g)``.  Each
+    of `col_sums` (``COLUMN_SUMS`` kinds) adds an output of partial column sums over groups of
+    `group_rows` rows (``column_partials``)."""
     *lead, n = shape
     inv_n = tirx.const(1.0 / n, "float32")
     g = g_of if g_of is not None else (lambda idx: dy_of(idx) * at(gamma, idx))
@@ -104,11 +121,15 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
 
     n_out = int(write_dx) + int(bool(low)) + int(tail_of is not None)
     outs = _as_list(te.compute(shape, values, name="dx"))
-    func = te.create_prim_func([*params, *outs])
+    names = [f"colsum{k}" for k in range(len(col_sums))]
+    partials = [column_partials(shape, group_rows, lambda idx, kind=kind: COLUMN_SUMS[kind](dy_of(idx), xhat_of(idx)),
+                                name) for kind, name in zip(col_sums, names)]
+    func = te.create_prim_func([*params, *outs, *partials])
     if not scheduled:
         return func
     sch = tvm.s_tir.Schedule(func)  # both sums read straight from global memory (no staging)
-    schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"] if centered else ["sum_h"], n, stage=False)
+    schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"] if centered else ["sum_h"], n, stage=False,
+                  column_sums=tuple(names), rows_per_block=group_rows)
     return mark_scheduled(sch)
 
 
@@ -251,6 +272,9 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
                     members = members | tail.vars
                     break
                 tail = None
+        group_rows = rows_per_block(shape) if dy is not None else None
+        col_sums = _column_sums(dy, xhat, bindings, bound, uses, blocks, index[key]) if group_rows else ()
+        members = members | {s for s, _ in col_sums} | {bound[s].args[0] for s, kind in col_sums if kind == "dy_xhat"}
 
         def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
             if expr is None:
@@ -260,8 +284,37 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
 
         found[key] = LayerNormGradChain(prologue(g), prologue(dy), gamma, prologue(h), prologue(xhat), rstd,
                                         write_dx, low, tuple(casts), frozenset(members - {key}), tail, dx, tail_from,
-                                        centered)
+                                        centered, col_sums, group_rows or 1)
     return found
+
+
+def _column_sums(dy, xhat, bindings, bound, uses, blocks, key: int) -> tuple:
+    """``(var, kind)`` of each weight gradient of the norm the kernel can make while it reads `dy`
+    and `xhat`: ``sum(dy * xhat)`` (the scale's) or ``sum(dy)`` (the shift's) over every axis but
+    the last, bound in the block of binding `key` (where the fused call goes), the product read by
+    nothing else and the sum by nothing before the call."""
+    ndim = len(static_shape(dy))
+    block = blocks.get(bindings[key].var)
+    found = []
+    for b in bindings:
+        value = b.value
+        if not (isinstance(value, relax.Call) and value.op == SUM) or blocks.get(b.var) != block \
+                or value.attrs.axis is None or bool(value.attrs.keepdims) or str(b.var.ty.dtype) != "float32" \
+                or sorted(int(a) % ndim for a in value.attrs.axis) != list(range(ndim - 1)):
+            continue
+        (arg,) = value.args
+        product = bound.get(arg)
+        if arg.same_as(dy):
+            kind = "dy"
+        elif isinstance(product, relax.Call) and product.op == MULTIPLY and blocks.get(arg) == block \
+                and len(uses.get(arg, [])) == 1 and any(
+                    p.same_as(dy) and q.same_as(xhat) for p, q in (product.args, product.args[::-1])):
+            kind = "dy_xhat"
+        else:
+            continue
+        if all(i > key for i in uses.get(b.var, [])):
+            found.append((b.var, kind))
+    return tuple(found)
 
 
 def _fuse(scheduled: bool):
@@ -276,6 +329,8 @@ def _fuse(scheduled: bool):
                 + ("_dyg" if chain.gamma is not None else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
                 + (f"_{chain.low}" if chain.low else "") + ("_tail" if tail else "")
+                + "".join(f"_sum_{kind}" for _, kind in chain.col_sums)
+                + (f"_g{chain.group_rows}" if chain.col_sums else "")
                 + prologue_tag(prologues + tail, leaves))
 
         def make():
@@ -289,16 +344,26 @@ def _fuse(scheduled: bool):
                 tail_of = lambda idx, dx: compute(idx, {chain.tail_from: start(dx)})  # noqa: E731
             return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
                                   of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled,
-                                  tail_of, chain.centered)
+                                  tail_of, chain.centered, tuple(kind for _, kind in chain.col_sums),
+                                  chain.group_rows)
 
         gvar = add_function_once(mutator.builder_, name, make)
+        n = shape[-1]
+        groups, threads = math.prod(shape[:-1]) // chain.group_rows, threads_per_row(n)
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
             + ([relax.TensorType(shape, chain.low)] if chain.low else []) \
-            + ([chain.tail.root.ty] if tail else [])
-        outs = emit_call_tir(mutator.builder_, gvar, [mutator.visit_expr(x) for x in leaves], types)
+            + ([chain.tail.root.ty] if tail else []) \
+            + [relax.TensorType((groups, n // threads, threads), "float32")] * len(chain.col_sums)
+        builder = mutator.builder_
+        outs = emit_call_tir(builder, gvar, [mutator.visit_expr(x) for x in leaves], types)
+        outs, partials = outs[:len(outs) - len(chain.col_sums)], outs[len(outs) - len(chain.col_sums):]
         remaps = [(chain.dx, outs[0])] if chain.write_dx else []
         remaps += [(cast, outs[int(chain.write_dx)]) for cast in chain.casts]
-        return remaps + ([(chain.tail.root, outs[-1])] if tail else [])
+        remaps += [(chain.tail.root, outs[-1])] if tail else []
+        for (var, _), partial in zip(chain.col_sums, partials):  # the sum over the groups: a small column sum
+            rows = builder.emit(relax.op.reshape(partial, (groups, n)))
+            remaps.append((var, bind_as(builder, var, relax.op.sum(rows, [0]))))
+        return remaps
 
     return fuse
 
