@@ -424,18 +424,45 @@ def test_scheduled_rms_norm_kernel_builds_for_cuda():
 
 
 def _rms_kernel_with_dw(n, lead):
+    """The fused kernel of `_rms_grad` with its weight gradient, and the names of the main
+    function's values it reads, in its parameter order (``w`` read through its reshape)."""
     after = FuseLayerNormBackward()(_rms_grad(n, lead=lead, dw=True))
     (fused,) = [c for c in _calls(after) if c.op == CALL_TIR]
     assert "_sum_dy_xhat_g" in fused.args[0].name_hint
-    return after[fused.args[0]].with_attr("global_symbol", "main")
+    params = {p: p.name for p in after["main"].params}
+    names = [next((name for p, name in params.items() if p.same_as(a)), "w") for a in fused.args[1].fields]
+    return after[fused.args[0]].with_attr("global_symbol", "main"), names
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
 def test_scheduled_rms_norm_kernel_with_weight_gradient_partials_builds_for_cuda():
     """Each thread keeps its 8 columns' partial sums in registers (4096 over 512 threads)."""
-    lib = tvm.compile(tvm.IRModule({"main": _rms_kernel_with_dw(4096, ROWS)}), target=tvm.target.Target(CUDA))
-    src = lib.mod.imports[0].inspect_source()
+    func, _ = _rms_kernel_with_dw(4096, ROWS)
+    src = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
     assert "float colsum0_local_ptr[8];" in src and "__shfl_down_sync" in src
+
+
+def test_scheduled_rms_norm_kernel_with_weight_gradient_partials_serialized_computes_what_the_ops_computed():
+    """The CUDA schedule (groups of rows walked by a block, merged loop nests, partial sums in
+    registers), its thread bindings made serial loops and built for llvm, against the kernel
+    before scheduling: the schedule keeps what the kernel computes."""
+    import re
+
+    func, names = _rms_kernel_with_dw(256, ROWS)
+    serial = tvm.script.from_source(re.sub(r'T\.thread_binding\((.*?), thread="[\w.]+"\)', r"T.serial(\1)",
+                                           func.script()))
+    plain = FuseLayerNormBackward(scheduled=False)(_rms_grad(256, lead=ROWS, dw=True))
+    (call,) = [c for c in _calls(plain) if c.op == CALL_TIR]
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal([int(d) for d in p.shape]).astype(str(p.dtype)) for p in func.params]
+    outs = []
+    for f in (plain[call.args[0]].with_attr("global_symbol", "main"), serial):
+        kernel = tvm.compile(tvm.IRModule({"main": f}), target="llvm")
+        tensors = [tvm.runtime.tensor(a.copy()) for a in arrays]
+        kernel(*tensors)
+        outs.append([t.numpy().astype("float32") for t in tensors[len(names):]])
+    for want, got in zip(*outs):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu
@@ -444,16 +471,17 @@ def test_rms_norm_kernel_with_weight_gradient_partials_on_gpu_matches_torch(n, l
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    func = _rms_kernel_with_dw(n, lead)
+    func, names = _rms_kernel_with_dw(n, lead)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA))
     x = torch.randn(*lead, n, device="cuda", dtype=torch.float64).requires_grad_()
     w, dy = torch.randn(n, device="cuda", dtype=torch.float64), torch.randn(*lead, n, device="cuda", dtype=torch.float64)
     torch.nn.functional.rms_norm(x, (n,), w, 1e-6).backward(dy)
     rstd = torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-6)
     xhat = x.detach() * rstd
+    values = {"dy": dy, "w": w.reshape(*(1,) * len(lead), n), "xhat": xhat, "rstd": rstd}
     dx = torch.full((*lead, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     partial = torch.full([int(d) for d in func.params[-1].shape], float("nan"), device="cuda")
-    ins = [t.float().contiguous() for t in (dy, w, xhat, rstd)]
+    ins = [values[name].float().contiguous() for name in names]
     lib["main"](*[tvm.runtime.from_dlpack(t) for t in (*ins, dx, partial)])
     torch.cuda.synchronize()
     dw = partial.double().reshape(-1, n).sum(0)

@@ -274,7 +274,9 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     """BERT-Large's layer norms save x (bf16, a GEMM's output) and the row statistics; xhat and
     the loss's z are recomputed by their readers' kernels, not written in float32 and read back:
     TIR traffic was 2486 MB a step with them written, 1883 MB without (H100: 3.58 -> 3.40 ms);
-    1747 MB with dgamma and dbeta in one pass and dropout's backward in the gradient kernels."""
+    1747 MB with dgamma and dbeta in one pass and dropout's backward in the gradient kernels;
+    1257 MB with dgamma's and dbeta's partial sums made by the gradient kernels and the statistics
+    stored by the forward kernels (no second read of x or of dy)."""
     from tvm_evt import bench_e2e
 
     _imported, graph = tuning.training_graph(bench_e2e.build_entry("bert_large", False), "bf16")
@@ -283,11 +285,11 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     forward = [r["kernel"] for r in tir if r["kernel"].startswith("layer_norm_") and "grad" not in r["kernel"]]
     assert len(forward) == 2 and all("mean_rstd" in k and "xhat" not in k for k in forward), forward
     backward = [r for r in tir if r["kernel"].startswith("layer_norm_grad")]
-    # each reads x in bf16 (a float32 xhat would add 64 MB) and writes dx's bf16 cast and dropout's
-    # backward of it (reading the keep mask): 185 MB
-    assert len(backward) == 2 and all(r["bytes_per_call"] < 190e6 for r in backward), backward
-    assert all("_tail_" in r["kernel"] for r in backward), backward
-    assert sum(r["bytes"] for r in tir) < 1.8e9, sum(r["bytes"] for r in tir)
+    # each reads x in bf16 (a float32 xhat would add 64 MB) and writes dx's bf16 cast, dropout's
+    # backward of it (reading the keep mask) and dgamma's and dbeta's partial sums: 193 MB
+    assert len(backward) == 2 and all(r["bytes_per_call"] < 200e6 for r in backward), backward
+    assert all("_tail_sum_dy_xhat_sum_dy_" in r["kernel"] for r in backward), backward
+    assert sum(r["bytes"] for r in tir) < 1.3e9, sum(r["bytes"] for r in tir)
 
 
 def test_cuda_route_leaves_no_var_undefined():
