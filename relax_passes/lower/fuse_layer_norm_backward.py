@@ -182,7 +182,7 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
     def readers(var):
         return [bindings[i].var if i < len(bindings) else None for i in uses.get(var, [])]
 
-    found = {}
+    found, claimed = {}, set()  # claimed: weight-gradient sums a chain's kernel makes
     for b in bindings:
         dx = b.var
         mul = call(dx, MULTIPLY)
@@ -273,7 +273,9 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
                     break
                 tail = None
         group_rows = rows_per_block(shape) if dy is not None else None
-        col_sums = _column_sums(dy, xhat, bindings, bound, uses, blocks, index[key]) if group_rows else ()
+        col_sums = tuple((s, kind) for s, kind in (_column_sums(dy, xhat, bindings, bound, uses, blocks, index[key])
+                                                   if group_rows else ()) if s not in claimed)
+        claimed |= {s for s, _ in col_sums}
         members = members | {s for s, _ in col_sums} | {bound[s].args[0] for s, kind in col_sums if kind == "dy_xhat"}
 
         def prologue(expr):  # the elementwise producers the kernel recomputes (_prologue.py)
