@@ -33,3 +33,17 @@ def test_llama_loss_max_is_timed_under_our_rules_and_dlight_s():
     assert _thread_loops(dlight) == {"blockIdx.x": 1, "threadIdx.x": 1024}
     assert all(int(f.attrs["tirx.is_scheduled"]) == 1 for f in (ours, dlight))
     assert not tvm_ffi.structural_equal(ours, dlight)
+
+
+@pytest.mark.slow
+def test_norm_blocks_variants_regroup_the_norm_gradient_rows():
+    """``bench_tir.py hf_llama --quick --match rms_norm_grad --norm-blocks 32``: at --quick's 512
+    rows the default (528 blocks at least) leaves no room for weight-gradient partials; at 32
+    blocks a block walks 16 rows.  The knob is back at its default after."""
+    from tvm_evt.relax_passes.lower import _row_kernel
+
+    kernels = bench_tir.scheduled_kernels("hf_llama", match="rms_norm_grad", quick=True, norm_blocks=[32])
+    assert kernels[None] and not any("_sum_dy_xhat" in name for name in kernels[None])
+    assert kernels["blocks=32"] and all("_sum_dy_xhat_g16" in name for name in kernels["blocks=32"])
+    assert _thread_loops(next(iter(kernels["blocks=32"].values())))["blockIdx.x"] == 32
+    assert _row_kernel.GROUP_BLOCKS == 4 * 132

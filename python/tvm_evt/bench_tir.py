@@ -12,6 +12,7 @@ our rules do not take would get, e.g. a cross-entropy's max over the vocabulary 
 
     python scripts/bench_tir.py bert_large --match sum --column-rows 2,4,8
     python scripts/bench_tir.py hf_llama --match max --dlight
+    python scripts/bench_tir.py hf_llama --match rms_norm_grad --norm-blocks 264,1056,2112,100000
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ DLIGHT = "dlight"  # the variant scheduled by DLight's rules alone
 
 
 def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int | None] = (None,),
-                      match: str = "", dlight: bool = False, quick: bool = False) -> dict:
+                      match: str = "", dlight: bool = False, quick: bool = False,
+                      norm_blocks: list[int] = ()) -> dict:
     """``{variant: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match `match`
     (at --quick's size with `quick`), scheduled with each ``ColumnReduction`` row-group count
     (variant: the count, None for its default) and, with `dlight`, by DLight's rules alone
-    (variant ``DLIGHT``)."""
+    (variant ``DLIGHT``).  Each of `norm_blocks` (the norm gradient kernels' least thread blocks,
+    ``_row_kernel.GROUP_BLOCKS``: the more, the fewer rows a block walks; a large one, no
+    weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default."""
     from . import bench_e2e, optim, tuning
+    from .relax_passes.lower import _row_kernel
     from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 
     entry = bench_e2e.build_entry(model, quick)
@@ -46,13 +51,18 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
                 for rows in column_rows}
     if dlight:
         variants[DLIGHT] = ScheduleTIRForGPU()
+    pick = lambda mod: {gv.name_hint: f for gv, f in mod.functions_items()  # noqa: E731
+                        if isinstance(f, tvm.tirx.PrimFunc) and re.search(match, gv.name_hint)}
     with target:
         fused = tvm.transform.Sequential(before)(graph.mod)
-        out = {}
-        for variant, scheduler in variants.items():
-            mod = scheduler(fused)
-            out[variant] = {gv.name_hint: f for gv, f in mod.functions_items()
-                            if isinstance(f, tvm.tirx.PrimFunc) and re.search(match, gv.name_hint)}
+        out = {variant: pick(scheduler(fused)) for variant, scheduler in variants.items()}
+        default = _row_kernel.GROUP_BLOCKS
+        try:
+            for blocks in norm_blocks:
+                _row_kernel.GROUP_BLOCKS = blocks
+                out[f"blocks={blocks}"] = pick(variants[column_rows[0]](tvm.transform.Sequential(before)(graph.mod)))
+        finally:
+            _row_kernel.GROUP_BLOCKS = default
     return out
 
 
@@ -90,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dlight", action="store_true",
                     help="also time each kernel as DLight's rules alone schedule it (without ours)")
     ap.add_argument("--quick", action="store_true", help="the model at scripts/bench.py --quick's size")
+    ap.add_argument("--norm-blocks", default="",
+                    help="comma-separated least thread blocks of the norm gradient kernels with weight-gradient "
+                         "partials to compare (_row_kernel.GROUP_BLOCKS; a large one: no partials)")
     args = ap.parse_args(argv)
     import torch
 
@@ -97,14 +110,15 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     rows = [int(r) for r in args.column_rows.split(",") if r] or [None]
     target = hopper_target()
-    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick)
+    blocks = [int(b) for b in args.norm_blocks.split(",") if b]
+    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick, blocks)
     print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
     for name in sorted(set().union(*kernels.values())):
         cells = []
         for variant, funcs in kernels.items():
             if name in funcs:
                 ms, nbytes = time_kernel(funcs[name], target)
-                label = variant if variant == DLIGHT else f"rows={variant}"
+                label = variant if isinstance(variant, str) else f"rows={variant}"
                 cells.append(f"{label}: {ms * 1e3:7.1f} us ({nbytes / ms / 1e9:4.2f})")
         print(f"{name[:72]:72s} " + "  ".join(cells))
     return 0

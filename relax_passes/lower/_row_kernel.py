@@ -15,6 +15,7 @@ from .._rewrite import OPAQUE, mutate_relax_functions
 
 LOW = ("bfloat16", "float16")
 MIN_GROUP_ROWS = 4  # rows_per_block's least: fewer, and the partial sums cost about what they save
+GROUP_BLOCKS = 4 * 132  # rows_per_block's least thread blocks: four an H100/H200 SM (not swept yet)
 
 
 def threads_per_row(n: int) -> int:
@@ -109,14 +110,14 @@ def column_partials(shape: tuple[int, ...], rows_per_block: int, value, name: st
                       lambda g, v, t: te.sum(value(index(g, v, t)), axis=i), name=name)
 
 
-def rows_per_block(shape: tuple[int, ...], blocks: int = 4 * 132) -> int | None:
+def rows_per_block(shape: tuple[int, ...], blocks: int | None = None) -> int | None:
     """Rows a thread block of a row kernel with column sums walks: the largest divisor of the
-    row count that leaves at least `blocks` blocks (four an H100/H200 SM), so that the partial
-    sums stay small against the rows; None where that is under ``MIN_GROUP_ROWS`` rows (the
-    partials would cost about what they save) or the row does not split evenly over the
+    row count that leaves at least `blocks` blocks (``GROUP_BLOCKS`` by default), so that the
+    partial sums stay small against the rows; None where that is under ``MIN_GROUP_ROWS`` rows
+    (the partials would cost about what they save) or the row does not split evenly over the
     threads."""
     *lead, n = shape
-    rows = math.prod(lead)
+    rows, blocks = math.prod(lead), blocks or GROUP_BLOCKS
     if n % threads_per_row(n):
         return None
     best = max(d for d in range(1, max(1, rows // blocks) + 1) if rows % d == 0)
