@@ -1,6 +1,7 @@
 """What the row-kernel fusions share (FuseSoftmaxDropout, FuseLayerNorm, FuseLayerNormBackward):
-the one-thread-block-per-row CUDA schedule of a TE kernel whose outputs need row reductions, and
-the mutator that replaces a matched chain of bindings with one fused call."""
+the one-thread-block-per-row CUDA schedule of a TE kernel whose outputs need row reductions (or a
+block a group of rows, where the kernel also sums columns over the rows), and the mutator that
+replaces a matched chain of bindings with one fused call."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def block_names(name: str, outputs: int) -> list[str]:
 
 
 def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[str], n: int,
-                  stage: bool, column_sums: tuple[str, ...] = (), rows_per_block: int = 1,
+                  stage: bool, column_sums: tuple[str, ...] = (), group_rows: int = 1,
                   row_outputs: tuple[str, ...] = ()) -> None:
     """One thread block per row of the loop nest of the `outputs` blocks (one nest).  The
     `reductions` (row-shaped blocks, producers first) are computed per row in shared memory as
@@ -41,7 +42,7 @@ def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[
     the row's block computes and stores their (equal) values.
 
     With `column_sums` (blocks ``[groups, V, threads]`` that sum a value over the rows of each group
-    of `rows_per_block` rows: ``column_partials``' shape), a block walks its group's rows one after
+    of `group_rows` rows: ``column_partials``' shape), a block walks its group's rows one after
     the other, and each thread adds the columns it computes the outputs of into registers, at the
     same index as it reads them for the outputs (so the loads are shared); each thread writes its
     partial sums once, after the group."""
@@ -55,7 +56,7 @@ def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[
         *lead_o, _unit = sch.get_loops(sch.get_sblock(name))
         row = sch.merge(row, sch.fuse(*lead_o) if len(lead_o) > 1 else lead_o[0])
     if sums:
-        group, row = sch.split(row, [None, rows_per_block])
+        group, row = sch.split(row, [None, group_rows])
         for block in sums:  # [groups, V, threads, rows of the group] -> [groups, rows of the group, V, threads]
             g, v, t, i = sch.get_loops(block)
             sch.reorder(i, v, t)
@@ -89,24 +90,24 @@ def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[
         sch.unroll(v)
 
 
-def column_partials(shape: tuple[int, ...], rows_per_block: int, value, name: str):
+def column_partials(shape: tuple[int, ...], group_rows: int, value, name: str):
     """``[groups, V, threads]`` float32: the sum of ``value(idx)`` over each group of
-    `rows_per_block` consecutive rows of `shape` (its leading axes flattened) at column
+    `group_rows` consecutive rows of `shape` (its leading axes flattened) at column
     ``v * threads + t`` (``schedule_rows``' column sums; their sum over the groups, read as
     ``[groups, n]``, is the column sum)."""
     *lead, n = shape
     threads = threads_per_row(n)
     rows = math.prod(lead)
-    i = te.reduce_axis((0, rows_per_block), name=f"{name}_i")
+    i = te.reduce_axis((0, group_rows), name=f"{name}_i")
 
     def index(group, v, t):
-        flat, idx = group * rows_per_block + i, []
+        flat, idx = group * group_rows + i, []
         for extent in reversed(lead):
             idx.append(tirx.floormod(flat, extent))
             flat = tirx.floordiv(flat, extent)
         return (*reversed(idx), v * threads + t)
 
-    return te.compute((rows // rows_per_block, n // threads, threads),
+    return te.compute((rows // group_rows, n // threads, threads),
                       lambda g, v, t: te.sum(value(index(g, v, t)), axis=i), name=name)
 
 

@@ -129,7 +129,7 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
         return func
     sch = tvm.s_tir.Schedule(func)  # both sums read straight from global memory (no staging)
     schedule_rows(sch, block_names("dx", n_out), ["sum_g", "sum_h"] if centered else ["sum_h"], n, stage=False,
-                  column_sums=tuple(names), rows_per_block=group_rows)
+                  column_sums=tuple(names), group_rows=group_rows)
     return mark_scheduled(sch)
 
 
