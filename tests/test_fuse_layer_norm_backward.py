@@ -488,3 +488,16 @@ def test_rms_norm_kernel_with_weight_gradient_partials_on_gpu_matches_torch(n, l
     want = (dy * xhat).sum(tuple(range(len(lead))))
     assert (dw - want).norm() <= 1e-5 * want.norm()
     assert (dx.double() - x.grad).norm() <= 1e-2 * x.grad.norm()
+
+
+@pytest.mark.parametrize("shape,rows", [
+    ((4, 2048, 4096), 8),   # Llama: 8192 rows, 1024 groups
+    ((32, 512, 1024), 16),  # BERT-Large: 16384 rows
+    ((128, 197, 768), 32),  # ViT-B/16: 25216 = 2^7 * 197 rows, 788 groups
+    ((2, 5, 64), None),     # too few rows for groups of 4
+    ((4, 2048, 1000), None),  # 1000 columns do not split over 128 threads
+])
+def test_rows_a_block_walks(shape, rows):
+    from tvm_evt.relax_passes.lower._row_kernel import rows_per_block
+
+    assert rows_per_block(shape) == rows
