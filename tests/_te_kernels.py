@@ -1,7 +1,10 @@
-"""Helpers shared by the tests of our DLight rules: schedule a TE kernel with one rule, and run
-the scheduled kernel on the GPU against TVM's own llvm build of the same kernel."""
+"""Helpers shared by the tests of our DLight rules and CUDA schedules: schedule a TE kernel with
+one rule, run the scheduled kernel on the GPU against TVM's own llvm build of the same kernel, or
+check a schedule on the CPU with its thread bindings made serial loops."""
 
 from __future__ import annotations
+
+import re
 
 import tvm
 from tvm import te
@@ -15,6 +18,22 @@ def schedule(tensors, rule) -> tvm.IRModule:
     mod = tvm.IRModule({"main": te.create_prim_func(tensors)})
     with tvm.target.Target(CUDA):
         return dl.ApplyDefaultSchedule(rule)(mod)
+
+
+def serial(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """A scheduled CUDA PrimFunc with its thread bindings made serial loops: the sequential meaning
+    the schedule keeps, buildable for llvm (not for kernels whose threads cooperate explicitly)."""
+    return tvm.script.from_source(re.sub(r'T\.thread_binding\((.*?), thread="[\w.]+"\)', r"T.serial(\1)",
+                                         func.script()))
+
+
+def run_on_llvm(func: tvm.tirx.PrimFunc, arrays) -> list:
+    """`func` built for llvm and run on copies of `arrays` (its parameters, outputs included): the
+    arrays after the call, as numpy."""
+    kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    tensors = [tvm.runtime.tensor(a.copy()) for a in arrays]
+    kernel(*tensors)
+    return [t.numpy() for t in tensors]
 
 
 def assert_matches_llvm_on_gpu(scheduled: tvm.IRModule, tensors, rtol: float = 0.0) -> None:

@@ -14,8 +14,6 @@ kernel; not traced), and the GPU tier runs the bf16 kernels themselves."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -25,10 +23,10 @@ import tvm
 from tvm_evt import models, tuning
 from tvm_evt.training import build_training_module, from_torch, runtime_module
 
+from _te_kernels import run_on_llvm, serial
 from test_cnn_layers import MODELS
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-LLVM = tvm.target.Target({"kind": "llvm"})
 UNSERIALIZABLE = ("storage_sync", "launch_thread", "thread_allreduce")  # explicit thread cooperation
 
 
@@ -45,18 +43,6 @@ def _bert_layer():
 STEPS = {"resnet_stem": lambda: _cnn("resnet_stem", 2, 32), "mobilenet_v2_blocks": lambda: _cnn("mobilenet_v2_blocks", 4, 32),
          "bert_layer": _bert_layer, "group_norm": lambda: _cnn("group_norm", 2, 16, channels=8),
          "fpn_upsample": lambda: _cnn("fpn_upsample", 2, 15)}
-
-
-def _serial(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
-    script = re.sub(r'T\.thread_binding\((.*?), thread="[\w.]+"\)', r"T.serial(\1)", func.script())
-    return tvm.script.from_source(script)
-
-
-def _run(func, arrays) -> list[np.ndarray]:
-    kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=LLVM)
-    tensors = [tvm.runtime.tensor(a.copy()) for a in arrays]
-    kernel(*tensors)
-    return [t.numpy() for t in tensors]
 
 
 def _random(ty, rng) -> np.ndarray | None:
@@ -88,7 +74,7 @@ def test_scheduled_kernels_compute_what_the_kernels_do(name):
             skipped[gv.name_hint] = "integer operands"
             continue
         try:
-            want, got = _run(func, arrays), _run(_serial(form), arrays)
+            want, got = run_on_llvm(func, arrays), run_on_llvm(serial(form), arrays)
         except Exception as e:  # noqa: BLE001  (a form llvm does not build: counted, not checked)
             skipped[gv.name_hint] = str(e).strip().splitlines()[-1][:80]
             continue

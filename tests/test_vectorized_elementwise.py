@@ -7,7 +7,7 @@ import tvm
 from tvm import te, tirx
 from tvm.support import nvcc
 
-from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
+from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule, serial
 
 from tvm_evt.relax_passes.lower.vectorized_elementwise import VectorizedElementwise
 
@@ -99,17 +99,15 @@ def test_a_guarded_gather_is_staged_with_vector_stores():
     staged into registers, not a vector), each thread computes 8 columns in an unrolled loop and
     stores them as one 16-byte vector; the schedule computes what the kernel computes (its thread
     loops run serially on llvm)."""
-    import re
-
     import numpy as np
 
     tensors, _ = _kernels()["stem_gather"]
-    script = _schedule(tensors)["main"].script()
+    scheduled = _schedule(tensors)["main"]
+    script = scheduled.script()
     assert "T.unroll(T.int64(8))" in script and "y_local" in script and "x_local" not in script
-    serial = tvm.script.from_source(re.sub(r'T\.thread_binding\((.*?), thread="[\w.]+"\)', r"T.serial(\1)", script))
     x = np.random.default_rng(0).standard_normal([int(d) for d in tensors[0].shape]).astype("float32")
     outs = []
-    for f in (te.create_prim_func(tensors), serial):
+    for f in (te.create_prim_func(tensors), serial(scheduled)):
         lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")
         y = tvm.runtime.empty([int(d) for d in tensors[1].shape], "bfloat16")
         lib["main"](tvm.runtime.tensor(x), y)

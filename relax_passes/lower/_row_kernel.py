@@ -90,14 +90,20 @@ def schedule_rows(sch: tvm.s_tir.Schedule, outputs: list[str], reductions: list[
         sch.unroll(v)
 
 
-def column_partials(shape: tuple[int, ...], group_rows: int, value, name: str):
-    """``[groups, V, threads]`` float32: the sum of ``value(idx)`` over each group of
-    `group_rows` consecutive rows of `shape` (its leading axes flattened) at column
-    ``v * threads + t`` (``schedule_rows``' column sums; their sum over the groups, read as
-    ``[groups, n]``, is the column sum)."""
+def partials_shape(shape: tuple[int, ...], group_rows: int) -> tuple[int, int, int]:
+    """``(groups, V, threads)``: the shape of `column_partials` over `shape`."""
     *lead, n = shape
     threads = threads_per_row(n)
-    rows = math.prod(lead)
+    return math.prod(lead) // group_rows, n // threads, threads
+
+
+def column_partials(shape: tuple[int, ...], group_rows: int, value, name: str):
+    """``[groups, V, threads]`` float32 (`partials_shape`): the sum of ``value(idx)`` over each
+    group of `group_rows` consecutive rows of `shape` (its leading axes flattened) at column
+    ``v * threads + t`` (``schedule_rows``' column sums; their sum over the groups, read as
+    ``[groups, n]``, is the column sum)."""
+    *lead, _n = shape
+    threads = threads_per_row(shape[-1])
     i = te.reduce_axis((0, group_rows), name=f"{name}_i")
 
     def index(group, v, t):
@@ -107,8 +113,8 @@ def column_partials(shape: tuple[int, ...], group_rows: int, value, name: str):
             flat = tirx.floordiv(flat, extent)
         return (*reversed(idx), v * threads + t)
 
-    return te.compute((rows // group_rows, n // threads, threads),
-                      lambda g, v, t: te.sum(value(index(g, v, t)), axis=i), name=name)
+    return te.compute(partials_shape(shape, group_rows), lambda g, v, t: te.sum(value(index(g, v, t)), axis=i),
+                      name=name)
 
 
 def rows_per_block(shape: tuple[int, ...], blocks: int | None = None) -> int | None:

@@ -233,15 +233,15 @@ def find_chains(func: relax.Function) -> dict:
         shape = static_shape(b.value.args[0]) if isinstance(b.value, relax.Call) and b.value.args else None
         if shape is None or not _is_last_axis_mean(b.value, len(shape)):
             continue
-        x, n = b.value.args[0], shape[-1]
-        root = rms_square(x)
+        averaged, n = b.value.args[0], shape[-1]
+        root = rms_square(averaged)
         centered = root is None
-        if not centered:  # mean(x * x): the RMS norm's variance
-            v, x = {"square": x, "var": b.var}, root
-            step = b
+        x = averaged if centered else root
         if str(x.ty.dtype) != "float32" or static_shape(x) != shape or n * 4 > MAX_ROW_BYTES:
             continue
-        if centered:
+        if not centered:  # mean(x * x): the RMS norm's variance
+            v, step = {"square": averaged, "var": b.var}, b
+        else:
             v = {"mean": b.var}
             step = call_of(b.var, SUBTRACT, x, b.var)
             v["centered"] = step and step.var

@@ -36,7 +36,6 @@ outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``L
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import tvm
@@ -45,8 +44,8 @@ from tvm import relax, te, tirx
 from .._rewrite import add_function_once, bind_as, binding_uses, emit_call_tir, flat_bindings, op_name, static_shape
 from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders,
                         prologue_compute, prologue_tag, unique_leaves)
-from ._row_kernel import (LOW, block_names, column_partials, fuse_chains, rows_per_block, schedule_rows,
-                          scheduled as mark_scheduled, threads_per_row)
+from ._row_kernel import (LOW, block_names, column_partials, fuse_chains, partials_shape, rows_per_block,
+                          schedule_rows, scheduled as mark_scheduled)
 from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
 
 MEAN = tvm.ir.Op.get("relax.mean")
@@ -273,7 +272,7 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
                     break
                 tail = None
         group_rows = rows_per_block(shape) if dy is not None else None
-        col_sums = tuple((s, kind) for s, kind in (_column_sums(dy, xhat, bindings, bound, uses, blocks, index[key])
+        col_sums = tuple((s, kind) for s, kind in (_column_sums(dy, xhat, bindings, uses, blocks, index[key])
                                                    if group_rows else ()) if s not in claimed)
         claimed |= {s for s, _ in col_sums}
         members = members | {s for s, _ in col_sums} | {bound[s].args[0] for s, kind in col_sums if kind == "dy_xhat"}
@@ -290,33 +289,37 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
     return found
 
 
-def _column_sums(dy, xhat, bindings, bound, uses, blocks, key: int) -> tuple:
+def _column_sums(dy, xhat, bindings, uses, blocks, key: int) -> tuple:
     """``(var, kind)`` of each weight gradient of the norm the kernel can make while it reads `dy`
     and `xhat`: ``sum(dy * xhat)`` (the scale's) or ``sum(dy)`` (the shift's) over every axis but
     the last, bound in the block of binding `key` (where the fused call goes), the product read by
-    nothing else and the sum by nothing before the call."""
+    nothing else and the sum by nothing before the call.  Found from `dy`'s readers."""
     ndim = len(static_shape(dy))
     block = blocks.get(bindings[key].var)
-    found = []
-    for b in bindings:
-        value = b.value
-        if not (isinstance(value, relax.Call) and value.op == SUM) or blocks.get(b.var) != block \
-                or value.attrs.axis is None or bool(value.attrs.keepdims) or str(b.var.ty.dtype) != "float32" \
-                or sorted(int(a) % ndim for a in value.attrs.axis) != list(range(ndim - 1)):
+
+    def reader(i, op):  # binding i, if it calls `op` in the block
+        b = bindings[i] if i < len(bindings) else None
+        return b if b is not None and isinstance(b.value, relax.Call) and b.value.op == op \
+            and blocks.get(b.var) == block else None
+
+    def row_sum(b) -> bool:  # a float32 sum over every axis but the last, read by nothing before the call
+        attrs = b.value.attrs
+        return attrs.axis is not None and not bool(attrs.keepdims) and str(b.var.ty.dtype) == "float32" \
+            and sorted(int(a) % ndim for a in attrs.axis) == list(range(ndim - 1)) \
+            and all(i > key for i in uses.get(b.var, []))
+
+    found = {}  # binding index of the sum -> (its var, kind)
+    for i in set(uses.get(dy, [])):
+        if (s := reader(i, SUM)) is not None and row_sum(s):
+            found[i] = (s.var, "dy")
+        product = reader(i, MULTIPLY)
+        if product is None or not any(p.same_as(dy) and q.same_as(xhat)
+                                      for p, q in (product.value.args, product.value.args[::-1])):
             continue
-        (arg,) = value.args
-        product = bound.get(arg)
-        if arg.same_as(dy):
-            kind = "dy"
-        elif isinstance(product, relax.Call) and product.op == MULTIPLY and blocks.get(arg) == block \
-                and len(uses.get(arg, [])) == 1 and any(
-                    p.same_as(dy) and q.same_as(xhat) for p, q in (product.args, product.args[::-1])):
-            kind = "dy_xhat"
-        else:
-            continue
-        if all(i > key for i in uses.get(b.var, [])):
-            found.append((b.var, kind))
-    return tuple(found)
+        readers = uses.get(product.var, [])
+        if len(readers) == 1 and (s := reader(readers[0], SUM)) is not None and row_sum(s):
+            found[readers[0]] = (s.var, "dy_xhat")
+    return tuple(found[i] for i in sorted(found))  # in binding order
 
 
 def _fuse(scheduled: bool):
@@ -350,12 +353,11 @@ def _fuse(scheduled: bool):
                                   chain.group_rows)
 
         gvar = add_function_once(mutator.builder_, name, make)
-        n = shape[-1]
-        groups, threads = math.prod(shape[:-1]) // chain.group_rows, threads_per_row(n)
+        partial_shape = partials_shape(shape, chain.group_rows)
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
             + ([relax.TensorType(shape, chain.low)] if chain.low else []) \
             + ([chain.tail.root.ty] if tail else []) \
-            + [relax.TensorType((groups, n // threads, threads), "float32")] * len(chain.col_sums)
+            + [relax.TensorType(partial_shape, "float32")] * len(chain.col_sums)
         builder = mutator.builder_
         outs = emit_call_tir(builder, gvar, [mutator.visit_expr(x) for x in leaves], types)
         outs, partials = outs[:len(outs) - len(chain.col_sums)], outs[len(outs) - len(chain.col_sums):]
@@ -363,7 +365,7 @@ def _fuse(scheduled: bool):
         remaps += [(cast, outs[int(chain.write_dx)]) for cast in chain.casts]
         remaps += [(chain.tail.root, outs[-1])] if tail else []
         for (var, _), partial in zip(chain.col_sums, partials):  # the sum over the groups: a small column sum
-            rows = builder.emit(relax.op.reshape(partial, (groups, n)))
+            rows = builder.emit(relax.op.reshape(partial, (partial_shape[0], shape[-1])))
             remaps.append((var, bind_as(builder, var, relax.op.sum(rows, [0]))))
         return remaps
 
