@@ -37,8 +37,8 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     (at --quick's size with `quick`), scheduled with each ``ColumnReduction`` row-group count
     (variant: the count, None for its default) and, with `dlight`, by DLight's rules alone
     (variant ``DLIGHT``).  Each of `norm_blocks` (the norm gradient kernels' least thread blocks,
-    ``_row_kernel.GROUP_BLOCKS``: the more, the fewer rows a block walks; a large one, no
-    weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default."""
+    ``_row_kernel.GROUP_BLOCKS``, by default one full residency of the GPU: the more, the fewer rows a
+    block walks; a large one, no weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default."""
     from . import bench_e2e, optim, tuning
     from .relax_passes.lower import _row_kernel
     from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU

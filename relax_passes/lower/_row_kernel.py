@@ -16,7 +16,10 @@ from .._rewrite import OPAQUE, mutate_relax_functions
 
 LOW = ("bfloat16", "float16")
 MIN_GROUP_ROWS = 4  # rows_per_block's least: fewer, and the partial sums cost about what they save
-GROUP_BLOCKS = 4 * 132  # rows_per_block's least thread blocks: four an H100/H200 SM (not swept yet)
+# the GPU the row kernels are scheduled for (H100 and H200): its SMs, and the threads and thread
+# blocks an SM holds at once
+SMS, SM_THREADS, SM_BLOCKS = 132, 2048, 32
+GROUP_BLOCKS = None  # rows_per_block's target thread blocks where set (scripts/bench_tir.py --norm-blocks)
 
 
 def threads_per_row(n: int) -> int:
@@ -117,18 +120,31 @@ def column_partials(shape: tuple[int, ...], group_rows: int, value, name: str):
                       name=name)
 
 
+def resident_blocks(threads: int) -> int:
+    """Thread blocks of `threads` threads the whole GPU holds at once (one full residency)."""
+    return SMS * min(SM_BLOCKS, SM_THREADS // threads)
+
+
 def rows_per_block(shape: tuple[int, ...], blocks: int | None = None) -> int | None:
-    """Rows a thread block of a row kernel with column sums walks: the largest divisor of the
-    row count that leaves at least `blocks` blocks (``GROUP_BLOCKS`` by default), so that the
-    partial sums stay small against the rows; None where that is under ``MIN_GROUP_ROWS`` rows
-    (the partials would cost about what they save) or the row does not split evenly over the
-    threads."""
+    """Rows a thread block of a row kernel with column sums walks: the divisor of the row count
+    (at least ``MIN_GROUP_ROWS``) whose block count is nearest, by ratio, `blocks`, by default one
+    full residency of the GPU (`resident_blocks`), and at least half of it; so the blocks fill every
+    SM once and the partial sums stay small against the rows.  None where no divisor leaves half
+    that many blocks (the partials would cost about what they save, or idle SMs) or the row does not
+    split evenly over the threads.
+
+    Measured on an H200 (scripts/bench_tir.py --norm-blocks, us a call; docs/bench/h200-2026-11-30f):
+    BERT-Large's layer-norm gradient (16384 rows of 1024, 128 threads: 2112 blocks a residency) 68-70
+    with groups of 8 rows (2048 blocks) against 77-81 with 16 (the earlier rule's: at least 528
+    blocks) and 70-73 with 4; Llama's RMS-norm gradient (8192 rows of 4096, 512 threads: 528) 84.6
+    with groups of 16 against 85.8 with 8, 89.0 with 4."""
     *lead, n = shape
-    rows, blocks = math.prod(lead), blocks or GROUP_BLOCKS
-    if n % threads_per_row(n):
+    threads = threads_per_row(n)
+    if n % threads:
         return None
-    best = max(d for d in range(1, max(1, rows // blocks) + 1) if rows % d == 0)
-    return best if best >= MIN_GROUP_ROWS else None
+    rows, blocks = math.prod(lead), blocks or GROUP_BLOCKS or resident_blocks(threads)
+    fits = [d for d in range(MIN_GROUP_ROWS, 2 * rows // blocks + 1) if rows % d == 0]  # >= blocks / 2 blocks
+    return min(fits, key=lambda d: (abs(math.log(rows / d / blocks)), -d)) if fits else None
 
 
 def scheduled(sch: tvm.s_tir.Schedule) -> tirx.PrimFunc:
