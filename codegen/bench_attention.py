@@ -7,6 +7,7 @@ Cases are the attention cores of the end-to-end models (bf16, head dimension 64 
   gpt2       GPT-2 medium block 16 x 16 x 1024 x 1024, causal, dropout 0.1 (saved)
   vit        ViT-B/16 block     128 x 12 x 197 x 208, key bias (PadAttentionKeys' -inf), dropout 0.1 (saved)
   llama      a Llama-2-7B layer 4 x 32 x 2048 x 2048, head dimension 128, causal, no dropout
+  llama_gqa  the same over 8 key/value heads (grouped-query; torch: SDPA's enable_gqa)
 
 Method: both kernels of a case are built through ``build_attention`` and called through their FFI
 entries on torch tensors; each is timed with CUDA events after warm-up, with fresh random inputs
@@ -23,22 +24,24 @@ import tempfile
 from .bench import median_ms
 from .ir.attention import AttentionCall
 
-CASES = {  # name: (batch, heads, sq, sk, head dimension, causal, bias, dropout, saved mask)
+CASES = {  # name: (batch, heads, sq, sk, head dimension, causal, bias, dropout, saved mask[, key/value heads])
     "bert": (32, 16, 512, 512, 64, False, False, 0.1, True),
     "bert_regen": (32, 16, 512, 512, 64, False, False, 0.1, False),
     "bert_p0": (32, 16, 512, 512, 64, False, False, 0.0, False),
     "gpt2": (16, 16, 1024, 1024, 64, True, False, 0.1, True),
     "vit": (128, 12, 197, 208, 64, False, True, 0.1, True),
     "llama": (4, 32, 2048, 2048, 128, True, False, 0.0, False),
+    "llama_gqa": (4, 32, 2048, 2048, 128, True, False, 0.0, False, 8),
 }
 SITE = 3
 WARMUP = 3  # untimed runs before each timing
 
 
 def calls(name: str, dtype: str = "bfloat16", layout: str = "bhsd") -> tuple[AttentionCall, AttentionCall]:
-    batch, heads, sq, sk, head_dim, causal, bias, p, saved = CASES[name]
+    batch, heads, sq, sk, head_dim, causal, bias, p, saved, *kv_heads = CASES[name]
     common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=head_dim, scale=head_dim ** -0.5,
-                  causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0, layout=layout)
+                  causal=causal, dropout=p, site=SITE, has_bias=bias, saved_mask=saved and p > 0, layout=layout,
+                  kv_heads=kv_heads[0] if kv_heads else heads)
     return (AttentionCall(symbol=f"bench_{name}_{layout}_fwd", backward=False, **common),
             AttentionCall(symbol=f"bench_{name}_{layout}_bwd", backward=True, **common))
 
@@ -60,7 +63,7 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str 
     tdt = getattr(torch, dtype)
     b, h, sq, sk = fwd.batch, fwd.heads, fwd.sq, fwd.sk
     q = torch.empty(fwd.shape(sq), device="cuda", dtype=tdt)
-    k, v = (torch.empty(fwd.shape(sk), device="cuda", dtype=tdt) for _ in range(2))
+    k, v = (torch.empty(fwd.shape(sk, fwd.kv_heads), device="cuda", dtype=tdt) for _ in range(2))
     do = torch.empty_like(q)
     o, lse = torch.empty_like(q), torch.empty(b, h, sq, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -101,12 +104,13 @@ def bench_case(name: str, iters: int = 20, dtype: str = "bfloat16", layout: str 
     ql, kl, vl = (heads_major(x.detach().requires_grad_()) for x in (q, k, v))
 
     def torch_fwd():
-        return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=fwd.scale)
+        return sdpa(ql, kl, vl, attn_mask=mask, dropout_p=fwd.dropout, is_causal=fwd.causal, scale=fwd.scale,
+                    enable_gqa=fwd.kv_heads != fwd.heads)
 
     with torch.no_grad():
         torch_f = median_ms(torch_fwd, fresh, iters, WARMUP)
     torch_fb = median_ms(lambda: torch_fwd().backward(heads_major(do)), fresh, iters, WARMUP)
-    return {"case": name, "layout": layout, "shape": [b, h, sq, sk], "causal": fwd.causal, "bias": fwd.has_bias,
+    return {"case": name, "layout": layout, "shape": [b, h, sq, sk], "kv_heads": fwd.kv_heads, "causal": fwd.causal, "bias": fwd.has_bias,
             "dropout": fwd.dropout, "saved_mask": fwd.saved_mask,
             "ours_fwd_ms": ours_fwd, "ours_bwd_ms": ours_bwd, "ours_ms": ours_fwd + ours_bwd,
             "sdpa_fwd_ms": torch_f, "sdpa_ms": torch_fb, "speedup": torch_fb / (ours_fwd + ours_bwd)}

@@ -17,8 +17,10 @@ from tvm_evt.relax_passes.training.auto_mixed_precision import AutoMixedPrecisio
 B, H, D = 2, 3, 8
 SEED = (0x1234ABCD, 0x0BADF00D)
 SITE = 5
-CASES = {  # name: (Sq, Sk, causal, bias, dropout)
+CASES = {  # name: (Sq, Sk, causal, bias, dropout[, key/value heads: H unless given])
     "plain": (8, 8, False, False, 0.0),
+    # one key/value head read by all three query heads (multi-query; grouped-query attention's sums)
+    "one_kv_head_causal_dropout": (8, 12, True, False, 0.25, 1),
     "causal": (8, 8, True, False, 0.0),
     "bias": (8, 12, False, True, 0.0),
     "dropout": (8, 12, False, False, 0.25),
@@ -31,8 +33,8 @@ def _keep(sq: int, sk: int, rate: float) -> np.ndarray:
     return philox.dropout_keep((B * H, sq, sk), SEED, SITE, rate).reshape(B, H, sq, sk)
 
 
-def _inputs(sq, sk, bias, rng):
-    q, k, v = (rng.standard_normal(s).astype("float32") for s in ((B, H, sq, D), (B, H, sk, D), (B, H, sk, D)))
+def _inputs(sq, sk, bias, rng, hk=H):
+    q, k, v = (rng.standard_normal(s).astype("float32") for s in ((B, H, sq, D), (B, hk, sk, D), (B, hk, sk, D)))
     b = None
     if bias:
         b = (0.5 * rng.standard_normal(sk)).astype("float32")
@@ -41,7 +43,8 @@ def _inputs(sq, sk, bias, rng):
 
 
 def _torch_attention(q, k, v, b, scale, causal, rate):
-    """float64 (O, LSE) with the same semantics and mask."""
+    """float64 (O, LSE) with the same semantics and mask (k and v repeated over the query heads)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     s = q @ k.transpose(-1, -2) * scale
     if b is not None:
         s = s + b
@@ -55,13 +58,13 @@ def _torch_attention(q, k, v, b, scale, causal, rate):
     return p @ v, lse
 
 
-def _module(sq, sk, causal, bias, rate, dtype="float32", loss=False, lse_in_loss=False):
+def _module(sq, sk, causal, bias, rate, dtype="float32", loss=False, lse_in_loss=False, hk=H):
     """main(q, k, v, seed[, bias][, w]) -> (O, LSE), or the loss sum(O * w) [+ sum(LSE)]; float32
     parameters, the attention in `dtype` (as AutoMixedPrecision leaves it)."""
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType((B, H, sq, D), "float32"))
-    k = relax.Var("k", relax.TensorType((B, H, sk, D), "float32"))
-    v = relax.Var("v", relax.TensorType((B, H, sk, D), "float32"))
+    k = relax.Var("k", relax.TensorType((B, hk, sk, D), "float32"))
+    v = relax.Var("v", relax.TensorType((B, hk, sk, D), "float32"))
     seed = relax.Var("seed", relax.TensorType((2,), "uint32"))
     params = [q, k, v, seed]
     b = relax.Var("b", relax.TensorType((sk,), "float32")) if bias else None
@@ -94,9 +97,10 @@ def _t(x):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_forward_matches_torch(case):
-    sq, sk, causal, bias, rate = CASES[case]
-    q, k, v, b = _inputs(sq, sk, bias, np.random.default_rng(0))
-    o, lse = _run(_module(sq, sk, causal, bias, rate), "main", q, k, v, np.array(SEED, "uint32"), b)
+    sq, sk, causal, bias, rate, *hk = CASES[case]
+    hk = hk[0] if hk else H
+    q, k, v, b = _inputs(sq, sk, bias, np.random.default_rng(0), hk)
+    o, lse = _run(_module(sq, sk, causal, bias, rate, hk=hk), "main", q, k, v, np.array(SEED, "uint32"), b)
     want_o, want_lse = _torch_attention(_t(q), _t(k), _t(v), _t(b), 0.35, causal, rate)
     np.testing.assert_allclose(o.numpy(), want_o.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse.numpy(), want_lse.numpy(), rtol=1e-5, atol=1e-5)
@@ -104,11 +108,12 @@ def test_forward_matches_torch(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gradient_matches_torch_autograd(case):
-    sq, sk, causal, bias, rate = CASES[case]
+    sq, sk, causal, bias, rate, *hk = CASES[case]
+    hk = hk[0] if hk else H
     rng = np.random.default_rng(1)
-    q, k, v, b = _inputs(sq, sk, bias, rng)
+    q, k, v, b = _inputs(sq, sk, bias, rng, hk)
     w = rng.standard_normal((B, H, sq, D)).astype("float32")
-    mod = _module(sq, sk, causal, bias, rate, loss=True)
+    mod = _module(sq, sk, causal, bias, rate, loss=True, hk=hk)
     mod = relax.transform.Gradient("main", require_grads=mod["main"].params[:3])(mod)
     loss, grads = _run(mod, "main_adjoint", q, k, v, np.array(SEED, "uint32"), b, w)
     tq, tk, tv = (_t(x).requires_grad_() for x in (q, k, v))
@@ -183,6 +188,9 @@ def test_operands_are_type_checked():
         bb.normalize(attention_op.attention(q, k, q, attention_op.no_seed(), 1.0))
     with pytest.raises(Exception, match="dropout rate 1.0 outside"):
         bb.normalize(attention_op.attention(q, k, k, attention_op.no_seed(), 1.0, dropout=1.0))
+    two_heads = relax.Var("k2", relax.TensorType((B, 2, 12, D), "float32"))  # 2 does not divide H = 3
+    with pytest.raises(Exception, match="with Hkv dividing 3"):
+        bb.normalize(attention_op.attention(q, two_heads, two_heads, attention_op.no_seed(), 1.0))
 
 
 def test_registration_is_idempotent():

@@ -69,6 +69,23 @@ def test_bshd_layout_checks_sequence_major_shapes():
     assert emit_attention(call(layout="bshd")) != emit_attention(call())
 
 
+def test_grouped_query_heads_check_key_value_shapes_and_launch_dkdv_per_key_value_head():
+    """Grouped-query attention (8 query heads over 2 key/value heads): K, V, dK and dV have their own
+    heads; the dK/dV kernel runs a CTA per key tile of each key/value head (it walks the group's
+    query heads), the forward, delta and dQ kernels one per query head."""
+    src = emit_attention(call(backward=True, heads=8, kv_heads=2, layout="bshd"))
+    assert 'check(k, kKernel, "k", {2, 208, 2, 64}, kDLBfloat, 16, device)' in src
+    assert 'check(dv, kKernel, "dv", {2, 208, 2, 64}, kDLBfloat, 16, device)' in src
+    assert 'check(dq, kKernel, "dq", {2, 197, 8, 64}, kDLBfloat, 16, device)' in src
+    run = src.split("int run(")[1]
+    assert "p.heads = 8;" in run and "p.kv_heads = 2;" in run
+    assert "dim3((208 + kBlock - 1) / kBlock, 4), stream, p);" in run  # dK/dV: B x Hkv
+    assert "dim3((197 + kBlock - 1) / kBlock, 16), stream, p);" in run  # dQ: B x H
+    assert "p.kv_heads = 3;" in emit_attention(call())  # without grouping: as many as the query heads
+    with pytest.raises(Unsupported, match="8 query heads over 3 key/value heads"):
+        emit_attention(call(heads=8, kv_heads=3))
+
+
 def test_full_key_tiles_drop_the_bound():
     """Keys that fill their tiles (BERT-Large's 512) need no per-score compare unless causal: the
     entry launches the kernels with kRagged false."""
@@ -119,7 +136,7 @@ def test_nvcc_builds_the_kernels_and_entries_check_arguments(tmp_path, monkeypat
     if toolchain.find_nvcc() is None or shutil.which("ld") is None or shutil.which("g++") is None:
         pytest.skip("nvcc absent")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    calls = [call(), call(backward=True, symbol="attn_bwd", causal=True)]
+    calls = [call(), call(backward=True, symbol="attn_bwd", causal=True, heads=6, kv_heads=2)]
     objects = cache.build_many({c.symbol: emit_attention(c) for c in calls})
     module_obj = link_module(list(objects.values()), [c.symbol for c in calls])
     so = tmp_path / "attention.so"
@@ -170,7 +187,7 @@ def test_no_tile_waits_on_a_load_issued_for_it():
     kernel reads its keys' bias once)."""
     src = emit_attention(call(backward=True))
     dkdv = _kernel_body(src, "flash_dkdv")
-    assert dkdv.index("fetch(i + 1)") < dkdv.index("gemm_nk2<") < dkdv.index("stage(buf ^ 1)")
+    assert dkdv.index("fetch(nh, ni)") < dkdv.index("gemm_nk2<") < dkdv.index("stage(buf ^ 1)")
     dq = _kernel_body(src, "flash_dq")
     assert dq.index("keep_next = mask_word(") < dq.index("gemm_nk2<") < dq.index("sm.mask[buf ^ 1][tid] = keep_next")
     for name in ("flash_fwd", "flash_dq"):

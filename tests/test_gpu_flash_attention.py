@@ -4,7 +4,8 @@ Each case builds the forward and the backward kernel for one (shape, flags, head
 through the BYOC entry, exports and loads them, and checks O, LSE, dQ, dK and dV on fresh random
 inputs with the outputs poisoned (NaN) before the run, every element; the dropout mask of the
 reference is the numpy Philox reference (``codegen.philox``), so forward and backward must
-regenerate exactly that mask.  Every case runs at head dimension 64 in both dtypes; the other head
+regenerate exactly that mask.  Grouped-query cases (fewer key/value heads than query heads) take
+K and V with their own heads, and the reference repeats each over its group.  Every case runs at head dimension 64 in both dtypes; the other head
 dimensions run the cases that cover every flag and layout (``HEAD_DIM_CASES``) in bf16, and two of
 them in fp16.
 """
@@ -17,7 +18,7 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 CASES = [
-    # id, batch, heads, sq, sk, causal, bias, dropout, saved mask[, layout]
+    # id, batch, heads, sq, sk, causal, bias, dropout, saved mask[, layout[, key/value heads]]
     ("plain", 2, 3, 128, 128, False, False, 0.0, False),
     ("dropout", 2, 3, 128, 192, False, False, 0.1, False),
     ("dropout_saved", 2, 3, 128, 192, False, False, 0.1, True),
@@ -32,20 +33,25 @@ CASES = [
     ("bshd_saved", 2, 3, 128, 192, False, False, 0.1, True, "bshd"),  # [B, S, H, D] in and out
     ("bshd_ragged_causal", 2, 3, 100, 77, True, False, 0.2, False, "bshd"),
     ("bshd_vit", 2, 3, 197, 208, False, True, 0.1, True, "bshd"),
+    # grouped-query attention: 2 query heads a key/value head (Llama's causal form), one for all (MQA)
+    ("gqa_causal_saved", 2, 4, 256, 256, True, False, 0.1, True, "bhsd", 2),
+    ("gqa_bshd_ragged", 2, 6, 100, 77, True, False, 0.0, False, "bshd", 2),
+    ("mqa_dropout", 1, 4, 128, 192, False, False, 0.1, False, "bhsd", 1),
 ]
 
 
 # the cases every other head dimension runs: full tiles without flags; dropout (saved, and drawn
 # again); causal; a key bias with ragged keys; ragged keys alone; both layouts
 HEAD_DIM_CASES = ("plain", "dropout_saved", "causal_saved", "vit_padded", "ragged_keys", "ragged",
-                  "bshd_ragged_causal", "bshd_vit")
+                  "bshd_ragged_causal", "bshd_vit", "gqa_causal_saved", "gqa_bshd_ragged")
 OTHER_HEAD_DIMS = (32, 80, 96, 128)
 PARAMS = [(case, dtype, 64) for case in CASES for dtype in ("bfloat16", "float16")] + [
     (case, "bfloat16", d) for d in OTHER_HEAD_DIMS for case in CASES if case[0] in HEAD_DIM_CASES] + [
     (case, "float16", d) for d in OTHER_HEAD_DIMS for case in CASES if case[0] in ("causal_saved", "bshd_vit")]
 
 
-def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, head_dim, tmp, layout="bhsd"):
+def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, head_dim, tmp, layout="bhsd",
+             kv_heads=0):
     """The forward and backward entries of one case, built, exported and loaded."""
     import tvm
 
@@ -53,7 +59,8 @@ def _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, head
     from tvm_evt.codegen.relax_ext import build_attention
 
     common = dict(dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk, head_dim=head_dim, scale=head_dim ** -0.5,
-                  causal=causal, dropout=p, site=5, has_bias=has_bias, saved_mask=saved, layout=layout)
+                  causal=causal, dropout=p, site=5, has_bias=has_bias, saved_mask=saved, layout=layout,
+                  kv_heads=kv_heads)
     fwd = AttentionCall(symbol=f"{name}_{dtype}_d{head_dim}_fwd", backward=False, **common)
     bwd = AttentionCall(symbol=f"{name}_{dtype}_d{head_dim}_bwd", backward=True, **common)
     lib = build_attention([fwd, bwd])
@@ -69,7 +76,9 @@ def _reference(q, k, v, do, bias, causal, p, seed, site, scale):
     from tvm_evt.codegen import philox
 
     q, k, v, do = (t.double().requires_grad_(True) for t in (q, k, v, do))
-    s = q @ k.transpose(-1, -2) * scale
+    groups = q.shape[1] // k.shape[1]  # query heads a key/value head, in a row
+    kr, vr = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    s = q @ kr.transpose(-1, -2) * scale
     if bias is not None:
         s = s + bias.double()
     if causal:
@@ -81,7 +90,7 @@ def _reference(q, k, v, do, bias, causal, p, seed, site, scale):
         b, h, sq, sk = s.shape
         keep = philox.dropout_keep((b * h, sq, sk), seed, site, p).reshape(s.shape)
         prob = prob * torch.from_numpy(keep).to(s.device) * float(philox.dropout_scale(p))
-    o = prob @ v
+    o = prob @ vr
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     return o.detach(), lse.detach(), dq, dk, dv
 
@@ -91,10 +100,10 @@ def test_flash_attention_matches_float64(case, dtype, head_dim, tmp_path):
     import torch
     import tvm
 
-    name, batch, heads, sq, sk, causal, has_bias, p, saved, *layout = case
-    layout = layout[0] if layout else "bhsd"
+    name, batch, heads, sq, sk, causal, has_bias, p, saved, *rest = case
+    layout, kv_heads = (list(rest) + ["bhsd", heads][len(rest):])[:2]
     fwd, bwd, run_fwd, run_bwd = _kernels(name, batch, heads, sq, sk, causal, has_bias, p, saved, dtype, head_dim,
-                                          str(tmp_path), layout)
+                                          str(tmp_path), layout, kv_heads)
     # the kernels' view: [B, S, H, D] tensors for "bshd" (the reference stays [B, H, S, D])
     kernel = (lambda t: t.transpose(1, 2).contiguous()) if layout == "bshd" else (lambda t: t)
     back = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
@@ -104,7 +113,8 @@ def test_flash_attention_matches_float64(case, dtype, head_dim, tmp_path):
     def randn(*shape):
         return torch.randn(*shape, device="cuda", generator=gen).to(tdt)
 
-    q, k, v, do = (randn(batch, heads, rows, head_dim) for rows in (sq, sk, sk, sq))
+    q, do = (randn(batch, heads, sq, head_dim) for _ in range(2))
+    k, v = (randn(batch, kv_heads, sk, head_dim) for _ in range(2))
     seed = (int.from_bytes(os.urandom(4), "little"), 7)
     tensors = {"q": kernel(q), "k": kernel(k), "v": kernel(v), "dout": kernel(do),
                "seed": torch.tensor(seed, dtype=torch.int64).to(torch.uint32).cuda()}

@@ -32,7 +32,7 @@ def _float(x: float) -> str:
 def _shapes(call: AttentionCall) -> dict[str, tuple[list[int], str, int]]:
     """name -> (shape, DLPack type code, bits) of every DPS argument."""
     code, bits = DL_CODE[call.dtype]
-    qshape, kshape = call.shape(call.sq), call.shape(call.sk)
+    qshape, kshape = call.shape(call.sq), call.shape(call.sk, call.kv_heads)
     lse = ([call.batch, call.heads, call.sq], "kDLFloat", 32)
     table = {
         "q": (qshape, code, bits), "k": (kshape, code, bits), "v": (kshape, code, bits),
@@ -49,6 +49,8 @@ def emit_attention(call: AttentionCall) -> str:
         raise Unsupported(f"{call.symbol}: dtype {call.dtype}")
     if call.head_dim not in HEAD_DIMS:
         raise Unsupported(f"{call.symbol}: head dimension {call.head_dim} (the kernels take {HEAD_DIMS})")
+    if call.kv_heads < 1 or call.heads % call.kv_heads:
+        raise Unsupported(f"{call.symbol}: {call.heads} query heads over {call.kv_heads} key/value heads")
     if call.layout not in ("bhsd", "bshd"):
         raise Unsupported(f"{call.symbol}: layout {call.layout!r} (the kernels take bhsd, bshd)")
     if not call.scale > 0:  # the forward takes a row's max before scaling its scores
@@ -74,19 +76,20 @@ def emit_attention(call: AttentionCall) -> str:
     template = BACKWARD_ENTRY if call.backward else FORWARD_ENTRY
     header = HEADER.substitute(
         version=CODEGEN_VERSION, symbol=call.symbol, kind="backward" if call.backward else "forward",
-        batch=call.batch, heads=call.heads, sq=call.sq, sk=call.sk, head_dim=call.head_dim, dtype=call.dtype,
+        batch=call.batch, heads=call.heads, kv_heads=call.kv_heads, sq=call.sq, sk=call.sk, head_dim=call.head_dim, dtype=call.dtype,
         scale=_float(call.scale), causal=int(call.causal), has_bias=int(call.has_bias), dropout=_float(call.dropout),
         site=call.site, layout=call.layout,
     )
     flags = dict(
-        sq=call.sq, sk=call.sk, head_dim=call.head_dim, batch_heads=call.batch * call.heads, bf16="true" if call.dtype == "bfloat16" else "false",
+        sq=call.sq, sk=call.sk, head_dim=call.head_dim, batch_heads=call.batch * call.heads,
+        batch_kv_heads=call.batch * call.kv_heads, bf16="true" if call.dtype == "bfloat16" else "false",
         causal=str(call.causal).lower(), has_bias=str(call.has_bias).lower(), has_dropout=str(call.has_dropout).lower(),
         # keys that do not fill their last tile: only then (or causal) does a row see part of a tile
         ragged=str(call.sk % KEY_TILE != 0).lower(),
     )
     entry = template.substitute(
         namespace=f"tvm_evt_{call.symbol}", symbol=call.symbol, num_args=len(names), bind=bind, checks=checks,
-        optional="\n".join(optional), heads=call.heads, bshd=int(call.layout == "bshd"),
+        optional="\n".join(optional), heads=call.heads, kv_heads=call.kv_heads, bshd=int(call.layout == "bshd"),
         scale=_float(call.scale), scale_log2=_float(call.scale * math.log2(math.e)),
         drop_scale=_float(dropout_scale(call.dropout) if call.has_dropout else 1.0),
         threshold=keep_threshold(call.dropout) if call.has_dropout else 0, site=call.site,

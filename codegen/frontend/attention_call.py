@@ -57,7 +57,7 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
             raise Unsupported(f"{op}: {name} is {arg.ty.dtype}, expected {want}")
     batch, heads, sq, head_dim = _shape(q)
     kb, kh, sk, kd = _shape(call.args[1])
-    if (kb, kh, kd) != (batch, heads, head_dim) or _shape(call.args[2]) != [kb, kh, sk, kd]:
+    if (kb, kd) != (batch, head_dim) or not 0 < kh <= heads or heads % kh or _shape(call.args[2]) != [kb, kh, sk, kd]:
         raise Unsupported(f"{op}: q {_shape(q)}, k {_shape(call.args[1])}, v {_shape(call.args[2])} do not agree")
     if head_dim not in HEAD_DIMS:
         raise Unsupported(f"{op}: head dimension {head_dim} (the kernels take {HEAD_DIMS})")
@@ -74,7 +74,7 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
     return AttentionCall(
         symbol=symbol, backward=op == BACKWARD_OP, dtype=dtype, batch=batch, heads=heads, sq=sq, sk=sk,
         head_dim=head_dim, scale=float(scale), causal=bool(causal), dropout=float(dropout), site=int(site),
-        has_bias=has_bias,
+        has_bias=has_bias, kv_heads=kh,
     )
 
 

@@ -2,8 +2,9 @@
 
 ``forward``:  O, LSE = softmax(scale * Q Kᵀ + bias, causal mask) -> dropout -> @ V
 ``backward``: dQ, dK, dV from Q, K, V, O, LSE and dO (FlashAttention-2's backward).
-Q, O, dQ, dO are [batch, heads, sq, head_dim]; K, V, dK, dV [batch, heads, sk, head_dim] (or [batch, seq,
-heads, head_dim] all of them: ``layout``); LSE
+Q, O, dQ, dO are [batch, heads, sq, head_dim]; K, V, dK, dV [batch, kv_heads, sk, head_dim] (or [batch, seq,
+heads, head_dim] all of them: ``layout``), each key/value head read by heads / kv_heads query heads in a row
+(grouped-query attention; kv_heads = heads without it); LSE
 [batch, heads, sq] float32; bias (optional) [sk] float32; the dropout mask follows
 ``codegen/philox.py`` over the row-major [batch, heads, sq, sk] index with the given ``site``
 (``saved_mask``: the forward pass also returns it as bits, which the backward pass takes).
@@ -35,6 +36,12 @@ class AttentionCall:
     # seq, heads, head_dim], as a linear layer's output splits into heads (no transposes around
     # the kernels).  LSE, bias and mask are the same either way.
     layout: str = "bhsd"
+    # key/value heads (0: as many as ``heads``), a divisor of ``heads``
+    kv_heads: int = 0
+
+    def __post_init__(self):
+        if not self.kv_heads:
+            object.__setattr__(self, "kv_heads", self.heads)
 
     @property
     def has_dropout(self) -> bool:
@@ -54,11 +61,13 @@ class AttentionCall:
             return ("dq", "dk", "dv")
         return ("out", "lse") + (("mask",) if self.has_dropout and self.saved_mask else ())
 
-    def shape(self, rows: int) -> list[int]:
-        """The shape of a q-like (``rows`` = sq) or k-like (``rows`` = sk) tensor in ``layout``."""
+    def shape(self, rows: int, heads: int | None = None) -> list[int]:
+        """The shape of a q-like (``rows`` = sq) or, with ``heads`` = kv_heads, a k-like (``rows`` = sk)
+        tensor in ``layout``."""
+        heads = self.heads if heads is None else heads
         if self.layout == "bshd":
-            return [self.batch, rows, self.heads, self.head_dim]
-        return [self.batch, self.heads, rows, self.head_dim]
+            return [self.batch, rows, heads, self.head_dim]
+        return [self.batch, heads, rows, self.head_dim]
 
     @property
     def mask_shape(self) -> list[int]:

@@ -614,20 +614,14 @@ def constant_value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _repeat_heads_if_grouped(node: fx.Node, bb, q, k, v):
-    if _arg(node, 7, "enable_gqa", False):
-        heads = _shape(q)[-3]
-        k, v = _repeat_heads(bb, k, heads), _repeat_heads(bb, v, heads)
-    return k, v
-
-
 def _attention_call(node: fx.Node, importer, q, k, v, scale: float, causal: bool, dropout_p: float):
     """``tvm_evt.attention`` for an SDPA whose mask the op takes; or the reason it does not."""
     from .relax_passes.ops import attention_op
 
-    if len(_shape(q)) != 4 or _shape(k)[:2] != _shape(q)[:2] or _shape(v)[:3] != _shape(k)[:3] \
-            or _shape(k)[3] != _shape(q)[3]:
-        return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)} are not [B, H, S, D] with one head dimension"
+    if len(_shape(q)) != 4 or len(_shape(k)) != 4 or _shape(k)[0] != _shape(q)[0] or _shape(q)[1] % _shape(k)[1] \
+            or _shape(v)[:3] != _shape(k)[:3] or _shape(k)[3] != _shape(q)[3]:
+        return (f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)} are not [B, H, S, D] with one head dimension "
+                f"(and key/value heads dividing the query heads)")
     if _dtype(q) not in attention_op.FLOATS or _dtype(k) != _dtype(q) or _dtype(v) != _dtype(q):
         return f"dtypes {_dtype(q)}, {_dtype(k)}, {_dtype(v)}"
     if not scale > 0:
@@ -660,8 +654,8 @@ def _attention_call(node: fx.Node, importer, q, k, v, scale: float, causal: bool
 def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
     """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``
     as one ``tvm_evt.attention`` call with its arguments: the scale, ``is_causal``, the dropout rate
-    (its seed and site filled in by `LowerDropout`), k and v repeated over the query heads for
-    ``enable_gqa``, and a mask computed from constants only (`constant_value`) when
+    (its seed and site filled in by `LowerDropout`), k and v with their own heads for ``enable_gqa``
+    (the op's grouped-query form), and a mask computed from constants only (`constant_value`) when
     ``attention_op.mask_form`` finds it a key mask and/or the causal triangle.  Whether a kernel takes
     the call is decided on the CUDA route (``OffloadAttention``: the op decomposes where not).
 
@@ -678,12 +672,13 @@ def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
     scale = _arg(node, 6, "scale")
     bb = importer.block_builder
     q, k, v = (importer.env[a] for a in node.args[:3])
-    k, v = _repeat_heads_if_grouped(node, bb, q, k, v)
     scale = 1.0 / math.sqrt(_shape(q)[-1]) if scale is None else float(scale)
     fused = _attention_call(node, importer, q, k, v, scale, is_causal, dropout_p)
     if not isinstance(fused, str):
         return fused
     getattr(importer, "attention_fallbacks", []).append((node, fused))
+    if _arg(node, 7, "enable_gqa", False):  # written out, k and v repeated over the query heads
+        k, v = _repeat_heads(bb, k, _shape(q)[-3]), _repeat_heads(bb, v, _shape(q)[-3])
     attn_mask = _arg(node, 3, "attn_mask")
     mask = importer.env[attn_mask] if attn_mask is not None else None
     q_shape, k_shape = _shape(q), _shape(k)

@@ -137,7 +137,7 @@ PHASES = (
     Phase("import", "frontend", ()),
     Phase("training", "relax_passes.training",
           ("RecognizeActivations", "LowerDropout", "ExpandSmallPower", "RecognizeRMSNorm", "FoldNormAffine", "SplitFusedProjection", "ConvertConvLayout", "CancelTransposes",
-           "Conv2dToMatmul", "FuseAttention", "PadAttentionKeys", "AutoMixedPrecision", "ScaleLoss",
+           "Conv2dToMatmul", "FuseAttention", "GroupAttentionHeads", "PadAttentionKeys", "AutoMixedPrecision", "ScaleLoss",
            "FuseBatchNorm", "AppendOptimizer", "SplitAdjoint", "AppendBucketUpdates")),
     Phase("graph", "relax_passes.graph",
           ("EliminateLoss", "DecomposeCrossEntropy", "DecomposeLayerNorm", "DecomposeBatchNorm",

@@ -7,12 +7,13 @@ returns::
     {"partitions": [{"symbol", "ops": ["relax.matmul", ...], "bytes_saved", "matmul"}, ...],
      "unfused_matmuls": [{"var", "shape", "dtype", "reason"}, ...],
      "solve_seconds": float, "method": "ilp" | "cache" | "greedy" | "mixed", ...,
-     "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "head_dim", "dtype", "causal",
+     "attention": [{"op": "forward" | "backward", "shape": [B, H, Sq, Sk], "kv_heads", "head_dim", "dtype", "causal",
                     "dropout", "kernel": bool, "reason"}, ...],
      "convolutions": [{"op": "fprop" | "dgrad" | "wgrad", "x": [N, H, W, C], "w": [K, R, S, C],
                        "dtype", "kernel": bool, "reason"[, "kind": "depthwise"]}, ...]}
 
-where ``attention`` lists the fused attention calls (SDPA as imported, ``FuseAttention``'s) and whether the CUDA
+where ``attention`` lists the fused attention calls (SDPA as imported, ``FuseAttention``'s; ``kv_heads`` below
+H: grouped-query attention, each key/value head read by H / kv_heads query heads) and whether the CUDA
 route runs each as a flash-attention kernel (``kernel``) or, with ``reason``, as plain ops, and
 ``convolutions`` the ``tvm_evt.conv2d*`` calls (``implicit_conv``) and whether it runs each as an
 implicit-GEMM kernel or, with ``reason``, as im2col + GEMM (``OffloadConv``), the depthwise ones
@@ -55,7 +56,8 @@ def attention_calls(func: relax.Function) -> list[dict]:
     for call in calls:
         q, k = call.args[0].ty, call.args[1].ty
         row = {"op": "backward" if call.op.name == BACKWARD_OP else "forward",
-               "shape": [int(d) for d in q.shape][:3] + [int(k.shape[2])], "head_dim": int(q.shape[3]),
+               "shape": [int(d) for d in q.shape][:3] + [int(k.shape[2])], "kv_heads": int(k.shape[1]),
+               "head_dim": int(q.shape[3]),
                "dtype": str(q.dtype)}
         try:
             if not enabled("flash_attention"):

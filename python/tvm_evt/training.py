@@ -9,6 +9,7 @@ The training graph is built by `relax_passes` in this order:
    `ExpandSmallPower`: x**2 as x*x (TVM's CUDA pow is NaN for negative bases);
    `Conv2dToMatmul`: convolutions as im2col GEMMs (TVM has no GPU conv2d schedule; opt-in NHWC);
    `FuseAttention`: the attention core as one ``tvm_evt.attention`` op (flash attention; bf16/fp16);
+   `GroupAttentionHeads`: key/value heads repeated over query heads as the op's grouped-query form;
    `PadAttentionKeys`: attention key lengths padded to a multiple of 16 (CUTLASS alignment; opt-in);
 4. `AutoMixedPrecision` (+ `ScaleLoss` for fp16) when precision is not fp32;
 5. ``relax.transform.Gradient``: ``main_adjoint``;
@@ -51,6 +52,7 @@ from .relax_passes.training.expand_small_power import ExpandSmallPower
 from .relax_passes.training.fold_norm_affine import FoldNormAffine
 from .relax_passes.training.recognize_rms_norm import RecognizeRMSNorm
 from .relax_passes.training.fuse_attention import FuseAttention
+from .relax_passes.training.group_attention_heads import GroupAttentionHeads
 from .relax_passes.training.fuse_batch_norm import FuseBatchNorm
 from .relax_passes.training.lower_dropout import SEED_PARAM, LowerDropout
 from .relax_passes.training.pad_attention_keys import PadAttentionKeys
@@ -246,6 +248,9 @@ def build_adjoint_module(imported: ImportedModel, precision: str = "fp32"):
         # round trips between the softmax and LowerDropout's mask)
         *([FuseAttention(head_dims=FLASH_HEAD_DIMS)] if enabled("flash_attention") and precision in FLASH_PRECISIONS
           else []),
+        # keys and values repeated over groups of query heads (transformers' repeat_kv) as the
+        # attention op's grouped-query operands: the kernels read each head for its whole group
+        GroupAttentionHeads(),
         # key lengths that are not a multiple of 16 (197) to one: CUTLASS-aligned GEMMs (opt-in: pipeline.OPTIONAL)
         *([PadAttentionKeys()] if enabled("pad_keys") else []),
     ]

@@ -104,7 +104,7 @@ def _kernel_function(call: relax.Call, spec, mask: relax.Expr | None,
 
 def _dropout_site(spec) -> tuple:
     """What pairs a forward call with its backward call: the dropout site and the shapes."""
-    return (spec.site, spec.batch, spec.heads, spec.sq, spec.sk, spec.dtype)
+    return (spec.site, spec.batch, spec.heads, spec.kv_heads, spec.sq, spec.sk, spec.dtype)
 
 
 @mutator

@@ -5,8 +5,11 @@ Registered (once) when this module is imported::
     (o, lse)      = tvm_evt.attention(q, k, v, seed, scale, causal, dropout, site[, bias])
     (dq, dk, dv)  = tvm_evt.attention_backward(q, k, v, o, lse, do, seed, scale, causal, dropout, site[, bias])
 
-* ``q`` [B, H, Sq, D], ``k`` and ``v`` [B, H, Sk, D]: one float dtype (float32, float16 or bfloat16);
-  ``o`` and ``do`` [B, H, Sq, D] in that dtype; ``lse`` [B, H, Sq] float32.
+* ``q`` [B, H, Sq, D], ``k`` and ``v`` [B, Hkv, Sk, D]: one float dtype (float32, float16 or bfloat16);
+  ``o`` and ``do`` [B, H, Sq, D] in that dtype; ``lse`` [B, H, Sq] float32.  Hkv divides H: grouped-query
+  attention, each key/value head read by H / Hkv query heads in a row (transformers' ``repeat_kv``,
+  SDPA's ``enable_gqa``), the values below as over K and V repeated so; dK and dV add up over each
+  group (``repeat_heads``).
 * ``seed``: the uint32 tensor of shape (2,) that `LowerDropout` makes the function's ``rng_seed``
   parameter (any (2,) uint32 tensor, e.g. zeros, when there is no dropout: it is then not read).
 * ``scale``, ``dropout``: float32 prim values (``relax.prim_value(x, "float32")``); ``causal``,
@@ -217,10 +220,12 @@ def _check_operands(call: relax.Call) -> Operands:
         if str(ty.dtype) != want:
             raise _fail(name, f"{what} is {ty.dtype}, expected {want}")
     k = types["k"]
-    if k.ndim != 4 or not all(_same(x, y) for x, y in zip(_dims(k), [b, h, None, d]) if y is not None):
-        raise _fail(name, f"k must be [B, H, Sk, D] = [{b}, {h}, Sk, {d}], got {k.shape}")
-    sk = _dims(k)[2]
-    expect = {"v": [b, h, sk, d], "o": [b, h, sq, d], "do": [b, h, sq, d], "lse": [b, h, sq]}
+    if k.ndim != 4 or not all(_same(x, y) for x, y in zip(_dims(k), [b, None, None, d]) if y is not None) \
+            or not _groups(h, _dims(k)[1]):
+        b_, h_, d_ = (x.value if isinstance(x, tvm.tirx.IntImm) else x for x in (b, h, d))
+        raise _fail(name, f"k must be [B, Hkv, Sk, D] = [{b_}, Hkv, Sk, {d_}] with Hkv dividing {h_}, got {k.shape}")
+    hk, sk = _dims(k)[1:3]
+    expect = {"v": [b, hk, sk, d], "o": [b, h, sq, d], "do": [b, h, sq, d], "lse": [b, h, sq]}
     for what, shape in expect.items():
         if what in types and (types[what].ndim != len(shape)
                               or not all(_same(x, y) for x, y in zip(_dims(types[what]), shape))):
@@ -238,6 +243,17 @@ def _check_operands(call: relax.Call) -> Operands:
         if str(bias.dtype) != "float32" or bias.ndim != 1 or not _same(_dims(bias)[0], sk):
             raise _fail(name, f"bias must be float32 [Sk] = [{sk}], got {bias}")
     return ops
+
+
+def _groups(heads, kv_heads) -> int:
+    """Query heads a key/value head (0 where `kv_heads` does not divide `heads`; symbolic extents
+    group only when equal)."""
+    if _same(heads, kv_heads):
+        return 1
+    if isinstance(heads, tvm.tirx.IntImm) and isinstance(kv_heads, tvm.tirx.IntImm) and kv_heads.value > 0 \
+            and heads.value % kv_heads.value == 0:
+        return heads.value // kv_heads.value
+    return 0
 
 
 def _infer_forward(call: relax.Call, _bb) -> relax.TupleType:
@@ -304,9 +320,37 @@ def _dropped(bb, x, keep, rate: float):
     return bb.emit(R.multiply(kept, relax.const(1.0 / (1.0 - rate), "float32")))
 
 
+def repeat_heads(bb, x: relax.Expr, heads: int) -> relax.Expr:
+    """[B, Hkv, S, D] -> [B, heads, S, D], each key/value head read by heads / Hkv query heads in a
+    row (`x` itself where Hkv = heads)."""
+    b, hk, s, d = _static(x, "repeat_heads")
+    if hk == heads:
+        return x
+    wide = bb.emit(R.broadcast_to(R.expand_dims(x, [2]), [b, hk, heads // hk, s, d]))
+    return bb.emit(R.reshape(wide, [b, heads, s, d]))
+
+
+def _sum_heads(bb, x: relax.Expr, kv_heads: int) -> relax.Expr:
+    """[B, H, S, D] -> [B, kv_heads, S, D]: the sum over each group of H / kv_heads heads (the
+    gradient of `repeat_heads`)."""
+    b, h, s, d = _static(x, "repeat_heads")
+    if h == kv_heads:
+        return x
+    return bb.emit(R.sum(bb.emit(R.reshape(x, [b, kv_heads, h // kv_heads, s, d])), axis=[2]))
+
+
+def _grouped(bb, ops: Operands, name: str) -> Operands:
+    """`ops` with k and v repeated over the query heads (grouped-query attention)."""
+    if _groups(_dims(ops.tensors["q"].ty)[1], _dims(ops.tensors["k"].ty)[1]) == 1:
+        return ops
+    heads = _static(ops.tensors["q"], name)[1]
+    tensors = dict(ops.tensors, k=repeat_heads(bb, ops.tensors["k"], heads), v=repeat_heads(bb, ops.tensors["v"], heads))
+    return dataclasses.replace(ops, tensors=tensors)
+
+
 def decompose_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """``tvm_evt.attention`` in plain Relax ops, bound in `bb`: the ``(O, LSE)`` tuple."""
-    ops = _check_operands(call)
+    ops = _grouped(bb, _check_operands(call), FORWARD)
     q, v = ops.tensors["q"], ops.tensors["v"]
     dtype = str(q.ty.dtype)
     s = _scores(bb, ops, FORWARD)
@@ -323,7 +367,8 @@ def decompose_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 def decompose_attention_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """``tvm_evt.attention_backward`` in plain Relax ops, bound in `bb`: the ``(dQ, dK, dV)`` tuple."""
-    ops = _check_operands(call)
+    checked = _check_operands(call)
+    ops = _grouped(bb, checked, BACKWARD)
     q, k, v, o, lse, do = (ops.tensors[w] for w in TENSORS[BACKWARD])
     dtype = str(q.ty.dtype)
     s = _scores(bb, ops, BACKWARD)
@@ -337,13 +382,18 @@ def decompose_attention_backward(bb: relax.BlockBuilder, call: relax.Call) -> re
         keep = _keep(bb, ops, _static(s, BACKWARD))
         pd = _dropped(bb, p, keep, ops.attrs.dropout)
         dp = _dropped(bb, dpd, keep, ops.attrs.dropout)
-    dv = _gemm(bb, _transpose(_cast(bb, pd, dtype)), do, dtype)
+    dv = bb.emit(R.matmul(_transpose(_cast(bb, pd, dtype)), do, out_dtype="float32"))
     ds = bb.emit(R.multiply(p, bb.emit(R.subtract(dp, d))))
     ds_low = _cast(bb, ds, dtype)
     scale = relax.const(ops.attrs.scale, "float32")
     dq = bb.emit(R.multiply(bb.emit(R.matmul(ds_low, k, out_dtype="float32")), scale))
     dk = bb.emit(R.multiply(bb.emit(R.matmul(_transpose(ds_low), q, out_dtype="float32")), scale))
-    return relax.Tuple([_cast(bb, dq, dtype), _cast(bb, dk, dtype), dv])
+    # a group's dK and dV add up in float32 before they are rounded, as the kernels' registers do
+    if ops is not checked:
+        kv_heads = _static(checked.tensors["k"], BACKWARD)[1]
+        dk, dv = (_sum_heads(bb, x, kv_heads) for x in (dk, dv))
+    dk, dv = (_cast(bb, x, dtype) for x in (dk, dv))
+    return relax.Tuple([_cast(bb, dq, dtype), dk, dv])
 
 
 # ------------------------------------------------------------------------------- gradient

@@ -4,7 +4,8 @@ optimizer step (steps 3-6 of ``tvm_evt.training``).
 Forward rewrites, before ``relax.transform.Gradient``: ``RecognizeActivations`` (a written-out GELU
 as its op), ``LowerDropout`` (Philox masks),
 ``ExpandSmallPower``, ``SplitFusedProjection``, ``FoldNormAffine``, ``ConvertConvLayout``, ``CancelTransposes``,
-``Conv2dToMatmul``, ``FuseAttention``, ``PadAttentionKeys``, ``AutoMixedPrecision`` and
+``Conv2dToMatmul``, ``FuseAttention``, ``GroupAttentionHeads`` (grouped-query attention's
+repeated key/value heads into the attention op), ``PadAttentionKeys``, ``AutoMixedPrecision`` and
 ``ScaleLoss``, ``FuseBatchNorm``.  ``gradient_rules`` registers the gradients TVM 0.27 lacks;
 ``AppendOptimizer`` appends the fused optimizer update (``optimizers``, ``optimizer_update``,
 ``write_back``) as ``train_step``.  For data parallel (``tvm_evt.distributed``), ``SplitAdjoint``
