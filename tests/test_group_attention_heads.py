@@ -125,3 +125,18 @@ def test_llama_step_attends_over_its_key_value_heads(kv_heads=2):
     for name, g in ref.items():
         err = (torch.from_numpy(np.asarray(grads[name].numpy())) - g).norm().item() / largest
         assert err <= 1e-4, (name, err)
+
+
+def test_eager_attention_over_repeated_heads_is_grouped_too():
+    """transformers' "eager" attention (repeat_kv, then the written-out math FuseAttention takes)
+    reaches the flash-attention kernels over the key/value heads themselves (bf16, CUDA route; the
+    training graph only, no kernel built)."""
+    from tvm_evt import optim, tuning
+    from tvm_evt.report import attention_calls
+    from tvm_evt.training import hopper_target
+
+    entry = models.hf_llama_lm(batch=2, seq=64, layers=1, hidden=256, heads=4, kv_heads=2, ffn=128, vocab=100,
+                               attention="eager")
+    _, graph = tuning.training_graph(entry, "bf16", optim.AdamW(lr=1e-4), hopper_target())
+    calls = attention_calls(graph.mod["train_step"])
+    assert [(c["op"], c["kv_heads"], c["kernel"]) for c in calls] == [("forward", 2, True), ("backward", 2, True)]
