@@ -123,13 +123,16 @@ class _SDPAForms(torch.nn.Module):
             F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
             F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=0.3),
             F.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True),
+            # a mask from the inputs: written out, k and v repeated over the query heads
+            F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], attn_mask=keep, enable_gqa=True),
         ]
         return sum(outs).transpose(1, 2).reshape(b, s, d)
 
 
 def test_sdpa_forms_match_torch():
     """SDPA with a causal flag, boolean and additive masks broadcast over heads and queries, a
-    custom scale, and grouped-query heads (enable_gqa): loss and gradients equal torch's."""
+    custom scale, and grouped-query heads (enable_gqa, also with a padding mask, written out): loss and
+    gradients equal torch's."""
     torch.manual_seed(0)
     model = _SDPAForms()
     x, pad = torch.randn(2, 12, 32), torch.ones(2, 12)

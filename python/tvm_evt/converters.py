@@ -576,18 +576,6 @@ def _convert_native_group_norm(node: fx.Node, importer) -> relax.Expr:
 # --------------------------------------------------------------------------------------------
 
 
-def _repeat_heads(bb, x: relax.Expr, heads: int) -> relax.Expr:
-    """[B, Hk, S, D] -> [B, heads, S, D], each key/value head read by heads / Hk query heads in turn
-    (grouped-query attention, as ``enable_gqa`` and transformers' ``repeat_kv`` define it)."""
-    b, hk, s, d = _shape(x)
-    if heads % hk:
-        raise NotImplementedError(f"scaled_dot_product_attention: {heads} query heads over {hk} key/value heads")
-    if heads == hk:
-        return x
-    wide = bb.emit(relax.op.broadcast_to(relax.op.expand_dims(x, 2), [b, hk, heads // hk, s, d]))
-    return bb.emit(relax.op.reshape(wide, [b, heads, s, d]))
-
-
 def constant_value(node) -> torch.Tensor | None:
     """The value of the fx value `node` where it is computed from constants only (no placeholder
     among its ancestors: transformers' masks built from ``arange``), evaluated with torch; else None."""
@@ -678,7 +666,9 @@ def _convert_sdpa(node: fx.Node, importer) -> relax.Expr:
         return fused
     getattr(importer, "attention_fallbacks", []).append((node, fused))
     if _arg(node, 7, "enable_gqa", False):  # written out, k and v repeated over the query heads
-        k, v = _repeat_heads(bb, k, _shape(q)[-3]), _repeat_heads(bb, v, _shape(q)[-3])
+        from .relax_passes.ops import attention_op
+
+        k, v = (attention_op.repeat_heads(bb, x, _shape(q)[-3]) for x in (k, v))
     attn_mask = _arg(node, 3, "attn_mask")
     mask = importer.env[attn_mask] if attn_mask is not None else None
     q_shape, k_shape = _shape(q), _shape(k)

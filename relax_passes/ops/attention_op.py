@@ -326,6 +326,8 @@ def repeat_heads(bb, x: relax.Expr, heads: int) -> relax.Expr:
     b, hk, s, d = _static(x, "repeat_heads")
     if hk == heads:
         return x
+    if heads % hk:
+        raise _fail("repeat_heads", f"{heads} query heads over {hk} key/value heads")
     wide = bb.emit(R.broadcast_to(R.expand_dims(x, [2]), [b, hk, heads // hk, s, d]))
     return bb.emit(R.reshape(wide, [b, heads, s, d]))
 
