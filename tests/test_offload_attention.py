@@ -105,13 +105,16 @@ def test_float32_attention_is_decomposed_and_computes_the_same_values():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _heads_module(rate: float, dtype: str = "bfloat16", identity_reshape: bool = False) -> tvm.IRModule:
+def _heads_module(rate: float, dtype: str = "bfloat16", identity_reshape: bool = False,
+                  kv_heads: int = H) -> tvm.IRModule:
     """Attention on heads split from [B, S, H*D] activations, as a linear layer's output is:
     x [B, S, H, D] -> permute_dims -> attention -> permute_dims -> [B, S, H*D]; and its adjoint.
     `identity_reshape`: the attention's output reshaped to its own shape first (transformers' GPT-2
-    does), so the adjoint's dO is ``reshape(permute_dims(...))`` to the same shape."""
+    does), so the adjoint's dO is ``reshape(permute_dims(...))`` to the same shape.  `kv_heads`: the
+    keys' and values' heads (grouped-query attention below H)."""
     bb = relax.BlockBuilder()
-    xs = [relax.Var(n, relax.TensorType((B, S, H, D), "float32")) for n in ("xq", "xk", "xv")]
+    xs = [relax.Var(n, relax.TensorType((B, S, heads, D), "float32"))
+          for n, heads in (("xq", H), ("xk", kv_heads), ("xv", kv_heads))]
     seed = relax.Var("rng_seed", relax.TensorType((2,), "uint32"))
     w = relax.Var("w", relax.TensorType((B, S, H * D), "float32"))
     with bb.function("main", [*xs, seed, w]):
@@ -136,14 +139,16 @@ def _as_plain_relax(mod: tvm.IRModule) -> tvm.IRModule:
                          and "Codegen" in f.attrs else f for gv, f in mod.functions_items()}, attrs=mod.attrs)
 
 
-@pytest.mark.parametrize("rate,identity_reshape", [(0.1, False), (0.0, False), (0.0, True)],
-                         ids=["dropout", "plain", "dO_reshaped"])
-def test_heads_split_from_activations_are_read_sequence_major_without_transposes(rate, identity_reshape):
-    before = _heads_module(rate, identity_reshape=identity_reshape)
+@pytest.mark.parametrize("rate,identity_reshape,kv_heads", [(0.1, False, H), (0.0, False, H), (0.0, True, H),
+                                                         (0.1, False, 1), (0.0, False, 1)],
+                         ids=["dropout", "plain", "dO_reshaped", "grouped_dropout", "grouped"])
+def test_heads_split_from_activations_are_read_sequence_major_without_transposes(rate, identity_reshape, kv_heads):
+    before = _heads_module(rate, identity_reshape=identity_reshape, kv_heads=kv_heads)
     after = OffloadAttention()(before)
     relax.analysis.well_formed(after)
     specs = [attention_of_function(f) for f in _codegen_functions(after).values()]
     assert len(specs) == (3 if rate else 2) and all(s.layout == "bshd" for s in specs)
+    assert all(s.kv_heads == kv_heads for s in specs)
     assert sum(s.saved_mask for s in specs) == (2 if rate else 0)  # main_adjoint's pair
     heads_swaps = []
     relax.analysis.post_order_visit(after["main_adjoint"].body, lambda e: heads_swaps.append(e) if isinstance(
@@ -152,7 +157,7 @@ def test_heads_split_from_activations_are_read_sequence_major_without_transposes
     if rate:
         return
     rng = np.random.default_rng(1)
-    args = [rng.standard_normal((B, S, H, D)).astype("float32") for _ in range(3)]
+    args = [rng.standard_normal((B, S, heads, D)).astype("float32") for heads in (H, kv_heads, kv_heads)]
     args += [np.array([0x1234, 0x5678], "uint32"), rng.standard_normal((B, S, H * D)).astype("float32")]
     results = []
     for mod in (before, _as_plain_relax(after)):
