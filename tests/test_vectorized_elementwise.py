@@ -25,6 +25,8 @@ def _kernels():
     a3 = te.placeholder((32, 3), "bfloat16", name="a3")
     xt = te.placeholder((256, 32), "bfloat16", name="xt")
     lab = te.placeholder((32, 1), "int64", name="lab")
+    g = te.placeholder((2, 4, 16, 128), "bfloat16", name="g")
+    sin = te.placeholder((16, 128), "bfloat16", name="sin")
     stat = te.placeholder((32, 1), "float32", name="stat")
     return {
         # a cross-entropy gradient's one-hot: the class index compared with the row's int64 label,
@@ -61,6 +63,12 @@ def _kernels():
         "concat": ([dq, dk, dv, te.compute((2, 16, 768), lambda b, t, i: tirx.if_then_else(
             i >= 512, dv[b, t, (i - 512) // 64, (i - 512) % 64], tirx.if_then_else(
                 i >= 256, dk[b, t, (i - 256) // 64, (i - 256) % 64], dq[b, t, i // 64, i % 64])), name="y")], 8),
+        # rotary embeddings' gradient through rotate_half (Llama's q and k), written to [B, S, H, D]:
+        # each half of the head reads the other half under a range guard (pad of a strided slice)
+        "rotary_bwd": ([g, sin, te.compute((2, 16, 4, 128), lambda b, t, h, d: tirx.if_then_else(
+            tirx.all(64 <= d, d < 128), g[b, h, t, d - 64] * sin[t, d - 64] * tirx.const(-1, "bfloat16"),
+            tirx.const(0, "bfloat16")) + tirx.if_then_else(
+            tirx.all(0 <= d, d < 64), g[b, h, t, d + 64] * sin[t, d + 64], tirx.const(0, "bfloat16")), name="y")], 8),
         # a guard at 3: no vector holds one input only, and the second input's reads are misaligned
         "concat_at_3": ([a3, x, te.compute((32, 259), lambda i, j: tirx.if_then_else(
             j >= 3, x[i, j - 3], a3[i, j]), name="y")], 0),
@@ -171,6 +179,36 @@ def test_concatenation_picks_its_input_once_a_vector():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_a_range_guard_picks_its_half_once_a_vector():
+    """rotate_half's gradient: guards ``64 <= d and d < 128`` hold for a whole vector of 8 (their
+    bounds are multiples of it), so each half is read as 16-byte vectors under one guard a vector
+    (it was staged: each guarded element read alone, Llama's q gradient at 1.5 TB/s on an H200,
+    ``docs/bench/h200-2026-11-30f/``); the schedule computes what the kernel computes."""
+    tensors, _ = _kernels()["rotary_bwd"]
+    scheduled = _schedule(tensors)["main"]
+    assert "T.unroll" not in scheduled.script() and "y_local" not in scheduled.script()  # not staged
+    src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert src.count("*(uint4*)(") == 5  # g and sin in each of two branches, and the store
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(d) for d in t.shape]).astype("float32") for t in tensors[:2]]
+    outs = []
+    for f in (te.create_prim_func(tensors), serial(scheduled)):
+        lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")
+        y = tvm.runtime.empty([int(d) for d in tensors[2].shape], "bfloat16")
+        lib["main"](*[_bf16(a) for a in args], y)
+        outs.append(y.numpy().view("uint16"))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    with tvm.target.Target(CUDA):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+def _bf16(a):
+    import ml_dtypes
+
+    return tvm.runtime.tensor(a.astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
 def test_vectorized_kernels_build_with_16_byte_accesses():
     tensors, _ = _kernels()["heads"]
     src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
@@ -190,7 +228,7 @@ def test_vectorized_kernels_compile_with_nvcc(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast", "fp32_add", "concat", *STAGED,
+@pytest.mark.parametrize("name", ["heads", "cast_bcast", "channel_bcast", "fp32_add", "concat", "rotary_bwd", *STAGED,
                                   "stem_gather", "one_hot"])
 def test_vectorized_kernels_on_gpu_match_llvm(name):
     tensors, _ = _kernels()[name]

@@ -14,8 +14,10 @@ is vector-friendly:
   aligned: ``x[..., i + c]``, or a reshape's ``x[..., i // 64, i % 64]``), or not at all (a
   broadcast);
 * ``i``'s extent is a multiple of ``v``, and so is every bound ``c`` of an ``if_then_else`` guard
-  ``c <= i`` (a concatenation along ``i``): such a guard holds for a whole vector, and is written
-  on ``i - i % v`` so that the vectorizer keeps one guard and vector loads in its branches.
+  ``c <= i`` (a concatenation along ``i``), or of a range ``a <= i and i < b`` (rotary embeddings'
+  ``rotate_half`` and its gradient: ``pad`` and ``strided_slice`` over the two halves of the head):
+  such a guard holds for a whole vector, and is written on ``i - i % v`` so that the vectorizer keeps
+  one guard and vector loads in its branches.
 
 Bool data along the vector (a dropout mask read, ReLU's backward comparison
 ``where(x > 0, dy, 0)``) cannot be one vector: TVM 0.27's CUDA codegen has no ``boolxN`` type.
@@ -106,12 +108,27 @@ def _guard_bound(cond, var) -> int | None:
     return int(bound.value) if isinstance(bound, tirx.IntImm) else None
 
 
+def _guard_bounds(cond, var) -> list[int] | None:
+    """The constants of an ``if_then_else`` condition that is one comparison of `var` itself with a
+    constant (`_guard_bound`) or a conjunction of such (a range, ``a <= var and var < b``), else None."""
+    if isinstance(cond, tirx.And):
+        a, b = _guard_bounds(cond.a, var), _guard_bounds(cond.b, var)
+        return a + b if a is not None and b is not None else None
+    bound = _guard_bound(cond, var)
+    return None if bound is None else [bound]
+
+
+def _conditions(cond) -> list:
+    """`cond` and, for a conjunction, the conditions it joins (each a bool value along the vector)."""
+    return [cond, *_conditions(cond.a), *_conditions(cond.b)] if isinstance(cond, tirx.And) else [cond]
+
+
 def _guards(block: tirx.SBlock, var) -> list:
-    """The ``if_then_else`` conditions of the block that are guards on `var` (`_guard_bound`)."""
+    """The ``if_then_else`` conditions of the block that are guards on `var` (`_guard_bounds`)."""
     found = []
 
     def visit(call) -> None:
-        if call.op.same_as(IF_THEN_ELSE) and _guard_bound(call.args[0], var) is not None:
+        if call.op.same_as(IF_THEN_ELSE) and _guard_bounds(call.args[0], var) is not None:
             found.append(call.args[0])
 
     tvm_ffi.structural_walk(block.body, (tvm.ir.expr.Call, visit), order="post")
@@ -158,10 +175,11 @@ def _plan(block: tirx.SBlock, guards: list) -> Plan:
     """`plan`, with the conditions in `guards` taken as aligned to the vectors."""
     inner = block.iter_vars[-1]
     extent = int(inner.dom.extent) if isinstance(inner.dom.extent, tirx.IntImm) else 0
-    bounds = [_guard_bound(g, inner.var) for g in guards]
+    bounds = [c for g in guards for c in _guard_bounds(g, inner.var)]
     accesses = _accesses(block)
     along = [(b, idx) for b, idx in accesses if any(_uses_var(i, inner.var) for i in idx)]
-    staged = _bool_values_along(block, inner.var, guards) or any(str(b.dtype) == "bool" for b, _ in along)
+    conditions = [c for g in guards for c in _conditions(g)]
+    staged = _bool_values_along(block, inner.var, conditions) or any(str(b.dtype) == "bool" for b, _ in along)
     vector = [(b, idx) for b, idx in accesses if str(b.dtype) != "bool"] if staged else accesses
     analyzer = sym.Analyzer()
     for iv in block.iter_vars:
@@ -216,15 +234,18 @@ def _friendly(buf, indices, var, lanes: int, analyzer) -> bool:
 
 
 def _align_guards(func: tirx.PrimFunc, var, lanes: int) -> tirx.PrimFunc:
-    """`func` with each ``if_then_else`` guard ``c <= var`` / ``var < c`` (and the mirrored forms)
-    whose bound ``c`` is a multiple of `lanes` written on ``var - var % lanes`` instead: the same
-    truth value, now equal across a vector of `lanes`, so the vectorizer keeps one guard and
-    vector loads in its branches (a concatenation: which input a vector comes from) instead of
-    splitting the vector into scalar lanes."""
+    """`func` with each ``if_then_else`` guard ``c <= var`` / ``var < c`` (and the mirrored forms, and
+    conjunctions of them) whose bound ``c`` is a multiple of `lanes` written on ``var - var % lanes``
+    instead: the same truth value, now equal across a vector of `lanes`, so the vectorizer keeps one
+    guard and vector loads in its branches (a concatenation: which input a vector comes from)
+    instead of splitting the vector into scalar lanes."""
 
     base = var - tirx.floormod(var, tirx.const(lanes, str(var.ty)))
 
     def aligned(cond):
+        if isinstance(cond, tirx.And):
+            a, b = aligned(cond.a), aligned(cond.b)
+            return cond if a.same_as(cond.a) and b.same_as(cond.b) else tirx.And(a, b)
         bound = _guard_bound(cond, var)
         if bound is None or bound % lanes:
             return cond
