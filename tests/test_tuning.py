@@ -286,8 +286,9 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     assert len(forward) == 2 and all("mean_rstd" in k and "xhat" not in k for k in forward), forward
     backward = [r for r in tir if r["kernel"].startswith("layer_norm_grad")]
     # each reads x in bf16 (a float32 xhat would add 64 MB) and writes dx's bf16 cast, dropout's
-    # backward of it (reading the keep mask) and dgamma's and dbeta's partial sums: 193 MB
-    assert len(backward) == 2 and all(r["bytes_per_call"] < 200e6 for r in backward), backward
+    # backward of it (reading the keep mask) and dgamma's and dbeta's partial sums (2048 groups of
+    # 8 rows, 17 MB: rows_per_block fills the GPU once): 201 MB
+    assert len(backward) == 2 and all(r["bytes_per_call"] < 205e6 for r in backward), backward
     assert all("_tail_sum_dy_xhat_sum_dy_" in r["kernel"] for r in backward), backward
     assert sum(r["bytes"] for r in tir) < 1.3e9, sum(r["bytes"] for r in tir)
 
