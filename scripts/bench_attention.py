@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Time the flash-attention kernels (relax.ext.evt_attention) against torch SDPA on the GPU:
-the attention cores of BERT-Large, GPT-2 medium and ViT-B/16 (tvm_evt.codegen.bench_attention)."""
+the attention cores of BERT-Large, GPT-2 medium, ViT-B/16 and a Llama layer, with its 32 heads or
+its 8 key/value heads (tvm_evt.codegen.bench_attention)."""
 import argparse
 
 from tvm_evt.codegen import bench_attention

@@ -101,8 +101,9 @@ def main(argv=None) -> int:
                     help="also time each kernel as DLight's rules alone schedule it (without ours)")
     ap.add_argument("--quick", action="store_true", help="the model at scripts/bench.py --quick's size")
     ap.add_argument("--norm-blocks", default="",
-                    help="comma-separated least thread blocks of the norm gradient kernels with weight-gradient "
-                         "partials to compare (_row_kernel.GROUP_BLOCKS; a large one: no partials)")
+                    help="comma-separated thread-block targets of the norm gradient kernels with weight-gradient "
+                         "partials to compare (_row_kernel.GROUP_BLOCKS; by default one full residency of the GPU; "
+                         "a large one: no partials)")
     args = ap.parse_args(argv)
     import torch
 
