@@ -29,6 +29,20 @@ def is_copy(var: relax.Var) -> bool:
     return var.name.endswith(COPY_SUFFIX)
 
 
+def resolve_alias(bound: dict, expr: relax.Expr) -> relax.Expr:
+    """`expr` through var-to-var bindings (``lv35 = lv_1``) of `bound` (var -> bound value)."""
+    while isinstance(expr, relax.Var) and isinstance(bound.get(expr), relax.Var):
+        expr = bound[expr]
+    return expr
+
+
+def bound_call(bound: dict, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
+    """The call to `op` that `expr` is (or is bound to in `bound`, through aliases), else None."""
+    expr = resolve_alias(bound, expr)
+    value = bound.get(expr) if isinstance(expr, relax.Var) else expr
+    return value if isinstance(value, relax.Call) and value.op == op else None
+
+
 def op_name(value) -> str | None:
     """The operator name of a call to a Relax operator (``"relax.add"``), else None."""
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):

@@ -37,7 +37,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import mutate_relax_functions, scalar_value, static_shape as _shape
+from .._rewrite import bound_call, mutate_relax_functions, resolve_alias, scalar_value, static_shape as _shape
 
 SUM = tvm.ir.Op.get("relax.sum")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
@@ -56,19 +56,6 @@ def _bindings(func: relax.Function) -> dict:
             if isinstance(b, relax.VarBinding)}
 
 
-def _resolve(bound: dict, expr: relax.Expr) -> relax.Expr:
-    """`expr` through var-to-var bindings."""
-    while isinstance(expr, relax.Var) and isinstance(bound.get(expr), relax.Var):
-        expr = bound[expr]
-    return expr
-
-
-def _call(bound: dict, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
-    expr = _resolve(bound, expr)
-    value = bound.get(expr) if isinstance(expr, relax.Var) else expr
-    return value if isinstance(value, relax.Call) and value.op == op else None
-
-
 def _last_axis(shape: tuple[int, ...], axis) -> bool:
     return axis is not None and len(axis) == 1 and int(axis[0]) % len(shape) == len(shape) - 1
 
@@ -78,7 +65,7 @@ def _diagonal_chain(bound: dict, expr: relax.Expr):
     chain starts from, the product of its scalar factors and its masks."""
     scale, masks = 1.0, []
     last = _shape(expr)[-1] if _shape(expr) else None
-    while isinstance(expr := _resolve(bound, expr), relax.Var) and isinstance(bound.get(expr), relax.Call):
+    while isinstance(expr := resolve_alias(bound, expr), relax.Var) and isinstance(bound.get(expr), relax.Call):
         call = bound[expr]
         if call.op == BROADCAST_TO and _shape(call.args[0]) == _shape(call):
             expr = call.args[0]  # a broadcast to its own shape
@@ -98,7 +85,7 @@ def _diagonal_chain(bound: dict, expr: relax.Expr):
                 expr = call.args[0]
             scale *= k if call.op == MULTIPLY else 1.0 / k
         elif call.op == WHERE and scalar_value(bound, call.args[2]) == 0.0:
-            masks.append(_resolve(bound, call.args[0]))
+            masks.append(resolve_alias(bound, call.args[0]))
             expr = call.args[1]
         else:
             break
@@ -113,7 +100,7 @@ def _same_factor(a, b) -> bool:
 
 def _transposed(bound: dict, expr: relax.Expr) -> relax.Expr | None:
     """``v`` for ``expr = permute_dims(v, axes)`` swapping exactly the last two axes."""
-    call = _call(bound, expr, PERMUTE_DIMS)
+    call = bound_call(bound, expr, PERMUTE_DIMS)
     if call is None or call.attrs.axes is None:
         return None
     axes = [int(a) for a in call.attrs.axes]
@@ -127,30 +114,30 @@ def find_rewrites(func: relax.Function) -> dict:
     by_rhs = defaultdict(list)
     for var, value in bound.items():
         if isinstance(value, relax.Call) and value.op == MATMUL:
-            by_rhs[_resolve(bound, value.args[1])].append(var)
+            by_rhs[resolve_alias(bound, value.args[1])].append(var)
     found = {}
     for r, value in bound.items():
         if not (isinstance(value, relax.Call) and value.op == SUM and value.attrs.keepdims):
             continue
         t = value.args[0]
         tshape = _shape(t)
-        prod = _call(bound, t, MULTIPLY)
+        prod = bound_call(bound, t, MULTIPLY)
         if prod is None or tshape is None or not _last_axis(tshape, value.attrs.axis):
             continue
         for p, dp in (prod.args, prod.args[::-1]):
-            sm = _call(bound, p, SOFTMAX)
+            sm = bound_call(bound, p, SOFTMAX)
             if sm is None or _shape(dp) != tshape or not _last_axis(tshape, [sm.attrs.axis]):
                 continue
             back = _diagonal_chain(bound, dp)
-            dpd = _call(bound, back[0], MATMUL)
-            v = None if dpd is None else _resolve(bound, _transposed(bound, dpd.args[1]))
+            dpd = bound_call(bound, back[0], MATMUL)
+            v = None if dpd is None else resolve_alias(bound, _transposed(bound, dpd.args[1]))
             if v is None:
                 continue
             g = dpd.args[0]
             for o in by_rhs.get(v, ()):
                 fwd = _diagonal_chain(bound, bound[o].args[0])
                 oshape, gshape = _shape(o), _shape(g)
-                if (fwd[0].same_as(_resolve(bound, p)) and _same_factor(fwd, back) and oshape is not None
+                if (fwd[0].same_as(resolve_alias(bound, p)) and _same_factor(fwd, back) and oshape is not None
                         and oshape == gshape and math.prod(oshape[:-1]) == math.prod(tshape[:-1])):
                     found[t] = (g, o)
                     break

@@ -54,7 +54,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...errors import MemoryBudgetError
-from .._rewrite import COPY_SUFFIX, VIEWS, flat_bindings, op_name, sub_expressions
+from .._rewrite import COPY_SUFFIX, VIEWS, flat_bindings, op_name, resolve_alias, sub_expressions
 from ..ops.attention_op import FORWARD as ATTENTION
 from .evt_cost import type_bytes, static_shape, tensor_bytes
 from .partition_evt import ILP_SOLVER
@@ -129,9 +129,7 @@ def budgeted(func) -> bool:
 def loss_var(func: relax.Function, bindings: list) -> relax.Var:
     """The step's loss: the first field of the tuple ``train_step`` returns (its first leaf)."""
     bound = {b.var: b.value for b in bindings}
-    result = func.body.body
-    while isinstance(result, relax.Var) and isinstance(bound.get(result), relax.Var):
-        result = bound[result]
+    result = resolve_alias(bound, func.body.body)
     result = bound.get(result, result) if isinstance(result, relax.Var) else result
     while isinstance(result, relax.Tuple) and result.fields and isinstance(result.fields[0], relax.Tuple):
         result = result.fields[0]  # main_adjoint: ((loss,), (gradients...))

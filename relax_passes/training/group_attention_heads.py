@@ -28,30 +28,22 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .._rewrite import replace_bindings, static_shape
+from .._rewrite import bound_call, replace_bindings, static_shape
 from ..ops import attention_op
 
 ATTENTION = tvm.ir.Op.get(attention_op.FORWARD)
 RESHAPE, BROADCAST_TO, EXPAND_DIMS = (tvm.ir.Op.get(f"relax.{n}") for n in ("reshape", "broadcast_to", "expand_dims"))
 
 
-def _call(bound: dict, expr, op) -> relax.Call | None:
-    """The call to `op` bound to `expr` (through aliases), else None."""
-    while isinstance(expr, relax.Var) and isinstance(bound.get(expr), relax.Var):
-        expr = bound[expr]
-    value = bound.get(expr) if isinstance(expr, relax.Var) else None
-    return value if isinstance(value, relax.Call) and value.op == op else None
-
-
 def repeated_heads(bound: dict, expr) -> tuple[relax.Expr, int] | None:
     """``(x, G)`` where `expr` [B, H, S, D] is `x` [B, H / G, S, D] with each head repeated G times in
     a row (a head of the result is ``x``'s head h // G), else None."""
-    flat = _call(bound, expr, RESHAPE)
-    wide = _call(bound, flat.args[0], BROADCAST_TO) if flat is not None else None
+    flat = bound_call(bound, expr, RESHAPE)
+    wide = bound_call(bound, flat.args[0], BROADCAST_TO) if flat is not None else None
     if wide is None:
         return None
-    unit = _call(bound, wide.args[0], EXPAND_DIMS)
-    unit = _call(bound, wide.args[0], RESHAPE) if unit is None else unit
+    unit = bound_call(bound, wide.args[0], EXPAND_DIMS)
+    unit = bound_call(bound, wide.args[0], RESHAPE) if unit is None else unit
     if unit is None:
         return None
     if unit.op == EXPAND_DIMS and [int(a) % 5 for a in unit.attrs.axis] != [2]:

@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._rewrite import replace_bindings, scalar_value, static_shape
+from .._rewrite import bound_call, replace_bindings, resolve_alias, scalar_value, static_shape
 
 MULTIPLY, MEAN, ADD, RSQRT = (tvm.ir.Op.get(f"relax.{name}") for name in ("multiply", "mean", "add", "rsqrt"))
 
@@ -43,13 +43,10 @@ class _Block:
 
     def resolve(self, expr):
         """`expr` seen through aliases (``a = b``)."""
-        while isinstance(expr, relax.Var) and isinstance(self.bound.get(expr), relax.Var):
-            expr = self.bound[expr]
-        return expr
+        return resolve_alias(self.bound, expr)
 
     def call(self, var, op):
-        value = self.bound.get(self.resolve(var))
-        return value if isinstance(value, relax.Call) and value.op == op else None
+        return bound_call(self.bound, var, op)
 
     def only_reader(self, var, reader) -> bool:
         """`var` (and its aliases) is read by `reader` alone."""
