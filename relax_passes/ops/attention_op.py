@@ -334,8 +334,8 @@ def repeat_heads(bb, x: relax.Expr, heads: int) -> relax.Expr:
 
 def _sum_heads(bb, x: relax.Expr, kv_heads: int) -> relax.Expr:
     """[B, H, S, D] -> [B, kv_heads, S, D]: the sum over each group of H / kv_heads heads (the
-    gradient of `repeat_heads`)."""
-    b, h, s, d = _static(x, "repeat_heads")
+    gradient of `repeat_heads`; the backward decomposition's)."""
+    b, h, s, d = _static(x, BACKWARD)
     if h == kv_heads:
         return x
     return bb.emit(R.sum(bb.emit(R.reshape(x, [b, kv_heads, h // kv_heads, s, d])), axis=[2]))
