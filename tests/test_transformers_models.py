@@ -1,5 +1,7 @@
 """Modules as transformers builds them (random weights, no downloads) train as torch computes them:
 loss and every gradient against torch fp32 on the CPU route."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,40 @@ def test_bert_layer(attention):
     entry = models.hf_bert_layer(batch=2, seq=16, hidden=64, heads=4, ffn=128, dropout=0.0, attention=attention)
     assert type(entry.model.layer).__module__ == "transformers.models.bert.modeling_bert"
     matches_torch(entry.model, entry.example_inputs(), entry.loss_fn)
+
+
+class _LlamaLayer(torch.nn.Module):
+    """transformers' LlamaDecoderLayer as LlamaModel calls it: rotary position embeddings of the
+    positions 0..S-1 (LlamaRotaryEmbedding), no mask (SDPA is then causal)."""
+
+    def __init__(self, config):
+        from transformers.models.llama import modeling_llama
+
+        super().__init__()
+        self.rotary = modeling_llama.LlamaRotaryEmbedding(config)
+        self.layer = modeling_llama.LlamaDecoderLayer(config, layer_idx=0)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        out = self.layer(hidden_states=x, position_embeddings=self.rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _llama_layer(attention: str, hidden=64, heads=4, kv_heads=2, ffn=128):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=128)
+    config._attn_implementation = attention
+    return _LlamaLayer(config)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_llama_decoder_layer_with_grouped_query_attention(attention):
+    """LlamaDecoderLayer: 4 query heads over 2 key/value heads (SDPA's enable_gqa, or the eager
+    form's repeat_kv), rotary embeddings, RMSNorm, SiLU gate."""
+    torch.manual_seed(0)
+    _check(_llama_layer(attention), torch.randn(2, 16, 64), torch.randn(2, 16, 64))
 
 
 def _check_lm(model, input_ids, labels):
@@ -306,3 +342,43 @@ def test_bert_layer_builds_the_zoo_layers_kernels():
     ours = kernels(FirstOutput(BertLayer(config)))
     assert [k for k, _, _ in ours].count("flash") == 2  # SDPA's forward and backward kernels
     assert ours == kernels(zoo)
+
+
+def test_llama_decoder_layers_kernels_pass_legality_and_build_for_sm90a(tmp_path, monkeypatch):
+    """#39: a LlamaDecoderLayer with grouped-query attention once reached nvcc with a partition
+    whose operand had a zero stride (rotary embeddings' K = 1 outer product), which nvcc rejected.
+    Its bf16 step for sm_90a, through the CUDA pipeline up to the kernel build: every evt partition
+    passes ``codegen.legality``, attention runs as the grouped kernels (4 query heads over 2), and
+    nvcc builds every kernel of the step into an empty cache."""
+    from tvm_evt import optim, pipeline
+    from tvm_evt.codegen import relax_ext
+    from tvm_evt.codegen.build import toolchain
+    from tvm_evt.codegen.legality import legality
+    from tvm_evt.frontend import from_torch
+    from tvm_evt.training import build_training_module, hopper_target
+
+    if toolchain.find_nvcc() is None:
+        pytest.skip("needs nvcc to build the kernels")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    x, t = torch.randn(2, 64, 256), torch.randn(2, 64, 256)
+    graph = build_training_module(from_torch(_llama_layer("sdpa", hidden=256, ffn=512), [x, t], F.mse_loss),
+                                  optim.AdamW(lr=1e-4), "bf16", inplace=True)
+    mod, target = graph.mod, hopper_target()
+    with target, pipeline.pass_context():
+        for p in pipeline.phases(target):
+            if p.info.name == "PrebuildKernels":
+                break
+            mod = p(mod)
+    partitions = {gv.name_hint: f for gv, f in mod.functions_items()
+                  if isinstance(f, tvm.relax.Function) and f.attrs and f.attrs.get("Codegen") == "evt"}
+    assert len(partitions) >= 7  # q, k, v, o, gate, up, down projections at least
+    refused = {name: legality(f).reason for name, f in partitions.items() if not legality(f).ok}
+    assert not refused
+    sources = relax_ext.kernel_sources(mod)
+    assert set(partitions) <= set(sources)
+    attention = [s for s in sources.values() if " H=4 Hkv=2 " in s.splitlines()[1]]
+    assert len(attention) == 2  # the forward and the backward, over 2 key/value heads
+    built = relax_ext.prebuild(mod)
+    failed = {name: str(r).splitlines()[0] for name, r in built.items() if not isinstance(r, Path)}
+    assert not failed and set(built) == set(sources)
