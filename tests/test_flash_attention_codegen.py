@@ -30,8 +30,9 @@ def test_dps_arguments_follow_the_flags():
 def test_forward_entry_bakes_in_shapes_flags_and_dropout_constants():
     src = emit_attention(call())
     # sk = 208 leaves its last 64-key tile part-filled: the kernels bound each row's keys (kRagged)
-    assert "flash_fwd<64, true, false, true, true, true>, grid, stream, p);" in src
-    assert "dim3 grid((197 + kBlock - 1) / kBlock, 6);" in src
+    # a CTA per 64-query tile of each of B x H = 6 heads
+    assert "flash_fwd<64, true, false, true, true, true>, p.q_blocks,\n      6, false, stream, p);" in src
+    assert "p.q_blocks = (197 + kBlock - 1) / kBlock;" in src
     # the Philox threshold and scale of p = 0.1 (codegen/philox.py's convention), the site
     assert "p.threshold = 6554u;" in src and "p.drop_scale = 1.1111111640930176f;" in src
     assert "p.site = 3u;" in src
@@ -79,8 +80,8 @@ def test_grouped_query_heads_check_key_value_shapes_and_launch_dkdv_per_key_valu
     assert 'check(dq, kKernel, "dq", {2, 197, 8, 64}, kDLBfloat, 16, device)' in src
     run = src.split("int run(")[1]
     assert "p.heads = 8;" in run and "p.kv_heads = 2;" in run
-    assert "dim3((208 + kBlock - 1) / kBlock, 4), stream, p);" in run  # dK/dV: B x Hkv
-    assert "dim3((197 + kBlock - 1) / kBlock, 16), stream, p);" in run  # dQ: B x H
+    assert "true, true, true>, p.k_blocks,\n      4, false, stream, p);" in run  # dK/dV: key tiles of B x Hkv
+    assert "true, true, true>, p.q_blocks,\n      16, false, stream, p);" in run  # dQ: query tiles of B x H
     assert "p.kv_heads = 3;" in emit_attention(call())  # without grouping: as many as the query heads
     with pytest.raises(Unsupported, match="8 query heads over 3 key/value heads"):
         emit_attention(call(heads=8, kv_heads=3))
@@ -109,7 +110,7 @@ def test_entries_check_and_launch_the_true_head_dim(head_dim):
     fwd = emit_attention(call(head_dim=head_dim, layout="bshd"))
     assert f'check(q, kKernel, "q", {{2, 197, 3, {head_dim}}}, kDLBfloat, 16, device)' in fwd
     assert f'check(out, kKernel, "out", {{2, 197, 3, {head_dim}}}, kDLBfloat, 16, device)' in fwd
-    assert f"launch<FwdShared<{head_dim}, true, true>>(\n      flash_fwd<{head_dim}, true, false, true, true, true>," in fwd
+    assert f"launch_tiles<FwdShared<{head_dim}, true, true>>(\n      flash_fwd<{head_dim}, true, false, true, true, true>," in fwd
     bwd = emit_attention(call(head_dim=head_dim, backward=True, symbol="attn_bwd"))
     assert f'check(dk, kKernel, "dk", {{2, 3, 208, {head_dim}}}, kDLBfloat, 16, device)' in bwd
     run = bwd.split("int run(")[1]
@@ -237,3 +238,25 @@ def test_ptxas_fits_every_head_dim_without_spills(tmp_path):
         assert set(kernels) == want, (symbol, kernels)
         for kernel, (registers, spilled) in kernels.items():
             assert spilled == 0 and registers <= 255, (symbol, kernel, registers, spilled)
+
+
+def _cta_of(block: int, tiles: int, heads: int, chunk: int) -> tuple[int, int]:
+    """the kernels' ``cta_of``, for checking its order on the host"""
+    first = block // (chunk * tiles) * chunk
+    n = min(chunk, heads - first)
+    local = block - first * tiles
+    return local // n, first + local % n
+
+
+@pytest.mark.parametrize("tiles,heads,chunk", [(32, 128, 17), (4, 1536, 132), (3, 5, 2), (7, 1, 1), (2, 3, 3)])
+def test_launch_order_covers_every_tile_once_ranks_first_within_chunks(tiles, heads, chunk):
+    """The 1-D grid of ``launch_tiles``: every (tile, head) once; within a chunk of heads, every
+    rank-r CTA before any of rank r + 1 (a causal launch's longest tiles first); chunks in head order."""
+    src = emit_attention(call(backward=True, causal=True))
+    assert "const Cta cta = cta_of(p, p.k_blocks);" in src and "p.q_blocks - 1 - cta.rank" in src
+    order = [_cta_of(b, tiles, heads, chunk) for b in range(tiles * heads)]
+    assert sorted(order) == [(r, h) for r in range(tiles) for h in range(heads)]
+    for first in range(0, heads, chunk):
+        ranks = [r for r, h in order if first <= h < first + chunk]
+        assert ranks == sorted(ranks)
+    assert [h // chunk for _, h in order] == sorted(h // chunk for _, h in order)

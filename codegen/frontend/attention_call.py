@@ -61,8 +61,9 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
         raise Unsupported(f"{op}: q {_shape(q)}, k {_shape(call.args[1])}, v {_shape(call.args[2])} do not agree")
     if head_dim not in HEAD_DIMS:
         raise Unsupported(f"{op}: head dimension {head_dim} (the kernels take {HEAD_DIMS})")
-    if batch * heads > 65535:
-        raise Unsupported(f"{op}: batch x heads = {batch * heads} exceeds the grid's y extent")
+    tiles = -(-max(sq, sk) // 64)  # a CTA per 64 rows of a head (the kernels' 1-D grids)
+    if batch * heads * tiles > 2**31 - 1:
+        raise Unsupported(f"{op}: {batch * heads} heads of {tiles} tiles exceed a launch's 2^31 - 1 CTAs")
     scale, causal, dropout, site = (
         _prim(call.args[n + 1 + i], what, op) for i, what in enumerate(("scale", "causal", "dropout", "site"))
     )
