@@ -249,3 +249,21 @@ def test_attention_of_function_checks_the_sequence_major_parameters():
     with pytest.raises(Unsupported, match="q must be permute_dims"):
         attention_of_function(bad)
     assert dataclasses.replace(attention_of_function(good), layout="bhsd").shape(S) == [B, H, S, D]
+
+
+def test_attention_of_function_bounds_the_launch_not_batch_times_heads():
+    """The kernels launch a 1-D grid of a CTA per 64 rows of each head: 70000 heads of 64 rows (past
+    the 65535 of a 2-D grid's y extent, their old bound) are taken, 2^32 CTAs are refused."""
+    from tvm_evt.codegen.errors import Unsupported
+
+    def function(batch, heads, seq):
+        params = [relax.Var(name, relax.TensorType((batch, heads, seq, 64), "bfloat16")) for name in "qkv"]
+        bb = relax.BlockBuilder()
+        with bb.function("attention", params):
+            bb.emit_func_output(bb.emit(attention_op.attention(*params, attention_op.no_seed(), 0.125, False, 0.0,
+                                                               SITE)))
+        return bb.get()["attention"].with_attrs({"global_symbol": "attention"})
+
+    assert attention_of_function(function(70000, 1, 64)).heads == 1
+    with pytest.raises(Unsupported, match=r"65536 heads of 65536 tiles exceed a launch's 2\^31 - 1 CTAs"):
+        attention_of_function(function(1024, 64, 64 * 65536))
