@@ -1107,8 +1107,9 @@ T* data_of(DLTensor const* t) {
 // none).  ``ranked`` (causal: the tiles' work differs): in chunks of the heads whose CTAs fill two waves
 // of what the GPU holds at once; else a head's tiles one after the other (chunks of one head), whose
 // keys and values then serve CTAs running side by side: on H200 the chunks made BERT-Large's
-// 32 x 16 x 512 attention 3-4 % slower, while Llama's causal 4 x 32 x 2048 backward took 9 % (12 % with
-// 8 key/value heads) less (docs/bench/h200-2026-11-30h)
+// 32 x 16 x 512 attention 3-4 % slower, while on Llama's causal 4 x 32 x 2048 at D 128 they took 12 %
+// off the backward over 8 key/value heads, and 6 % off the forward and 1.5 % off the backward over 32
+// (docs/bench/h200-2026-11-30h)
 template <class S>
 inline void launch_tiles(void (*kernel)(Params), int tiles, int heads, bool ranked, cudaStream_t stream, Params p) {
   constexpr int bytes = dynamic_smem_bytes<S>();

@@ -13,7 +13,7 @@ import dataclasses
 import tvm
 from tvm import relax
 
-from ..backend.flash_attention import HEAD_DIMS
+from ..backend.flash_attention import HEAD_DIMS, KEY_TILE
 from ..errors import Unsupported
 from ..ir.attention import AttentionCall
 from .op_call import only_call
@@ -61,7 +61,7 @@ def attention_of_call(call: relax.Call, symbol: str = "attention") -> AttentionC
         raise Unsupported(f"{op}: q {_shape(q)}, k {_shape(call.args[1])}, v {_shape(call.args[2])} do not agree")
     if head_dim not in HEAD_DIMS:
         raise Unsupported(f"{op}: head dimension {head_dim} (the kernels take {HEAD_DIMS})")
-    tiles = -(-max(sq, sk) // 64)  # a CTA per 64 rows of a head (the kernels' 1-D grids)
+    tiles = -(-max(sq, sk) // KEY_TILE)  # a CTA per tile of a head (the kernels' 1-D grids)
     if batch * heads * tiles > 2**31 - 1:
         raise Unsupported(f"{op}: {batch * heads} heads of {tiles} tiles exceed a launch's 2^31 - 1 CTAs")
     scale, causal, dropout, site = (
