@@ -258,6 +258,47 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
             assert np.linalg.norm(g - w) <= 2e-2 * np.linalg.norm(w) + 1e-6
 
 
+@pytest.mark.parametrize("model,layer_norms", [("bert_layer", 1), ("gpt2_block", 1), ("vit", 2)])
+def test_layer_norm_results_written_again_by_the_gradient_kernels_give_the_same_step(model, layer_norms):
+    """FuseLayerNormBackward(norm_output=True) on whole bf16 training graphs (post-LN BERT, pre-LN
+    GPT-2 and ViT): the gradient kernels of the layer norms whose bf16 results weight gradients
+    read write those results again, from the forward's input and statistics with the forward's
+    ops, and the weight gradients read that copy -- the step's loss and gradients bit for bit as
+    without (CPU, unscheduled kernels).  BERT's second layer norm feeds the loss alone."""
+    from tvm_evt import models, pipeline, tuning
+    from tvm_evt.pipeline import InlineEVTPartitions
+    from tvm_evt.relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
+
+    small = {"vit": dict(batch=2, image=16, patch=4, hidden=64, heads=4)}
+    entry = models.ZOO[model](**small.get(model, dict(batch=2, seq=16, hidden=64, heads=4)))
+    _imported, graph = tuning.training_graph(entry, "bf16")
+    with tvm.target.Target("llvm"):
+        inlined = tvm.transform.Sequential(pipeline.front_passes() + [InlineEVTPartitions()])(graph.mod)
+    forward = FuseLayerNorm(scheduled=False)(inlined)
+    plain, rewritten = (FuseLayerNormBackward(scheduled=False, norm_output=flag)(forward) for flag in (False, True))
+    written = [b.value.args[0].name_hint for block in rewritten["main_adjoint"].body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and b.value.op == CALL_TIR and "_ybfloat16" in b.value.args[0].name_hint]
+    assert len(written) == layer_norms, written
+    args = [tvm.runtime.tensor(a) for a in _random_args(inlined["main_adjoint"], np.random.default_rng())]
+
+    def run(mod):
+        ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(mod), target="llvm")
+        out, flat = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*args), []
+        stack = [out]
+        while stack:
+            x = stack.pop(0)
+            if hasattr(x, "numpy"):
+                flat.append(x.numpy())
+            else:
+                stack = list(x) + stack
+        return flat
+
+    want, got = run(plain), run(rewritten)
+    assert len(want) == len(got) > 2
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+
+
 def _rms_norm(n=64, rstd_read=True, widened=False):
     """DecomposeLayerNorm's spelling of an RMS norm (``rstd = rsqrt(mean(x * x) + eps)``,
     ``y = x * rstd * w``), the result cast to bf16 for a GEMM and, as the gradient does, xhat and

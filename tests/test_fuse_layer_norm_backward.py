@@ -496,3 +496,197 @@ def test_rows_a_block_walks(shape, rows):
     from tvm_evt.relax_passes.lower._row_kernel import rows_per_block
 
     assert rows_per_block(shape) == rows
+
+
+def _norm_step(n=64, m=32, lead=(2, 5), centered=True, wgrad="before", reader_after=False):
+    """A norm's forward and backward as the step spells them before FuseLayerNorm: the norm of a
+    widened bf16 x (a layer norm with scale and shift, or an RMS norm with a scale), its bf16 result
+    y read by a forward GEMM whose output the norm's incoming gradient dy is computed from, and,
+    through a reshape, by that GEMM's weight gradient, bound `wgrad` ("before", "after" or None)
+    the norm's input gradient; `reader_after`: y also read by the computation of dy, after the
+    weight gradient."""
+    bb = relax.BlockBuilder()
+    rows = int(np.prod(lead))
+    x16 = relax.Var("x16", relax.TensorType((*lead, n), "bfloat16"))
+    gamma, beta = relax.Var("gamma", relax.TensorType((n,), "float32")), relax.Var("beta", relax.TensorType((n,), "float32"))
+    w, w2 = relax.Var("w", relax.TensorType((n, m), "bfloat16")), relax.Var("w2", relax.TensorType((m, n), "bfloat16"))
+    dz = relax.Var("dz", relax.TensorType((rows, m), "bfloat16"))
+    axis = [len(lead)]
+    with bb.function("main", [x16, gamma, beta, w, w2, dz]):
+        with bb.dataflow():
+            emit = bb.emit
+            x = emit(relax.op.astype(x16, "float32"))
+            if centered:
+                mean = emit(relax.op.mean(x, axis, keepdims=True))
+                base = emit(relax.op.subtract(x, mean))
+            else:
+                base = x
+            var = emit(relax.op.mean(emit(relax.op.multiply(base, base)), axis, keepdims=True))
+            rstd = emit(relax.op.rsqrt(emit(relax.op.add(var, relax.const(1e-5, "float32")))))
+            xhat = emit(relax.op.multiply(base, rstd))
+            g_row = emit(relax.op.reshape(gamma, (1,) * len(lead) + (n,)))
+            y = emit(relax.op.multiply(xhat, g_row))
+            if centered:
+                y = emit(relax.op.add(y, emit(relax.op.reshape(beta, (1,) * len(lead) + (n,)))))
+            yl = emit(relax.op.astype(y, "bfloat16"))
+            out = emit(relax.op.matmul(yl, w))
+
+            def weight_gradient():
+                return emit(relax.op.matmul(emit(relax.op.permute_dims(emit(relax.op.reshape(yl, (rows, n))))), dz))
+
+            results = [out]
+            if wgrad == "before":
+                results.append(weight_gradient())
+            t = emit(relax.op.matmul(out, w2))
+            if reader_after:
+                t = emit(relax.op.add(t, yl))
+            dy = emit(relax.op.astype(t, "float32"))
+            g = emit(relax.op.multiply(dy, g_row))
+            dx = _input_gradient(emit, g, xhat, rstd) if centered else _rms_input_gradient(emit, g, xhat, rstd)
+            results.append(emit(relax.op.astype(dx, "bfloat16")))
+            if wgrad == "after":
+                results.append(weight_gradient())
+            result = bb.emit_output(relax.Tuple(results))
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def _rms_input_gradient(emit, g, xhat, rstd):
+    """dx = rstd * (g - xhat * mean(g * xhat)): an RMS norm's (gradient_rules.rms_norm_grad)."""
+    c = emit(relax.op.multiply(xhat, emit(relax.op.mean(emit(relax.op.multiply(g, xhat)), [2], keepdims=True))))
+    return emit(relax.op.multiply(rstd, emit(relax.op.subtract(g, c))))
+
+
+def _norm_passes(mod, norm_output, scheduled=True):
+    from tvm_evt.relax_passes.lower.fuse_layer_norm import FuseLayerNorm
+
+    return FuseLayerNormBackward(scheduled=scheduled, norm_output=norm_output)(FuseLayerNorm(scheduled=scheduled)(mod))
+
+
+def _order(mod):
+    """[(var, bound value)] of main's bindings, in order."""
+    return [(b.var, b.value) for block in mod["main"].body.blocks for b in block.bindings]
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_the_norm_s_result_is_written_again_for_the_weight_gradient_moved_after_the_kernel(centered):
+    """The weight gradient read the forward's bf16 y (through a reshape) before the norm's
+    gradient: it now runs after the gradient kernel and reads that kernel's copy of y, so the
+    forward's y is last read by the forward GEMM."""
+    after = _norm_passes(_norm_step(centered=centered), norm_output=True)
+    order = _order(after)
+    calls = [(i, v) for i, (_, v) in enumerate(order) if isinstance(v, relax.Call) and v.op == CALL_TIR]
+    (fwd_i, fwd), (grad_i, grad) = calls
+    kind = "layer_norm" if centered else "rms_norm"
+    assert fwd.args[0].name_hint.startswith(kind + "_2x5x64") and "bfloat16" in fwd.args[0].name_hint
+    assert grad.args[0].name_hint.startswith(kind + "_grad_2x5x64_dyg_bfloat16_ybfloat16_g")
+    # the kernel reads the forward's scale (and shift), and writes dx's cast and y again
+    assert [str(t.dtype) for t in grad.ty_args[0].fields] == ["bfloat16", "bfloat16"]
+    y_fwd = next(v for v, value in order if isinstance(value, relax.TupleGetItem)
+                 and value.tuple_value.same_as(order[fwd_i][0]) and str(v.ty.dtype) == "bfloat16")
+    y_grad = next(v for v, value in order if isinstance(value, relax.TupleGetItem)
+                  and value.tuple_value.same_as(order[grad_i][0]) and value.index == 1)
+    readers = lambda var: [i for i, (_, value) in enumerate(order) if isinstance(value, relax.Call)  # noqa: E731
+                           and any(a.same_as(var) for a in value.args)]
+    assert all(i < grad_i for i in readers(y_fwd))  # the forward GEMM alone
+    (reshape_i,) = readers(y_grad)
+    assert reshape_i > grad_i and order[reshape_i][1].op.name == "relax.reshape"
+    (permute_i,) = readers(order[reshape_i][0])
+    (matmul_i,) = readers(order[permute_i][0])
+    assert order[matmul_i][1].op.name == "relax.matmul" and matmul_i > permute_i
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_a_step_with_the_norm_s_result_written_again_computes_the_same_bits(centered):
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    n, m = 64, 32
+    bf16 = lambda shape, scale=1.0: (rng.standard_normal(shape) * scale).astype(ml_dtypes.bfloat16)  # noqa: E731
+    args = [(rng.standard_normal((2, 5, n)) * 2 + 1).astype(ml_dtypes.bfloat16),
+            rng.standard_normal(n).astype("float32"), rng.standard_normal(n).astype("float32"),
+            bf16((n, m), 0.2), bf16((m, n), 0.2), bf16((10, m))]
+    before = _norm_step(n, m, centered=centered)
+    plain, rewritten = (_norm_passes(before, flag, scheduled=False) for flag in (False, True))
+    assert "_ybfloat16" in str([gv.name_hint for gv in rewritten.get_global_vars()])
+    want, got = _run(plain, args), _run(rewritten, args)
+    assert len(want) == len(got) == 3
+    for w, g in zip(want, got):  # y again from the forward's input and statistics, by the same ops
+        np.testing.assert_array_equal(g.astype("float32"), w.astype("float32"))
+
+
+@pytest.mark.parametrize("case", ["forward_only", "read_after_the_weight_gradient"])
+def test_the_norm_s_result_is_left_where_the_copy_frees_nothing(case):
+    """y read by the forward alone (nothing reads it in the backward), or read by what the
+    gradient is computed from after the weight gradient (y stays alive past that reader anyway):
+    the kernel does not write y again."""
+    before = _norm_step(wgrad=None if case == "forward_only" else "before",
+                        reader_after=case == "read_after_the_weight_gradient")
+    plain, rewritten = (_norm_passes(before, flag) for flag in (False, True))
+    tvm.ir.assert_structural_equal(rewritten, plain)
+
+
+def test_a_weight_gradient_already_after_the_kernel_reads_the_copy():
+    after = _norm_passes(_norm_step(wgrad="after"), norm_output=True)
+    assert any("_ybfloat16" in gv.name_hint for gv in after.get_global_vars())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_a_scheduled_kernel_writing_the_norm_s_result_builds_for_cuda():
+    after = _norm_passes(_norm_step(1024, 64, lead=(4, 128)), norm_output=True)
+    (name,) = [gv for gv in after.get_global_vars() if "_ybfloat16" in gv.name_hint]
+    lib = tvm.compile(tvm.IRModule({"main": after[name]}), target=tvm.target.Target(CUDA))
+    assert "__shfl_down_sync" in lib.mod.imports[0].inspect_source()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("centered", [True, False])
+def test_the_gradient_kernel_s_copy_of_the_norm_s_result_has_the_forward_s_bits_on_gpu(centered):
+    """The scheduled forward norm kernel and the gradient kernel that writes its result again,
+    run on the GPU at BERT-Large's row size: the copy is the forward's bf16 result bit for bit
+    (the same float32 ops on the same input and statistics), and dx is written everywhere."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    n, m, lead = 1024, 64, (8, 512)
+    before = _norm_step(n, m, lead=lead, centered=centered)
+    after = _norm_passes(before, norm_output=True)
+    order = _order(after)
+    bound = dict(order)
+    calls = [(var, value) for var, value in order if isinstance(value, relax.Call) and value.op == CALL_TIR]
+    (fwd_var, fwd), (grad_var, grad) = calls
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(shape, dtype, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale + shift).to(dtype)
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    values = {p: rand([int(s) for s in p.ty.shape.values], dtypes[str(p.ty.dtype)], 2.0 if i == 0 else 0.5,
+                      1.0 if i == 0 else 0.0) for i, p in enumerate(after["main"].params)}
+
+    def value_of(arg):
+        if arg in values:
+            return values[arg]
+        b = bound.get(arg)
+        if isinstance(b, relax.Call) and b.op.name == "relax.reshape":  # gamma / beta as rows
+            return value_of(b.args[0]).reshape([int(s) for s in arg.ty.shape.values])
+        values[arg] = rand([int(s) for s in arg.ty.shape.values], dtypes[str(arg.ty.dtype)])  # dy's source
+        return values[arg]
+
+    def run(var, call):
+        lib = tvm.compile(tvm.IRModule({"main": after[call.args[0]]}), target=tvm.target.Target(CUDA))
+        ins = [value_of(a).contiguous() for a in call.args[1].fields]
+        outs = [torch.full([int(s) for s in t.shape.values], float("nan"), device="cuda",
+                           dtype=dtypes[str(t.dtype)]) for t in call.ty_args[0].fields]
+        lib["main"](*[tvm.runtime.from_dlpack(t) for t in ins + outs])
+        torch.cuda.synchronize()
+        for item, value in order:
+            if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(var):
+                values[item] = outs[value.index]
+        return outs
+
+    forward, (dxl, copy) = run(fwd_var, fwd), run(grad_var, grad)
+    y = forward[-1]
+    differ = (copy.view(torch.int16) != y.view(torch.int16)).sum().item()
+    assert differ == 0, f"{differ} of {y.numel()} elements differ from the forward's result"
+    assert not torch.isnan(dxl.float()).any()

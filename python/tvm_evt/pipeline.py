@@ -223,6 +223,10 @@ OPTIONAL = {
                            "row kernel, which writes their result instead (modelled TIR traffic: GPT-2 medium -134 MB a "
                            "step; H100 bf16: its two kernels 0.122 -> 0.072 ms, GPT-2 medium 3.59 -> 3.54 ms per "
                            "step)"),
+    "norm_output": Rewrite("FuseLayerNormBackward(norm_output=True): a norm's bf16/fp16 result that backward "
+                           "weight-gradient GEMMs read is written again by its gradient kernel, from the xhat it "
+                           "already computes, and those GEMMs move after it, so the step keeps the norm's input "
+                           "and statistics across the forward and not also its result"),
     "batch_norm": Rewrite("FuseBatchNorm: a training batch norm as one tvm_evt.batch_norm op before Gradient, "
                           "whose closed-form gradient sums dy and dy*(x - mean) and makes dx in one pass "
                           "(H100 bf16, with RecomputeElementwise: ResNet-50 conv3_x 19.16 -> 12.03 ms per step)"),
@@ -380,7 +384,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 SplitToSlices(),  # concat's gradient (im2col's col2im): pieces that fuse into their readers
                 FuseSoftmaxDropout(),  # attention softmax + cast/mask/scale: one row-per-block kernel
                 # layer norm statistics + normalize/affine/casts, and its input gradient: a kernel each
-                *([FuseLayerNorm(), FuseLayerNormBackward(epilogue=enabled("ln_epilogue"))]
+                *([FuseLayerNorm(), FuseLayerNormBackward(epilogue=enabled("ln_epilogue"),
+                                                          norm_output=enabled("norm_output"))]
                   if enabled("layer_norm") else []),
                 GatherBeforeSlice(),  # a loss's pick of the label logit reads the padded logits, not a copy
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32

@@ -161,23 +161,29 @@ class _ChainFuser(PyExprMutator):
     def prime(self, func: relax.Function) -> None:
         self.chains = self.find(func)
         self.absorbed = set().union(*(c.absorbed for c in self.chains.values())) if self.chains else set()
+        self.deferred = {b.var for c in self.chains.values() for b in getattr(c, "deferred", ())}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.absorbed:
             return  # computed by the fused call
+        if binding.var in self.deferred:
+            return  # bound again after its chain's call
         chain = self.chains.get(binding.var)
         if chain is None:
             return super().visit_var_binding_(binding)
         for var, out in self.fuse(self, binding, chain):
             self.set_var_remap(var, out)
+        for later in getattr(chain, "deferred", ()):  # in their order, reading the call's outputs
+            super().visit_var_binding_(later)
 
 
 def fuse_chains(mod: tvm.IRModule, find: Callable, fuse: Callable) -> tvm.IRModule:
     """Rewrite every Relax function of `mod`: ``find(func)`` maps the var of each match's last
     binding to the match (an object with ``absorbed``: the other bindings the fused call replaces),
     and at that binding ``fuse(mutator, binding, match)`` emits the fused call through
-    ``mutator.builder_`` and returns the (old var, new var) pairs to remap.  Bindings left unused
-    are removed."""
+    ``mutator.builder_`` and returns the (old var, new var) pairs to remap.  A match's optional
+    ``deferred`` bindings (earlier ones, in order) are moved after the call, their reads remapped.
+    Bindings left unused are removed."""
     fuser = _ChainFuser(mod, find, fuse)
     mod = mutate_relax_functions(fuser, mod, before_each=fuser.prime)
     return relax.transform.DeadCodeElimination()(mod)

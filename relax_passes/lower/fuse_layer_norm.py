@@ -58,6 +58,8 @@ RSQRT = tvm.ir.Op.get("relax.rsqrt")
 ASTYPE = tvm.ir.Op.get("relax.astype")
 RESHAPE = tvm.ir.Op.get("relax.reshape")
 MAX_ROW_BYTES = 48 * 1024  # the staged row lives in (static) shared memory
+# the kernel's attribute naming its parameters and outputs by role (``low``: the result's cast)
+NORM_ATTR = "tvm_evt.norm"
 
 # The chain's values: row statistics have shape [..., 1], the others [..., n].
 STATS = ("mean", "var", "var_eps", "rstd")
@@ -146,6 +148,10 @@ def layer_norm_primfunc(shape: tuple[int, ...], eps: float, gamma_shape, beta_sh
             stat_values(t1, t2, r[:-1])[o] for o in stats), name="stats"))
     params = [x_in] + [t for t in (gamma, beta) if t is not None]
     func = te.create_prim_func(params + stat_tensors + elem_tensors)  # outputs: stats first
+    # what FuseLayerNormBackward's gradient kernel needs to compute the result again as this does
+    func = func.with_attr(NORM_ATTR, {
+        "inputs": ["x"] + [name for name, t in (("gamma", gamma), ("beta", beta)) if t is not None],
+        "outputs": stats + elems + (["low"] if low else []), "centered": centered})
     if not scheduled:
         return func
     # the row of x staged in shared memory, then both sums; only the first output block reads the

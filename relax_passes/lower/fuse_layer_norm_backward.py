@@ -29,6 +29,13 @@ each thread adds the values it computes at its columns into registers, and write
 ``[groups, V, threads]`` partial sum, whose sum over the groups is a small kernel.  They were a
 column-sum kernel each that read ``dy`` and ``x`` again (Llama: 9 of 269 MB a step; the partials
 are 16 MB).
+With ``norm_output=True`` (the pipeline's ``norm_output``) the kernel also writes the forward's
+bf16 result ``y = astype(xhat * gamma + beta)`` again where weight-gradient GEMMs read ``y`` in the
+backward, and those GEMMs move after the kernel (``_norm_outputs``): ``xhat`` is already in its
+registers, computed from what the forward kept for it (the norm's input and statistics), so the
+step no longer keeps ``y`` across the forward as well (BERT-Large: 48 [tokens, 1024] bf16 tensors).
+The copy has the forward's bits: FuseLayerNorm's kernel computes ``y`` from the same values with
+the same ops, and says which of its outputs are which (``NORM_ATTR``).
 Each element is computed with the graph's operations in the graph's order (the sums may associate
 differently).  All values float32, in one dataflow block; only ``dx`` is read
 outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``LegalizeOps``.
@@ -36,6 +43,7 @@ outside the chain.  CUDA only: part of the evt pipeline's CUDA phase, before ``L
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import tvm
@@ -46,15 +54,31 @@ from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prolog
                         prologue_compute, prologue_tag, unique_leaves)
 from ._row_kernel import (LOW, block_names, column_partials, fuse_chains, partials_shape, rows_per_block,
                           schedule_rows, scheduled as mark_scheduled)
-from .fuse_layer_norm import MAX_ROW_BYTES, _as_list, _is_last_axis_mean, _is_row_vector
+from .fuse_layer_norm import MAX_ROW_BYTES, NORM_ATTR, _as_list, _is_last_axis_mean, _is_row_vector
 
 MEAN = tvm.ir.Op.get("relax.mean")
 SUBTRACT = tvm.ir.Op.get("relax.subtract")
 MULTIPLY = tvm.ir.Op.get("relax.multiply")
 ASTYPE = tvm.ir.Op.get("relax.astype")
 SUM = tvm.ir.Op.get("relax.sum")
+RESHAPE = tvm.ir.Op.get("relax.reshape")
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+MAX_DEFERRED = 32  # bindings one norm's output moves after its gradient kernel
 # a weight gradient's column sum the kernel can make from what it reads: kind -> value at an index
 COLUMN_SUMS = {"dy_xhat": lambda dy, xhat: dy * xhat, "dy": lambda dy, _xhat: dy}
+
+
+@dataclass(frozen=True)
+class NormOutput:
+    """A forward norm kernel's (FuseLayerNorm's) low-precision result ``y = astype(xhat * gamma
+    [+ beta], low)``, which the gradient kernel writes again from its ``xhat`` (the same float32
+    values: the forward's input and statistics, the same ops) for the readers moved after it."""
+
+    var: relax.Var  # y as the forward kernel wrote it
+    gamma: relax.Expr | None
+    beta: relax.Expr | None
+    low: str
+    aliases: tuple = ()  # (var, shape): reshapes of y read after the gradient kernel
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,8 @@ class LayerNormGradChain:
     centered: bool = True  # a layer norm's (g - mean(g)); False: an RMS norm's g
     col_sums: tuple = ()  # (sum var, COLUMN_SUMS kind): weight gradients the kernel makes partial sums of
     group_rows: int = 1  # rows a thread block walks when col_sums (rows_per_block)
+    output: NormOutput | None = None  # the forward's result, written again for `deferred`
+    deferred: tuple = ()  # bindings (in order) moved after the kernel, reading its `output`
 
 
 def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool, write_dx: bool,
@@ -96,12 +122,13 @@ def layer_norm_grad_primfunc(shape: tuple[int, ...], gamma_shape, given_h: bool,
 
 def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write_dx: bool, low: str | None,
                    scheduled: bool, tail_of=None, centered: bool = True, col_sums: tuple[str, ...] = (),
-                   group_rows: int = 1) -> tirx.PrimFunc:
+                   group_rows: int = 1, output_of=None) -> tirx.PrimFunc:
     """The kernel over the placeholders `params`; each input is a function of the index (``*_of``),
     ``g`` either given or ``dy * gamma``, ``h`` either given or ``g * xhat``; ``tail_of(idx, dx)``,
-    if given, a last output computed from ``dx``; `centered` False leaves out ``mean(g)``.  Each
-    of `col_sums` (``COLUMN_SUMS`` kinds) adds an output of partial column sums over groups of
-    `group_rows` rows (``column_partials``)."""
+    if given, an output computed from ``dx``; ``output_of(idx, xhat)``, if given, a last element
+    output computed from ``xhat`` (the forward norm's result); `centered` False leaves out
+    ``mean(g)``.  Each of `col_sums` (``COLUMN_SUMS`` kinds) adds an output of partial column sums
+    over groups of `group_rows` rows (``column_partials``)."""
     *lead, n = shape
     inv_n = tirx.const(1.0 / n, "float32")
     g = g_of if g_of is not None else (lambda idx: dy_of(idx) * at(gamma, idx))
@@ -116,9 +143,9 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
         c = xhat_of(idx) * (sum_h[r] * inv_n)
         dx = rstd[(*r, 0)] * (a - c)
         return tuple(([dx] if write_dx else []) + ([dx.astype(low)] if low else [])
-                     + ([tail_of(idx, dx)] if tail_of else []))
+                     + ([tail_of(idx, dx)] if tail_of else []) + ([output_of(idx, xhat_of(idx))] if output_of else []))
 
-    n_out = int(write_dx) + int(bool(low)) + int(tail_of is not None)
+    n_out = int(write_dx) + int(bool(low)) + int(tail_of is not None) + int(output_of is not None)
     outs = _as_list(te.compute(shape, values, name="dx"))
     names = [f"colsum{k}" for k in range(len(col_sums))]
     partials = [column_partials(shape, group_rows, lambda idx, kind=kind: COLUMN_SUMS[kind](dy_of(idx), xhat_of(idx)),
@@ -132,7 +159,8 @@ def _grad_primfunc(shape, params, g_of, dy_of, gamma, h_of, xhat_of, rstd, write
     return mark_scheduled(sch)
 
 
-def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
+def find_chains(func: relax.Function, epilogue: bool = False, mod: tvm.IRModule | None = None,
+                norm_output: bool = False) -> dict:
     """``{dx var (or its tail's last var): LayerNormGradChain}`` for each match of the module
     docstring's pattern.
 
@@ -140,7 +168,14 @@ def find_chains(func: relax.Function, epilogue: bool = False) -> dict:
     the bf16 dx of one layer norm feeds the dropout backward and the next layer norm's residual
     add) gets a second look: that reader is then a kernel of its own reading the value, like a
     GEMM, and the tail takes the other reader.  A second-look tail that would share an op with
-    another chain's tail is not taken."""
+    another chain's tail is not taken.  With `norm_output` (and `mod`, where the forward kernels
+    are), each chain also takes its forward norm's result where that moves its backward readers
+    after the kernel (``_norm_outputs``)."""
+    found = _find_chains_with_tails(func, epilogue)
+    return _norm_outputs(func, found, mod) if norm_output and mod is not None else found
+
+
+def _find_chains_with_tails(func: relax.Function, epilogue: bool) -> dict:
     found = _find_chains(func, epilogue)
     tails = {c.dx: c.tail.vars for c in found.values() if c.tail is not None}
     if not epilogue or not tails or all(c.tail is not None for c in found.values()):
@@ -289,6 +324,149 @@ def _find_chains(func: relax.Function, epilogue: bool, other_tails: dict | None 
     return found
 
 
+def _norm_outputs(func: relax.Function, found: dict, mod: tvm.IRModule) -> dict:
+    """`found` with each chain given its forward norm's low-precision result ``y`` where that
+    frees ``y`` across the backward (``NormOutput``): the kernel recomputes ``y`` from its ``xhat``
+    and the forward's scale and shift, and the bindings that read ``y`` (or a reshape of it) before
+    the kernel -- a weight gradient's GEMM, the next layer's in a post-LN network, this one's in a
+    pre-LN network -- move after it with what reads them there (``deferred``), so that ``y`` is
+    last read in the forward.  Taken when the chain's ``xhat`` is the forward kernel's own
+    ``(x - mean) * rstd`` (an RMS norm's ``x * rstd``) of its input and the statistics it wrote,
+    that kernel writes ``y`` as its cast result, and every reader of ``y`` that stays before the
+    kernel comes before every one that moves (the forward's; the backward's all move)."""
+    bindings, blocks = flat_bindings(func)
+    bound = {b.var: b.value for b in bindings}
+    index = {b.var: i for i, b in enumerate(bindings)}
+    uses = binding_uses(func)
+    keys = {index[k] for k in found}
+    fixed = keys | {index[v] for c in found.values() for v in c.absorbed if v in index}
+    out, claimed = {}, set()  # claimed: binding indices some chain already defers
+    for key, chain in found.items():
+        got = _forward_output(chain.xhat.root, bound, bindings, uses, mod)
+        if got is None or static_shape(got.var) != static_shape(chain.dx):
+            out[key] = chain
+            continue
+        found_readers = _deferred_readers(got.var, index[key], bindings, uses, blocks, fixed | claimed)
+        if found_readers is None:
+            out[key] = chain
+            continue
+        deferred, aliases = found_readers
+        claimed |= set(deferred)
+        output = NormOutput(got.var, got.gamma, got.beta, got.low, aliases)
+        out[key] = dataclasses.replace(chain, output=output, deferred=tuple(bindings[i] for i in deferred))
+    return out
+
+
+def _tuple_item(expr, bound) -> tuple:
+    """(tuple var, index) where `expr` is bound to ``tuple[index]``, else (None, None)."""
+    value = bound.get(expr)
+    return (value.tuple_value, int(value.index)) if isinstance(value, relax.TupleGetItem) else (None, None)
+
+
+def _forward_output(xhat, bound: dict, bindings: list, uses: dict, mod: tvm.IRModule) -> NormOutput | None:
+    """The cast result of the FuseLayerNorm kernel `xhat` is computed from as that kernel computes
+    it -- ``(x - mean) * rstd``, an RMS norm's ``x * rstd``, x its input (or that widened to
+    float32), mean and rstd its outputs -- with the kernel's scale and shift; None otherwise."""
+    value = bound.get(xhat)
+    if not (isinstance(value, relax.Call) and value.op == MULTIPLY):
+        return None
+    for base, rstd in (value.args, value.args[::-1]):
+        call_var, k = _tuple_item(rstd, bound)
+        call = bound.get(call_var) if call_var is not None else None
+        if not (isinstance(call, relax.Call) and call.op == CALL_TIR and call.args[0] in mod.get_global_vars()):
+            continue
+        callee = mod[call.args[0]]
+        info = callee.attrs.get(NORM_ATTR) if callee.attrs is not None else None
+        if info is None:
+            continue
+        roles, inputs = [str(r) for r in info["outputs"]], [str(i) for i in info["inputs"]]
+        args = list(call.args[1].fields)
+        if roles[k] != "rstd" or "low" not in roles or len(args) != len(inputs):
+            continue
+        if bool(info["centered"]):
+            sub = bound.get(base)
+            if not (isinstance(sub, relax.Call) and sub.op == SUBTRACT):
+                continue
+            base, mean = sub.args
+            mean_of, j = _tuple_item(mean, bound)
+            if mean_of is None or not mean_of.same_as(call_var) or roles[j] != "mean":
+                continue
+        widen = bound.get(base)
+        if not (base.same_as(args[0]) or (isinstance(widen, relax.Call) and widen.op == ASTYPE
+                                          and str(widen.attrs.dtype) == "float32" and widen.args[0].same_as(args[0]))):
+            continue
+        result = [bindings[i].var for i in uses.get(call_var, []) if i < len(bindings)
+                  and _tuple_item(bindings[i].var, bound) == (call_var, roles.index("low"))]
+        if len(result) != 1:
+            continue
+        vectors = dict(zip(inputs, args))
+        return NormOutput(result[0], vectors.get("gamma"), vectors.get("beta"), str(result[0].ty.dtype))
+    return None
+
+
+def _deferred_readers(y: relax.Var, key: int, bindings: list, uses: dict, blocks: dict,
+                      fixed: set) -> tuple | None:
+    """(binding indices to move after binding `key`, in order; the reshapes of `y` that they or
+    the bindings after `key` read), or None where reading the kernel's copy of `y` there frees
+    nothing.  A reader of `y` (or of a reshape of it) before `key` moves with every binding before
+    `key` that reads what it binds, transitively, unless one of those is `fixed` (a fused chain's,
+    or moved already), in another block, or more than ``MAX_DEFERRED``; the rest stay.  Readers
+    after `key` read the copy where they are.  That frees `y` when some reader reads the copy and
+    every reader that stays comes before every one that moves."""
+    aliases, readers, stack = {}, set(), [y]
+    while stack:  # y's readers through its reshapes
+        var = stack.pop()
+        for i in uses.get(var, []):
+            if i >= len(bindings):
+                return None  # the function's result is y itself
+            value = bindings[i].value
+            if isinstance(value, relax.Call) and value.op == RESHAPE and value.args[0].same_as(var):
+                aliases[bindings[i].var] = i
+                stack.append(bindings[i].var)
+            else:
+                readers.add(i)
+    block = blocks.get(bindings[key].var)
+
+    def closure(start: int) -> set | None:
+        taken, todo = set(), [start]
+        while todo:
+            i = todo.pop()
+            if i in taken:
+                continue
+            if i in fixed or blocks.get(bindings[i].var) != block or len(taken) >= MAX_DEFERRED:
+                return None
+            taken.add(i)
+            todo += [u for u in uses.get(bindings[i].var, []) if u <= key]
+        return taken
+
+    moved = set()
+    for i in sorted(r for r in readers if r < key):
+        if i not in moved:
+            moved |= closure(i) or set()
+    stay = [i for i in readers if i < key and i not in moved]
+    late = moved | {i for i in readers if i > key}  # what reads the copy
+    if not late or (stay and moved and max(stay) > min(moved)):
+        return None
+    read_late = [v for v, i in aliases.items() if any(
+        any(arg.same_as(v) for arg in _args(bindings[j].value)) for j in late)]
+    return tuple(sorted(moved)), tuple((v, static_shape(v)) for v in read_late)
+
+
+def _args(value) -> list:
+    """The operands of a bound value (a call's, a tuple's)."""
+    if isinstance(value, relax.Call):
+        return [f for a in value.args for f in (a.fields if isinstance(a, relax.Tuple) else (a,))]
+    if isinstance(value, relax.Tuple):
+        return list(value.fields)
+    return []
+
+
+def _output_tag(out: NormOutput, index) -> str:
+    """The kernel name's part for a norm output: where its scale and shift are read."""
+    return f"_y{out.low}" + "".join(f"_{role}{index(v)}" for role, v in (("g", out.gamma), ("b", out.beta))
+                                    if v is not None)
+
+
 def _column_sums(dy, xhat, bindings, uses, blocks, key: int) -> tuple:
     """``(var, kind)`` of each weight gradient of the norm the kernel can make while it reads `dy`
     and `xhat`: ``sum(dy * xhat)`` (the scale's) or ``sum(dy)`` (the shift's) over every axis but
@@ -329,13 +507,17 @@ def _fuse(scheduled: bool):
         prologues = [p for p in roles.values() if p is not None]
         extra = (chain.gamma,) if chain.gamma is not None else ()
         tail = [chain.tail] if chain.tail is not None else []
-        leaves = unique_leaves(*prologues, *tail, extra=(*extra, chain.rstd))
+        out = chain.output
+        vectors = tuple(v for v in (out.gamma, out.beta) if v is not None) if out is not None else ()
+        leaves = unique_leaves(*prologues, *tail, extra=(*extra, chain.rstd, *vectors))
+        index = leaf_index(leaves)
         name = (("layer_norm_grad_" if chain.centered else "rms_norm_grad_") + "x".join(map(str, shape))
                 + ("_dyg" if chain.gamma is not None else "_g")
                 + ("_h" if chain.h is not None else "") + ("_dx" if chain.write_dx else "")
                 + (f"_{chain.low}" if chain.low else "") + ("_tail" if tail else "")
                 + "".join(f"_sum_{kind}" for _, kind in chain.col_sums)
                 + (f"_g{chain.group_rows}" if chain.col_sums else "")
+                + (_output_tag(out, index) if out is not None else "")
                 + prologue_tag(prologues + tail, leaves))
 
         def make():
@@ -347,22 +529,32 @@ def _fuse(scheduled: bool):
                 compute = prologue_compute(chain.tail, leaves, tensors)
                 start = (lambda dx: dx) if chain.tail_from.same_as(chain.dx) else (lambda dx: dx.astype(chain.low))
                 tail_of = lambda idx, dx: compute(idx, {chain.tail_from: start(dx)})  # noqa: E731
+            output_of = None
+            if out is not None:  # as FuseLayerNorm's kernel computes its result from xhat
+                def output_of(idx, xhat):
+                    y = xhat * at(read(out.gamma), idx) if out.gamma is not None else xhat
+                    return (y + at(read(out.beta), idx) if out.beta is not None else y).astype(out.low)
             return _grad_primfunc(shape, tensors, of["g"], of["dy"], read(chain.gamma) if extra else None,
                                   of["h"], of["xhat"], read(chain.rstd), chain.write_dx, chain.low, scheduled,
                                   tail_of, chain.centered, tuple(kind for _, kind in chain.col_sums),
-                                  chain.group_rows)
+                                  chain.group_rows, output_of)
 
         gvar = add_function_once(mutator.builder_, name, make)
         partial_shape = partials_shape(shape, chain.group_rows)
         types = ([relax.TensorType(shape, "float32")] if chain.write_dx else []) \
             + ([relax.TensorType(shape, chain.low)] if chain.low else []) \
             + ([chain.tail.root.ty] if tail else []) \
+            + ([relax.TensorType(shape, out.low)] if out is not None else []) \
             + [relax.TensorType(partial_shape, "float32")] * len(chain.col_sums)
         builder = mutator.builder_
         outs = emit_call_tir(builder, gvar, [mutator.visit_expr(x) for x in leaves], types)
         outs, partials = outs[:len(outs) - len(chain.col_sums)], outs[len(outs) - len(chain.col_sums):]
         remaps = [(chain.dx, outs[0])] if chain.write_dx else []
         remaps += [(cast, outs[int(chain.write_dx)]) for cast in chain.casts]
+        if out is not None:  # y read after the kernel: its copy (and reshapes of that)
+            written, outs = outs[-1], outs[:-1]
+            remaps += [(out.var, written)] + [(v, builder.emit(relax.op.reshape(written, alias_shape)))
+                                              for v, alias_shape in out.aliases]
         remaps += [(chain.tail.root, outs[-1])] if tail else []
         for (var, _), partial in zip(chain.col_sums, partials):  # the sum over the groups: a small column sum
             rows = builder.emit(relax.op.reshape(partial, (partial_shape[0], shape[-1])))
@@ -378,9 +570,11 @@ class FuseLayerNormBackward:
     ``g``/``h`` products and the result casts where only it reads them) into one scheduled CUDA
     kernel (see the module docstring).  ``scheduled=False`` leaves the kernels unscheduled."""
 
-    def __init__(self, scheduled: bool = True, epilogue: bool = False):
+    def __init__(self, scheduled: bool = True, epilogue: bool = False, norm_output: bool = False):
         self.scheduled = scheduled
         self.epilogue = epilogue
+        self.norm_output = norm_output
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return fuse_chains(mod, lambda func: find_chains(func, self.epilogue), _fuse(self.scheduled))
+        return fuse_chains(mod, lambda func: find_chains(func, self.epilogue, mod, self.norm_output),
+                           _fuse(self.scheduled))
