@@ -96,6 +96,9 @@ CNN_CASES = {
     "tv_mobilenet_v2": ("torchvision", lambda: models.torchvision_model("mobilenet_v2", batch=8, image=64,
                                                                         classes=100)),
     "timm_efficientnet_b0": ("timm", lambda: models.timm_model("efficientnet_b0", batch=8, image=64, classes=100)),
+    # hardswish, hard-sigmoid squeeze-excitation, depthwise 3x3 and 5x5 at stride 1 and 2
+    "tv_mobilenet_v3_small": ("torchvision", lambda: models.torchvision_model("mobilenet_v3_small", batch=8, image=64,
+                                                                              classes=100)),
 }
 
 

@@ -187,6 +187,27 @@ def test_dropout_family(decompose):
     assert _count_calls(mod, "tvm_evt.attention") == sdpa_whole
 
 
+def test_in_place_dropout_trains_through_its_drawn_mask():
+    """``nn.Dropout(inplace=True)`` (torchvision's MobileNetV3 classifier) reaches the importer as
+    ``x * bernoulli(1 - p) / (1 - p)``: the drawn mask is no input's function, so Gradient must
+    stop at it (it once failed on the RNG kernel).  With the loss the sum of the dropout's output,
+    each first-layer bias gradient counts the kept rows of its column, over 1 - p."""
+    import numpy as np
+
+    import tvm_evt
+
+    torch.manual_seed(0)
+    p, rows, cols = 0.25, 256, 64
+    model = nn.Sequential(nn.Linear(32, cols), nn.Dropout(p, inplace=True))
+    x, y = torch.randn(rows, 32), torch.zeros(rows)
+    step = tvm_evt.compile_training(model, (x, y), loss_fn=lambda out, _y: out.sum(), target="llvm")
+    _loss, grads = step.loss_and_grads(x, y)
+    kept = grads["0.bias"].numpy() * (1 - p)
+    np.testing.assert_allclose(kept, np.round(kept), atol=1e-3)  # whole rows kept, scaled by 1 / (1 - p)
+    assert abs(kept.sum() / (rows * cols) - (1 - p)) < 0.03  # 16384 draws: 0.0034 standard deviation
+    assert 0 < kept.min() and kept.max() < rows
+
+
 # ---------------------------------------------------------------------------------------------
 # BatchNorm running statistics, adaptive max pooling
 # ---------------------------------------------------------------------------------------------

@@ -132,8 +132,11 @@ def _keep_mask(importer, like: relax.Expr, shape: Sequence[int], p: float) -> re
         return bb.emit(relax.op.zeros(relax.ShapeExpr(shape), dtype))
     ones = bb.emit(relax.op.ones(relax.ShapeExpr(shape), dtype))
     keep = bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(ones, p)), 1))
-    # relax.nn.dropout's mask is float, a lowered one may be bool: cast either way
-    return bb.emit(relax.op.astype(keep, dtype))
+    # relax.nn.dropout's mask is float, a lowered one may be bool: cast either way.  The mask is
+    # drawn, a function of no input: no_grad, so that Gradient stops at it (a float mask multiplied
+    # into x, as the decomposition of an in-place dropout has it, would else send it an adjoint,
+    # and Gradient has no rule for the RNG kernel LowerDropout makes of it)
+    return bb.emit(relax.op.grad.no_grad(bb.emit(relax.op.astype(keep, dtype))))
 
 
 def _trivial_dropout(importer, x: relax.Expr, p: float, train: bool) -> relax.Expr | None:
