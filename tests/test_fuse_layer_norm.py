@@ -186,6 +186,20 @@ def _random_args(func, rng):
     return args
 
 
+def _run_adjoint(mod, args) -> list:
+    """`mod`'s ``main_adjoint`` on `args` (numpy) on the CPU: its results, flattened, as numpy."""
+    ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(mod), target="llvm")
+    out = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
+    flat, stack = [], [out]
+    while stack:
+        x = stack.pop(0)
+        if hasattr(x, "numpy"):
+            flat.append(x.numpy())
+        else:
+            stack = list(x) + stack
+    return flat
+
+
 @pytest.mark.parametrize("model,precision,dropout,epilogue", [
     ("bert_layer", "fp32", True, False), ("bert_layer", "bf16", True, False), ("bert_layer", "bf16", False, False),
     # GPT-2's first layer-norm gradient takes an epilogue.  Its whole-step check is in fp32: in bf16
@@ -234,21 +248,7 @@ def test_training_step_of_a_bert_layer_is_unchanged_by_the_rewrites(model, preci
         assert all("_tail" in n for n in names if n.startswith("layer_norm_grad")), names
     rng = np.random.default_rng()
     args = _random_args(inlined["main_adjoint"], rng)
-
-    def run(mod):
-        ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(mod), target="llvm")
-        out = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
-        flat = []
-        stack = [out]
-        while stack:
-            x = stack.pop(0)
-            if hasattr(x, "numpy"):
-                flat.append(x.numpy())
-            else:
-                stack = list(x) + stack
-        return flat
-
-    want, got = run(inlined), run(fused)
+    want, got = _run_adjoint(inlined, args), _run_adjoint(fused, args)
     assert len(want) == len(got) > 2
     for w, g in zip(want, got):
         if precision == "fp32":
@@ -279,21 +279,8 @@ def test_layer_norm_results_written_again_by_the_gradient_kernels_give_the_same_
     written = [b.value.args[0].name_hint for block in rewritten["main_adjoint"].body.blocks for b in block.bindings
                if isinstance(b.value, relax.Call) and b.value.op == CALL_TIR and "_ybfloat16" in b.value.args[0].name_hint]
     assert len(written) == layer_norms, written
-    args = [tvm.runtime.tensor(a) for a in _random_args(inlined["main_adjoint"], np.random.default_rng())]
-
-    def run(mod):
-        ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(mod), target="llvm")
-        out, flat = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*args), []
-        stack = [out]
-        while stack:
-            x = stack.pop(0)
-            if hasattr(x, "numpy"):
-                flat.append(x.numpy())
-            else:
-                stack = list(x) + stack
-        return flat
-
-    want, got = run(plain), run(rewritten)
+    args = _random_args(inlined["main_adjoint"], np.random.default_rng())
+    want, got = _run_adjoint(plain, args), _run_adjoint(rewritten, args)
     assert len(want) == len(got) > 2
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
