@@ -276,7 +276,9 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     TIR traffic was 2486 MB a step with them written, 1883 MB without (H100: 3.58 -> 3.40 ms);
     1747 MB with dgamma and dbeta in one pass and dropout's backward in the gradient kernels;
     1257 MB with dgamma's and dbeta's partial sums made by the gradient kernels and the statistics
-    stored by the forward kernels (no second read of x or of dy)."""
+    stored by the forward kernels (no second read of x or of dy); 1291 MB at 46efa40, and 1324 MB
+    with the first layer norm's gradient kernel writing its bf16 result again (34 MB) for FFN1's
+    weight gradient (norm_output: the step keeps 34 MB less across the forward)."""
     from tvm_evt import bench_e2e
 
     _imported, graph = tuning.training_graph(bench_e2e.build_entry("bert_large", False), "bf16")
@@ -287,10 +289,13 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     backward = [r for r in tir if r["kernel"].startswith("layer_norm_grad")]
     # each reads x in bf16 (a float32 xhat would add 64 MB) and writes dx's bf16 cast, dropout's
     # backward of it (reading the keep mask) and dgamma's and dbeta's partial sums (2048 groups of
-    # 8 rows, 17 MB: rows_per_block fills the GPU once): 201 MB
-    assert len(backward) == 2 and all(r["bytes_per_call"] < 205e6 for r in backward), backward
+    # 8 rows, 17 MB: rows_per_block fills the GPU once): 201 MB, and the first one the bf16
+    # [16384, 1024] result of its forward (34 MB) that FFN1's weight gradient reads (norm_output)
+    assert len(backward) == 2, backward
+    assert all(r["bytes_per_call"] < 205e6 + ("_ybfloat16" in r["kernel"]) * 34e6 for r in backward), backward
+    assert sum("_ybfloat16" in r["kernel"] for r in backward) == 1, backward
     assert all("_tail_sum_dy_xhat_sum_dy_" in r["kernel"] for r in backward), backward
-    assert sum(r["bytes"] for r in tir) < 1.3e9, sum(r["bytes"] for r in tir)
+    assert sum(r["bytes"] for r in tir) < 1.33e9, sum(r["bytes"] for r in tir)
 
 
 def test_cuda_route_leaves_no_var_undefined():
