@@ -208,6 +208,40 @@ def test_in_place_dropout_trains_through_its_drawn_mask():
     assert 0 < kept.min() and kept.max() < rows
 
 
+class _NegativeIndex(nn.Module):
+    """Advanced indexing from the end: Falcon's multi-query split (``fused[..., [-2], :]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 6 * 8)
+
+    def forward(self, x):
+        fused = self.proj(x).view(*x.shape[:2], 6, 8)
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1, 0], :]
+        return (q * k).sum((-2, -1)).unsqueeze(-1) * v.flatten(2)  # [N, S, 16]
+
+
+def test_negative_indices_count_from_the_end():
+    """The stock importer's ``take`` read ``x[..., [-2], :]`` out of bounds: a wrong loss, then a
+    corrupted heap."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    _assert_trains_as_torch(_NegativeIndex(), x, torch.randn(2, 5, 16), nn.MSELoss())
+
+
+class _SharedIndex(nn.Module):
+    def forward(self, x):
+        i = torch.tensor([-1, 0])
+        return x[i, i]
+
+
+def test_one_index_tensor_for_axes_of_different_extents_is_refused():
+    from tvm_evt.errors import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError, match="aten.index.Tensor.*extents 5 and 7"):
+        _import(_SharedIndex(), (torch.randn(5, 7),))
+
+
 # ---------------------------------------------------------------------------------------------
 # BatchNorm running statistics, adaptive max pooling
 # ---------------------------------------------------------------------------------------------

@@ -122,6 +122,40 @@ def test_causal_lm(family):
     _check_lm(LibraryLoss(model), input_ids, input_ids.clone())
 
 
+def _library_lm(family: str):
+    """A small causal or sequence-to-sequence LM of one more transformers family, dropout off."""
+    import transformers as T
+
+    small = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    if family.startswith("falcon"):  # multi-query: one key/value head, split off as fused[..., [-2], :]
+        return T.FalconForCausalLM(T.FalconConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0))
+    if family == "gemma":  # one key/value head, tanh GELU gate, RMSNorm scaled by 1 + w, tied head
+        return T.GemmaForCausalLM(T.GemmaConfig(num_key_value_heads=1, head_dim=16, **small))
+    if family == "phi":  # parallel attention and MLP, partial rotary embeddings, layer norms
+        return T.PhiForCausalLM(T.PhiConfig(**small))
+    if family == "gpt_neox":  # fused QKV split per head, rotary on a quarter of each head
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(hidden_dropout=0.0, attention_dropout=0.0, **small))
+    if family == "bart":  # encoder-decoder with cross-attention, labels shifted into decoder inputs
+        return T.BartForConditionalGeneration(T.BartConfig(
+            vocab_size=100, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0))
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize("family", ["falcon", "falcon_eager", "gemma", "phi", "gpt_neox", "bart"])
+def test_lms_of_more_families(family):
+    """More transformers families, whole, against torch fp32.  Falcon's multi-query attention takes
+    its key and value as fused[..., [-2], :] and fused[..., [-1], :]: negative indices, which the
+    stock importer read out of bounds (NaN loss, then a corrupted heap)."""
+    torch.manual_seed(0)
+    model = _library_lm(family)
+    model.config._attn_implementation = "eager" if family.endswith("_eager") else "sdpa"
+    input_ids = torch.randint(1, 100, (2, 16))
+    _check_lm(LibraryLoss(model), input_ids, input_ids.clone())
+
+
 def test_embedding_padding_idx_and_scale_grad_by_freq():
     """nn.Embedding's padding_idx row keeps a zero gradient; scale_grad_by_freq is refused."""
     torch.manual_seed(0)

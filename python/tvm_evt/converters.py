@@ -38,6 +38,8 @@ What the stock importer gets wrong, and what the converters here emit instead:
   coordinate, weighted), whose gradient is a scatter-add.
 * **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
   ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
+* **Negative indices** of ``x[..., [-2], :]`` (``index.Tensor``) are read out of bounds by the
+  ``take`` the stock importer emits.  Here they are counted from the end of their axis first.
 * **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``.  Here it becomes
   one ``tvm_evt.attention`` call with all its arguments (masks built from constants read as the
   causal triangle or a key mask); only what that op cannot express is written out as
@@ -65,6 +67,8 @@ import numpy as np
 import torch
 from torch import fx
 from tvm import relax
+
+from .errors import UnsupportedOpError
 
 __all__ = ["CONVERT_MAP", "buffer_mutations"]
 
@@ -531,6 +535,43 @@ def _convert_cat(node: fx.Node, importer) -> relax.Expr:
 
 
 # --------------------------------------------------------------------------------------------
+# Advanced indexing
+# --------------------------------------------------------------------------------------------
+
+
+def _convert_index_tensor(node: fx.Node, importer) -> relax.Expr:
+    """``index.Tensor(x, indices)`` with a negative index counted from the end of its axis, as
+    torch counts it (``x[..., [-2], :]``: the key of Falcon's multi-query attention).  The stock
+    conversion's ``take`` and ``index_tensor`` read a negative index out of bounds (wrong values,
+    then a corrupted heap).  Each integer index tensor is read as ``where(i < 0, i + extent, i)``
+    (folded where the indices are constants) and the stock conversion runs on those.  An index
+    tensor given for two axes of different extents is refused; boolean masks are left to the stock
+    conversion."""
+    data, indices = importer.env[node.args[0]], list(node.args[1])
+    given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if any(_dtype(importer.env[i]) == "bool" for _, i in given):
+        return importer._index_tensor(node)
+    shape, bb = _shape(data), importer.block_builder
+    extents: dict = {}
+    for axis, i in given:
+        if extents.setdefault(i, shape[axis]) != shape[axis]:
+            from .frontend import _module_path  # (frontend imports this module)
+
+            raise UnsupportedOpError("aten.index.Tensor", _module_path(node, ""),
+                                     f"one index tensor for axes of extents {extents[i]} and {shape[axis]} of a "
+                                     f"{shape} tensor: its negative indices would wrap differently")
+    saved = {i: importer.env[i] for i in extents}
+    try:
+        for i, extent in extents.items():
+            idx, dtype = saved[i], _dtype(saved[i])
+            wrapped = relax.op.add(idx, relax.const(extent, dtype))
+            importer.env[i] = bb.emit(relax.op.where(relax.op.less(idx, relax.const(0, dtype)), wrapped, idx))
+        return importer._index_tensor(node)
+    finally:
+        importer.env.update(saved)
+
+
+# --------------------------------------------------------------------------------------------
 # Embedding lookups
 # --------------------------------------------------------------------------------------------
 
@@ -733,6 +774,8 @@ CONVERT_MAP: dict[str, Converter] = {
     "cat.default": _convert_cat,
     # embedding lookups: padding_idx's row gets no gradient
     "embedding.default": _convert_embedding,
+    # advanced indexing with negative indices
+    "index.Tensor": _convert_index_tensor,
     # attention, in the form FuseAttention takes to the flash-attention kernels
     "scaled_dot_product_attention.default": _convert_sdpa,
 }
