@@ -151,6 +151,14 @@ def test_leakyrelu_softplus_clip(rng):
     check(rng, lambda v: R.clip(v, lo, hi), lambda t: torch.clamp(t, lo, hi), x)
 
 
+def test_where_sums_broadcast_operands_down(rng):
+    """where(cond, a, b) with a and b broadcast to the output (T5's position bias [1, H, q, k] under a
+    [B, 1, 1, k] key mask): each operand's gradient has its own shape (TVM's rule gave the output's)."""
+    cond = rng.integers(0, 2, (2, 1, 1, 5)).astype("bool")
+    a, b = randn(rng, 1, 3, 4, 5), randn(rng, 2, 3, 1, 5)
+    check(rng, lambda c, x, y: R.where(c, x, y), lambda c, x, y: torch.where(c.bool(), x, y), cond, a, b, wrt=[1, 2])
+
+
 ##################### Reductions #####################
 
 

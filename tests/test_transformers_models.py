@@ -141,14 +141,19 @@ def _library_lm(family: str):
             vocab_size=100, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0, attention_dropout=0.0,
             activation_dropout=0.0))
+    if family == "t5":  # relative position bias [1, H, q, k] broadcast under the key mask
+        return T.T5ForConditionalGeneration(T.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=1,
+                                                       num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                       pad_token_id=0))
     raise ValueError(family)
 
 
-@pytest.mark.parametrize("family", ["falcon", "falcon_eager", "gemma", "phi", "gpt_neox", "bart"])
+@pytest.mark.parametrize("family", ["falcon", "falcon_eager", "gemma", "phi", "gpt_neox", "bart", "t5"])
 def test_lms_of_more_families(family):
     """More transformers families, whole, against torch fp32.  Falcon's multi-query attention takes
     its key and value as fused[..., [-2], :] and fused[..., [-1], :]: negative indices, which the
-    stock importer read out of bounds (NaN loss, then a corrupted heap)."""
+    stock importer read out of bounds (NaN loss, then a corrupted heap).  T5's position bias is
+    broadcast over the batch by a ``where`` whose gradient TVM left at the output's shape."""
     torch.manual_seed(0)
     model = _library_lm(family)
     model.config._attn_implementation = "eager" if family.endswith("_eager") else "sdpa"

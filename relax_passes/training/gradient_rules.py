@@ -2,7 +2,7 @@
 
 Importing this module registers every rule in `GRADIENT_RULES` (and the no-gradient ops in
 `NO_GRAD_OPS`) at level `RULE_LEVEL`, above TVM's own level (10), so a rule here also replaces
-TVM's where TVM's is wrong or incomplete: `relax.take` (N-D indices), `relax.nn.conv2d`
+TVM's where TVM's is wrong or incomplete: `relax.take` (N-D indices), `relax.where` (broadcast operands), `relax.nn.conv2d`
 (dilation), `relax.nn.max_pool2d` / `avg_pool2d` (ceil_mode, windows that do not tile the input,
 dilation), `relax.triu` (shares the tril rule).
 
@@ -186,6 +186,16 @@ def softplus_grad(orig_var, orig_call, output_grad, ctx):
     beta, threshold = float(orig_call.attrs.beta), float(orig_call.attrs.threshold)
     bx = x * _const(beta, x)
     return [R.where(R.greater(bx, _const(threshold, x)), output_grad, output_grad * R.sigmoid(bx))]
+
+
+def where_grad(orig_var, orig_call, output_grad, ctx):
+    """``where(cond, a, b)``: the output gradient where `cond` holds to `a`, elsewhere to `b`, each
+    summed down to its operand's shape where the operand was broadcast (TVM's rule returns the
+    output's shape: T5's position bias [1, H, q, k] under its [B, 1, 1, k] key mask)."""
+    cond, a, b = orig_call.args
+    to_a = R.where(cond, output_grad, _const(0.0, a))
+    to_b = R.where(cond, _const(0.0, b), output_grad)
+    return [no_grad(cond), _fit(ctx, to_a, a, orig_call), _fit(ctx, to_b, b, orig_call)]
 
 
 def clip_grad(orig_var, orig_call, output_grad, ctx):
@@ -791,6 +801,7 @@ GRADIENT_RULES: dict[str, GradientRule] = {
     "relax.square": square_grad,
     "relax.tan": tan_grad,
     "relax.clip": clip_grad,
+    "relax.where": where_grad,
     "relax.nn.gelu": gelu_grad,
     "relax.nn.gelu_tanh": gelu_tanh_grad,
     "relax.nn.relu": relu_grad,
