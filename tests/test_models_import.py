@@ -229,6 +229,27 @@ def test_negative_indices_count_from_the_end():
     _assert_trains_as_torch(_NegativeIndex(), x, torch.randn(2, 5, 16), nn.MSELoss())
 
 
+class _ClampedPositions(nn.Module):
+    """Relative positions clamped on one side and on both (integer clamps), looked up in a table."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(16, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1])[:, None] - torch.arange(x.shape[1])[None, :]
+        ids = pos.abs().clamp(max=7) + (pos.clamp(min=-3) + 3).clamp_max(8) + pos.clamp_min(0).clamp(0, 0)
+        return x @ self.table(ids).sum(-1)
+
+
+def test_integer_clamps_with_one_bound_train():
+    """An integer clamp with one bound was a clip with an infinite other bound: "Cannot convert
+    infinity to BigInt" when it was legalized."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    _assert_trains_as_torch(_ClampedPositions(), x, torch.randn(3, 6), nn.MSELoss())
+
+
 class _SharedIndex(nn.Module):
     def forward(self, x):
         i = torch.tensor([-1, 0])

@@ -38,6 +38,8 @@ What the stock importer gets wrong, and what the converters here emit instead:
   coordinate, weighted), whose gradient is a scatter-add.
 * **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
   ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
+* **Integer clamps with one bound** become a ``clip`` with an infinite other bound, which an
+  integer legalization cannot cast.  Here they are ``maximum``/``minimum`` with integer constants.
 * **Negative indices** of ``x[..., [-2], :]`` (``index.Tensor``) are read out of bounds by the
   ``take`` the stock importer emits.  Here they are counted from the end of their axis first.
 * **SDPA with dropout or a custom scale** asserts (dropout) or ignores ``scale``.  Here it becomes
@@ -535,6 +537,33 @@ def _convert_cat(node: fx.Node, importer) -> relax.Expr:
 
 
 # --------------------------------------------------------------------------------------------
+# Clamping integer tensors
+# --------------------------------------------------------------------------------------------
+
+
+def _make_clamp(bounds: Callable[[fx.Node], tuple], stock: str) -> Converter:
+    """``clamp``/``clamp_min``/``clamp_max`` of an integer tensor by integer bounds (relative
+    positions clamped to a window) as ``maximum``/``minimum`` with integer constants.  The stock
+    conversion is a ``clip`` with -inf or inf for a missing bound, which an integer tensor's
+    legalization cannot cast ("Cannot convert infinity to BigInt").  Everything else is converted
+    by the stock importer's `stock` method."""
+
+    def convert(node: fx.Node, importer) -> relax.Expr:
+        x, (lo, hi) = importer.env[node.args[0]], bounds(node)
+        integral = lambda b: b is None or (isinstance(b, int) and not isinstance(b, bool))  # noqa: E731
+        if not _dtype(x).startswith(("int", "uint")) or not (integral(lo) and integral(hi)):
+            return getattr(importer, stock)(node)
+        bb, dtype = importer.block_builder, _dtype(x)
+        if lo is not None:
+            x = bb.emit(relax.op.maximum(x, relax.const(lo, dtype)))
+        if hi is not None:
+            x = bb.emit(relax.op.minimum(x, relax.const(hi, dtype)))
+        return x
+
+    return convert
+
+
+# --------------------------------------------------------------------------------------------
 # Advanced indexing
 # --------------------------------------------------------------------------------------------
 
@@ -776,6 +805,10 @@ CONVERT_MAP: dict[str, Converter] = {
     "embedding.default": _convert_embedding,
     # advanced indexing with negative indices
     "index.Tensor": _convert_index_tensor,
+    # integer tensors clamped on one side
+    "clamp.default": _make_clamp(lambda n: (_arg(n, 1, "min"), _arg(n, 2, "max")), "_clamp"),
+    "clamp_min.default": _make_clamp(lambda n: (_arg(n, 1, "min"), None), "_clamp_min"),
+    "clamp_max.default": _make_clamp(lambda n: (None, _arg(n, 1, "max")), "_clamp_max"),
     # attention, in the form FuseAttention takes to the flash-attention kernels
     "scaled_dot_product_attention.default": _convert_sdpa,
 }
