@@ -250,6 +250,25 @@ def test_integer_clamps_with_one_bound_train():
     _assert_trains_as_torch(_ClampedPositions(), x, torch.randn(3, 6), nn.MSELoss())
 
 
+class _IntegerQuotients(nn.Module):
+    """True divisions of integer positions: by an int, by an integer tensor, by a float."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        pos = torch.arange(6)
+        return x * self.w * (pos / 4 + pos / torch.full_like(pos, 3) + pos / 2.5) + x / 2
+
+
+def test_true_division_of_integers_gives_floats():
+    """``pos / 4`` of an integer tensor was divided as integers (a loss of 4.2 where torch's is
+    11.0, no error)."""
+    torch.manual_seed(0)
+    _assert_trains_as_torch(_IntegerQuotients(), torch.randn(3, 6), torch.randn(3, 6), nn.MSELoss())
+
+
 class _SharedIndex(nn.Module):
     def forward(self, x):
         i = torch.tensor([-1, 0])

@@ -145,18 +145,23 @@ def _library_lm(family: str):
         return T.T5ForConditionalGeneration(T.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=1,
                                                        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
                                                        pad_token_id=0))
+    if family == "deberta_v2":  # disentangled attention over log-bucketed relative positions (a true division)
+        return T.DebertaV2ForMaskedLM(T.DebertaV2Config(
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True, position_buckets=8,
+            pos_att_type=["p2c", "c2p"], **small))
     raise ValueError(family)
 
 
-@pytest.mark.parametrize("family", ["falcon", "falcon_eager", "gemma", "phi", "gpt_neox", "bart", "t5"])
+@pytest.mark.parametrize("family", ["falcon", "falcon_eager", "gemma", "phi", "gpt_neox", "bart", "t5", "deberta_v2"])
 def test_lms_of_more_families(family):
     """More transformers families, whole, against torch fp32.  Falcon's multi-query attention takes
     its key and value as fused[..., [-2], :] and fused[..., [-1], :]: negative indices, which the
     stock importer read out of bounds (NaN loss, then a corrupted heap).  T5's position bias is
-    broadcast over the batch by a ``where`` whose gradient TVM left at the output's shape."""
+    broadcast over the batch by a ``where`` whose gradient TVM left at the output's shape.
+    DeBERTa-v2 (no SDPA form in transformers) divides integer positions: true division."""
     torch.manual_seed(0)
     model = _library_lm(family)
-    model.config._attn_implementation = "eager" if family.endswith("_eager") else "sdpa"
+    model.config._attn_implementation = "eager" if family.endswith("_eager") or family == "deberta_v2" else "sdpa"
     input_ids = torch.randint(1, 100, (2, 16))
     _check_lm(LibraryLoss(model), input_ids, input_ids.clone())
 

@@ -38,6 +38,8 @@ What the stock importer gets wrong, and what the converters here emit instead:
   coordinate, weighted), whose gradient is a scatter-add.
 * **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
   ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
+* **True division of integer tensors** (``a / b``) divides as integers, truncating.  Here the
+  operands are cast to a float dtype first, as torch's result is.
 * **Integer clamps with one bound** become a ``clip`` with an infinite other bound, which an
   integer legalization cannot cast.  Here they are ``maximum``/``minimum`` with integer constants.
 * **Negative indices** of ``x[..., [-2], :]`` (``index.Tensor``) are read out of bounds by the
@@ -537,6 +539,30 @@ def _convert_cat(node: fx.Node, importer) -> relax.Expr:
 
 
 # --------------------------------------------------------------------------------------------
+# True division of integers
+# --------------------------------------------------------------------------------------------
+
+
+def _convert_true_divide(node: fx.Node, importer) -> relax.Expr:
+    """``div`` without a rounding mode (``a / b``) is true division: with an integer tensor its
+    result is a float, of the other operand's float dtype or torch's default one.  The stock
+    conversion divides an integer tensor as integers, truncating (DeBERTa-v2's log-bucketed relative
+    positions then failed in ``log``; elsewhere the quotient is silently wrong).  Here integer
+    operands are cast to that float dtype first; float operands go to the stock conversion."""
+    operands = [importer.env[a] if isinstance(a, fx.Node) else a for a in node.args[:2]]
+    tensors = [e for e in operands if isinstance(e, relax.Expr)]
+    integral = [e for e in tensors if _dtype(e).startswith(("int", "uint", "bool"))]
+    if not integral:
+        return importer._binary_op(relax.op.divide, operator.truediv)(node)
+    floats = [_dtype(e) for e in tensors if e not in integral]
+    dtype = floats[0] if floats else str(torch.get_default_dtype()).replace("torch.", "")
+    bb = importer.block_builder
+    a, b = (bb.emit(relax.op.astype(e, dtype)) if isinstance(e, relax.Expr) and _dtype(e) != dtype
+            else e if isinstance(e, relax.Expr) else relax.const(float(e), dtype) for e in operands)
+    return bb.emit(relax.op.divide(a, b))
+
+
+# --------------------------------------------------------------------------------------------
 # Clamping integer tensors
 # --------------------------------------------------------------------------------------------
 
@@ -805,6 +831,9 @@ CONVERT_MAP: dict[str, Converter] = {
     "embedding.default": _convert_embedding,
     # advanced indexing with negative indices
     "index.Tensor": _convert_index_tensor,
+    # true division of integer tensors gives floats
+    "div.Tensor": _convert_true_divide,
+    "div.Scalar": _convert_true_divide,
     # integer tensors clamped on one side
     "clamp.default": _make_clamp(lambda n: (_arg(n, 1, "min"), _arg(n, 2, "max")), "_clamp"),
     "clamp_min.default": _make_clamp(lambda n: (_arg(n, 1, "min"), None), "_clamp_min"),
