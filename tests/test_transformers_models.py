@@ -166,6 +166,36 @@ def test_lms_of_more_families(family):
     _check_lm(LibraryLoss(model), input_ids, input_ids.clone())
 
 
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+@pytest.mark.parametrize("family", ["swin", "convnext"])
+def test_vision_models(family, recwarn):
+    """transformers' Swin (patch-embedding convolution, windowed attention) and ConvNeXt (7x7
+    depthwise convolutions, channels-last layer norms), whole, against torch fp32.  TVM's
+    ConvertLayout fails on Swin's graph (std::bad_alloc): its convolutions stay NCHW, with a
+    warning, where the failure once stopped the compile."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    if family == "swin":
+        model = T.SwinForImageClassification(T.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=10,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+    else:
+        model = T.ConvNextForImageClassification(T.ConvNextConfig(
+            num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=32, drop_path_rate=0.0))
+    matches_torch(_Logits(model).train(), (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))), F.cross_entropy)
+    fell_back = [w for w in recwarn if "ConvertConvLayout" in str(w.message)]
+    assert bool(fell_back) == (family == "swin"), [str(w.message) for w in fell_back]
+
+
 def test_embedding_padding_idx_and_scale_grad_by_freq():
     """nn.Embedding's padding_idx row keeps a zero gradient; scale_grad_by_freq is refused."""
     torch.manual_seed(0)
