@@ -72,7 +72,7 @@ import torch
 from torch import fx
 from tvm import relax
 
-from .errors import UnsupportedOpError
+from .errors import UnsupportedOpError, module_path
 
 __all__ = ["CONVERT_MAP", "buffer_mutations"]
 
@@ -610,9 +610,7 @@ def _convert_index_tensor(node: fx.Node, importer) -> relax.Expr:
     extents: dict = {}
     for axis, i in given:
         if extents.setdefault(i, shape[axis]) != shape[axis]:
-            from .frontend import _module_path  # (frontend imports this module)
-
-            raise UnsupportedOpError("aten.index.Tensor", _module_path(node, ""),
+            raise UnsupportedOpError("aten.index.Tensor", module_path(node),
                                      f"one index tensor for axes of extents {extents[i]} and {shape[axis]} of a "
                                      f"{shape} tensor: its negative indices would wrap differently")
     saved = {i: importer.env[i] for i in extents}

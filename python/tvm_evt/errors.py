@@ -14,6 +14,18 @@ class UnsupportedOpError(NotImplementedError):
         super().__init__(f"{op} in {where}: {reason}")
 
 
+def module_path(node, strip_prefix: str = "") -> str:
+    """The dotted path of the module an exported graph's fx `node` came from ('' at the top)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    if strip_prefix and path.startswith(strip_prefix):
+        path = path[len(strip_prefix) :]
+    return path
+
+
 class InputMismatchError(ValueError):
     """A training step was called with inputs that do not match what it was compiled for."""
 

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import tvm
 from tvm import relax
 
-from .errors import UnsupportedOpError
+from .errors import UnsupportedOpError, module_path as _module_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +90,6 @@ def _identifier(name: str) -> str:
     ``nn.Sequential`` became ``1_conv_weight_ptr``, which NVRTC rejects (ResNet-50 stage)."""
     ident = re.sub(r"\W", "_", name)
     return f"p_{ident}" if not ident or ident[0].isdigit() else ident
-
-
-def _module_path(node, strip_prefix: str) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    path = path.replace("L['self'].", "").replace("L['self']", "")
-    if strip_prefix and path.startswith(strip_prefix):
-        path = path[len(strip_prefix) :]
-    return path
 
 
 def _aten_name(node) -> str:
