@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, te, tirx
 
-from .._rewrite import add_function_once, bind_as, binding_uses, emit_call_tir, flat_bindings, op_name, static_shape
+from .._rewrite import (add_function_once, bind_as, binding_uses, bound_call, emit_call_tir, flat_bindings, op_name,
+                        static_shape)
 from ._prologue import (ELEMENTWISE, Prologue, at, epilogue_chain, inline_prologue, leaf_index, placeholders,
                         prologue_compute, prologue_tag, unique_leaves)
 from ._row_kernel import (LOW, block_names, column_partials, fuse_chains, partials_shape, rows_per_block,
@@ -367,13 +368,13 @@ def _forward_output(xhat, bound: dict, bindings: list, uses: dict, mod: tvm.IRMo
     """The cast result of the FuseLayerNorm kernel `xhat` is computed from as that kernel computes
     it -- ``(x - mean) * rstd``, an RMS norm's ``x * rstd``, x its input (or that widened to
     float32), mean and rstd its outputs -- with the kernel's scale and shift; None otherwise."""
-    value = bound.get(xhat)
-    if not (isinstance(value, relax.Call) and value.op == MULTIPLY):
+    value = bound_call(bound, xhat, MULTIPLY)
+    if value is None:
         return None
     for base, rstd in (value.args, value.args[::-1]):
         call_var, k = _tuple_item(rstd, bound)
-        call = bound.get(call_var) if call_var is not None else None
-        if not (isinstance(call, relax.Call) and call.op == CALL_TIR and call.args[0] in mod.get_global_vars()):
+        call = bound_call(bound, call_var, CALL_TIR) if call_var is not None else None
+        if call is None or call.args[0] not in mod.get_global_vars():
             continue
         callee = mod[call.args[0]]
         info = callee.attrs.get(NORM_ATTR) if callee.attrs is not None else None
@@ -384,16 +385,16 @@ def _forward_output(xhat, bound: dict, bindings: list, uses: dict, mod: tvm.IRMo
         if roles[k] != "rstd" or "low" not in roles or len(args) != len(inputs):
             continue
         if bool(info["centered"]):
-            sub = bound.get(base)
-            if not (isinstance(sub, relax.Call) and sub.op == SUBTRACT):
+            sub = bound_call(bound, base, SUBTRACT)
+            if sub is None:
                 continue
             base, mean = sub.args
             mean_of, j = _tuple_item(mean, bound)
             if mean_of is None or not mean_of.same_as(call_var) or roles[j] != "mean":
                 continue
-        widen = bound.get(base)
-        if not (base.same_as(args[0]) or (isinstance(widen, relax.Call) and widen.op == ASTYPE
-                                          and str(widen.attrs.dtype) == "float32" and widen.args[0].same_as(args[0]))):
+        widen = bound_call(bound, base, ASTYPE)
+        if not (base.same_as(args[0]) or (widen is not None and str(widen.attrs.dtype) == "float32"
+                                          and widen.args[0].same_as(args[0]))):
             continue
         result = [bindings[i].var for i in uses.get(call_var, []) if i < len(bindings)
                   and _tuple_item(bindings[i].var, bound) == (call_var, roles.index("low"))]
@@ -413,7 +414,7 @@ def _deferred_readers(y: relax.Var, key: int, bindings: list, uses: dict, blocks
     or moved already), in another block, or more than ``MAX_DEFERRED``; the rest stay.  Readers
     after `key` read the copy where they are.  That frees `y` when some reader reads the copy and
     every reader that stays comes before every one that moves."""
-    aliases, readers, stack = {}, set(), [y]
+    aliases, readers, stack = [], set(), [y]
     while stack:  # y's readers through its reshapes
         var = stack.pop()
         for i in uses.get(var, []):
@@ -421,7 +422,7 @@ def _deferred_readers(y: relax.Var, key: int, bindings: list, uses: dict, blocks
                 return None  # the function's result is y itself
             value = bindings[i].value
             if isinstance(value, relax.Call) and value.op == RESHAPE and value.args[0].same_as(var):
-                aliases[bindings[i].var] = i
+                aliases.append(bindings[i].var)
                 stack.append(bindings[i].var)
             else:
                 readers.add(i)
@@ -447,18 +448,8 @@ def _deferred_readers(y: relax.Var, key: int, bindings: list, uses: dict, blocks
     late = moved | {i for i in readers if i > key}  # what reads the copy
     if not late or (stay and moved and max(stay) > min(moved)):
         return None
-    read_late = [v for v, i in aliases.items() if any(
-        any(arg.same_as(v) for arg in _args(bindings[j].value)) for j in late)]
+    read_late = [v for v in aliases if any(j in late for j in uses.get(v, []))]
     return tuple(sorted(moved)), tuple((v, static_shape(v)) for v in read_late)
-
-
-def _args(value) -> list:
-    """The operands of a bound value (a call's, a tuple's)."""
-    if isinstance(value, relax.Call):
-        return [f for a in value.args for f in (a.fields if isinstance(a, relax.Tuple) else (a,))]
-    if isinstance(value, relax.Tuple):
-        return list(value.fields)
-    return []
 
 
 def _output_tag(out: NormOutput, index) -> str:
