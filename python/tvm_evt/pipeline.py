@@ -101,7 +101,7 @@ from .relax_passes.lower.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.lower.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
-from .relax_passes.lower.legalize_index_ops import legalize_ops
+from .relax_passes.lower.legalize_ops import legalize_ops
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
@@ -400,7 +400,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 # a float32 mean of an elementwise result (RMSNorm's mean(x * x)) as sum / n, which FuseOps
                 # fuses with that op (it fuses no producer into TVM's mean)
                 MeanAsScaledSum(),
-                legalize_ops(),  # TVM's, with an arange a kernel FuseOps fuses into its readers (not a constant)
+                legalize_ops(),  # TVM's, with an arange a kernel FuseOps fuses into its readers and two-pass group norms
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
                 BoundedFuseOps(),  # <= 64 ops per kernel: DLight's rules stall on hundreds
@@ -423,7 +423,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
 DEFAULT_BUILD = (
     lambda: relax.backend.DispatchSampling(),
     lambda: relax.backend.DispatchSortScan(),
-    lambda: relax.transform.LegalizeOps(),
+    legalize_ops,  # TVM's LegalizeOps with our rules (relax_passes/lower/legalize_ops.py)
     lambda: relax.transform.RewriteDataflowReshape(),
     lambda: relax.transform.ToNonDataflow(),
     lambda: relax.transform.RemovePurityChecking(),

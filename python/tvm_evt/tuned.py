@@ -17,11 +17,12 @@ import tvm
 from tvm import relax
 
 from .pipeline import cache_tvm_kernels, phases
+from .relax_passes.lower.legalize_ops import legalize_ops
 
 CUTLASS_FILE = "cutlass_select.json"
 MS_FILES = ("database_workload.json", "database_tuning_record.json")
 # what the CPU route must do before ApplyDatabase (the CUDA route has these in its legalize passes)
-_FUSE = ("LegalizeOps", "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR")
+_FUSE = ("AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR")  # after legalize_ops()
 
 
 def _names(passes) -> list[str]:
@@ -32,13 +33,13 @@ def split_phases(target: tvm.target.Target) -> tuple[list, list]:
     """The ``evt`` pipeline's phases cut right after ``FuseTIR``: (up to fused TIR, the rest).
 
     The CUDA route fuses inside its legalize passes; the generic route legalizes inside
-    ``default_build_pipeline``, so the cut adds LegalizeOps ... FuseTIR before that last phase."""
+    ``default_build_pipeline``, so the cut adds legalize_ops() ... FuseTIR before that last phase."""
     passes = phases(target)
     names = _names(passes)
     if "FuseTIR" in names:
         cut = names.index("FuseTIR") + 1
         return passes[:cut], passes[cut:]
-    fuse = [getattr(relax.transform, name)() for name in _FUSE]
+    fuse = [legalize_ops()] + [getattr(relax.transform, name)() for name in _FUSE]
     return passes[:-1] + fuse, passes[-1:]
 
 
