@@ -446,6 +446,20 @@ def _convert_hardtanh(node: fx.Node, importer) -> relax.Expr:
     return importer.block_builder.emit(hardtanh(x, lo, hi))
 
 
+def _convert_elu(node: fx.Node, importer) -> relax.Expr:
+    """``elu(x, alpha=1, scale=1, input_scale=1)``: ``scale * x`` above 0, ``scale * alpha *
+    (exp(input_scale * x) - 1)`` below, written ``scale * (relu(x) + alpha * (exp(input_scale *
+    min(x, 0)) - 1))`` so the exponential never overflows on the branch not taken.  SELU decomposes
+    to it with ``scale`` 1.0507 (the stock converter drops ``scale`` and ``input_scale``: SELU's
+    results were 5 % small above 0)."""
+    x = importer.env[node.args[0]]
+    alpha, scale, input_scale = (float(_arg(node, i, n, 1.0)) for i, n in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
+    bb = importer.block_builder
+    negative = relax.op.exp(relax.op.multiply(relax.op.minimum(x, _const(0.0, x)), _const(input_scale, x)))
+    out = relax.op.add(relax.op.nn.relu(x), relax.op.multiply(relax.op.subtract(negative, _const(1.0, x)), _const(alpha, x)))
+    return bb.emit(out if scale == 1.0 else relax.op.multiply(out, _const(scale, x)))
+
+
 # --------------------------------------------------------------------------------------------
 # Upsampling
 # --------------------------------------------------------------------------------------------
@@ -803,9 +817,12 @@ CONVERT_MAP: dict[str, Converter] = {
     "feature_alpha_dropout.default": _make_alpha_dropout(per_channel=True),
     "feature_alpha_dropout_.default": _make_alpha_dropout(per_channel=True),
     "bernoulli.p": _convert_bernoulli_p,
-    # batch norm in training mode
+    # activations: hardtanh whose gradient reads its output; ELU with its scales (SELU)
     "hardtanh.default": _convert_hardtanh,
     "hardtanh_.default": _convert_hardtanh,
+    "elu.default": _convert_elu,
+    "elu_.default": _convert_elu,
+    # batch norm in training mode
     "_native_batch_norm_legit_functional.default": _convert_batch_norm_functional,
     "batch_norm.default": _convert_batch_norm,
     # group norm without affine parameters
