@@ -279,6 +279,22 @@ def test_elu_family_trains_as_torch(activation):
                             nn.MSELoss())
 
 
+class _MaskLogic(nn.Module):
+    """``torch.logaddexp`` (its decomposition multiplies two bool masks) and a sum of two masks."""
+
+    def forward(self, x):
+        either = (x > 1) + (x < -1)
+        return torch.logaddexp(x, 0.5 * x) * either
+
+
+def test_arithmetic_of_bool_masks_is_logic():
+    """The product of two bool tensors reached LLVM as a bool multiply: an internal error naming
+    no op or module."""
+    torch.manual_seed(0)
+    _assert_trains_as_torch(nn.Sequential(nn.Linear(8, 8), _MaskLogic()), torch.randn(4, 8) * 2, torch.randn(4, 8),
+                            nn.MSELoss())
+
+
 class _SharedIndex(nn.Module):
     def forward(self, x):
         i = torch.tensor([-1, 0])

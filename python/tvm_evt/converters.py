@@ -576,6 +576,21 @@ def _convert_true_divide(node: fx.Node, importer) -> relax.Expr:
     return bb.emit(relax.op.divide(a, b))
 
 
+def _make_bool_binary(logical, arithmetic, py_op) -> Converter:
+    """``mul``/``add`` of two bool tensors is torch's logical and/or (a bool result); the stock
+    conversion multiplied bools, which LLVM's code generator rejects with an internal error
+    (``torch.logaddexp``'s decomposition multiplies two masks).  Other operands: the stock
+    conversion."""
+
+    def convert(node: fx.Node, importer) -> relax.Expr:
+        operands = [importer.env[a] if isinstance(a, fx.Node) else a for a in node.args[:2]]
+        if all(isinstance(e, relax.Expr) and _dtype(e) == "bool" for e in operands):
+            return importer.block_builder.emit(logical(*operands))
+        return importer._binary_op(arithmetic, py_op)(node)
+
+    return convert
+
+
 # --------------------------------------------------------------------------------------------
 # Clamping integer tensors
 # --------------------------------------------------------------------------------------------
@@ -849,6 +864,9 @@ CONVERT_MAP: dict[str, Converter] = {
     # true division of integer tensors gives floats
     "div.Tensor": _convert_true_divide,
     "div.Scalar": _convert_true_divide,
+    # arithmetic of two bool tensors is logic
+    "mul.Tensor": _make_bool_binary(relax.op.logical_and, relax.op.multiply, operator.mul),
+    "add.Tensor": _make_bool_binary(relax.op.logical_or, relax.op.add, operator.add),
     # integer tensors clamped on one side
     "clamp.default": _make_clamp(lambda n: (_arg(n, 1, "min"), _arg(n, 2, "max")), "_clamp"),
     "clamp_min.default": _make_clamp(lambda n: (_arg(n, 1, "min"), None), "_clamp_min"),
