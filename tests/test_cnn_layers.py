@@ -4,7 +4,8 @@ one compiles on the CPU route and its loss and every gradient equal torch fp32 â
 depthwise convolutions (direct kernels: ``tvm_evt.depthwise_conv2d``), grouped ones that stay
 convolutions, stride-2 downsamples, dilation; and torchvision's other ``norm_layer`` choices: group
 norm, instance norm, batch norm without running statistics; and upsampling as an FPN's top-down step
-and a segmentation head write it (``F.interpolate``, nearest and bilinear)."""
+and a segmentation head write it (``F.interpolate``, nearest and bilinear), and as a U-Net's decoder
+does (``ConvTranspose2d``, with circular padding after)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,6 +137,24 @@ class _TopDown(nn.Module):
         return F.interpolate(self.out(fine), scale_factor=1.5, mode="bilinear", align_corners=False)
 
 
+class _UNetUp(nn.Module):
+    """A U-Net decoder step (segmentation_models' and diffusers' ``Upsample`` with a transposed
+    convolution): the coarse map doubled by ``ConvTranspose2d(2, stride 2)``, concatenated with
+    the skip, then a 3x3 convolution with circular padding (periodic boundaries); a second
+    transposed convolution with output padding and dilation."""
+
+    def __init__(self, cin: int, width: int):
+        super().__init__()
+        self.down = nn.Conv2d(cin, width, 3, 2, 1)
+        self.up = nn.ConvTranspose2d(width, width, 2, 2)
+        self.fuse = nn.Conv2d(width + cin, width, 3, 1, 1, padding_mode="circular")
+        self.up2 = nn.ConvTranspose2d(width, width, 3, 2, 2, output_padding=1, dilation=2, groups=2)
+
+    def forward(self, x):
+        coarse = F.relu(self.down(x))
+        return self.up2(F.relu(self.fuse(torch.cat([self.up(coarse), x], 1))))
+
+
 def _classifier(body: nn.Module, channels: int, classes: int = 10) -> nn.Module:
     return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
 
@@ -151,6 +170,7 @@ MODELS = {
     "group_norm_no_affine": lambda: _classifier(_BasicBlock(8, 8, norm=lambda c: nn.GroupNorm(2, c, affine=False)), 8),
     "instance_norm": lambda: _classifier(_BasicBlock(8, 8, norm=lambda c: nn.InstanceNorm2d(c, affine=True)), 8),
     "fpn_upsample": lambda: _classifier(nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), _TopDown(8, 8)), 8),
+    "unet_up": lambda: _classifier(nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), _UNetUp(8, 8)), 8),
     "batch_norm_no_running_stats": lambda: _classifier(
         _BasicBlock(8, 16, stride=2, norm=lambda c: nn.BatchNorm2d(c, track_running_stats=False)), 16),
     "mobilenet_v2_blocks": lambda: _classifier(nn.Sequential(
@@ -178,7 +198,7 @@ def _torch_step(model, reference: dict, x, y) -> tuple:
 def test_cnn_layers_match_torch(name, channels_last):
     torch.manual_seed(0)
     model = MODELS[name]()
-    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks", "fpn_upsample") \
+    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks", "fpn_upsample", "unet_up") \
         else model[0].conv1.in_channels
     x, y = torch.randn(2, cin, 15 if name == "fpn_upsample" else 16, 16), torch.randint(0, 10, (2,))
     if channels_last:
@@ -193,13 +213,16 @@ def test_cnn_layers_match_torch(name, channels_last):
         assert err <= GRAD_TOL, f"{n}: {err:.2e}"
 
 
-@pytest.mark.parametrize("name", ["instance_norm", "batch_norm_no_running_stats", "group_norm"])
-def test_normalisations_compile_and_match_in_bf16(name):
+@pytest.mark.parametrize("name", ["instance_norm", "batch_norm_no_running_stats", "group_norm", "unet_up"])
+def test_normalisations_and_transposed_convolutions_compile_and_match_in_bf16(name):
     """Mixed precision keeps these norms in float32 (TVM legalises no bf16 instance norm: the bf16
-    step did not compile, on the GPU as here); loss and gradients as bf16 allows."""
+    step did not compile, on the GPU as here); a transposed convolution runs bf16 into bf16 (its
+    float32 result handed float32 gradients to bf16 values: Gradient failed on the dtypes); loss
+    and gradients as bf16 allows."""
     torch.manual_seed(0)
     model = MODELS[name]()
-    x, y = torch.randn(4, model[0].conv1.in_channels, 16, 16), torch.randint(0, 10, (4,))
+    cin = 3 if name == "unet_up" else model[0].conv1.in_channels
+    x, y = torch.randn(4, cin, 16, 16), torch.randint(0, 10, (4,))
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     step = tvm_evt.compile_training(model, (x, y), loss_fn=F.cross_entropy, target="llvm", precision="bf16")
     loss, grads = step.loss_and_grads(x, y)

@@ -457,6 +457,38 @@ def test_conv2d(rng):
     )
 
 
+@pytest.mark.parametrize("trial", range(3))
+def test_conv2d_transpose(rng, trial):
+    """``nn.ConvTranspose2d``: strides, padding, output padding, dilation and groups drawn."""
+    groups = int(rng.choice([1, 2]))
+    cin, cout = 2 * int(rng.integers(1, 3)), 2 * int(rng.integers(1, 3))
+    kh, stride, pad, dilation = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(0, 2)), \
+        int(rng.integers(1, 3))
+    out_pad = int(rng.integers(0, stride))  # below the stride (or the dilation): torch's bound
+    out_pad = min(out_pad, max(stride, dilation) - 1)
+    x, w = randn(rng, 2, cin, 5, 6), randn(rng, cin, cout // groups, kh, kh)
+    check(
+        rng,
+        lambda v, wv: R.nn.conv2d_transpose(v, wv, stride, pad, out_pad, dilation, groups),
+        lambda t, wt: F.conv_transpose2d(t, wt, None, stride, pad, out_pad, groups, dilation),
+        x, w,
+    )
+
+
+def test_flip(rng):
+    x = randn(rng, 3, 4, 5)
+    axis = int(rng.integers(-3, 3))
+    check(rng, lambda v: R.flip(v, axis), lambda t: torch.flip(t, [axis]), x)
+
+
+def test_slice_scatter(rng):
+    """As a circular convolution's padding writes its wrapped borders."""
+    x, src = randn(rng, 3, 8), randn(rng, 3, 3)
+    start = int(rng.integers(0, 2))
+    check(rng, lambda v, sv: R.slice_scatter(v, sv, start, start + 5, 2, axis=1),
+          lambda t, st: torch.slice_scatter(t, st, 1, start, start + 5, 2), x, src)
+
+
 def _pool_params(rng):
     k = int(rng.integers(2, 4))
     return dict(

@@ -107,6 +107,7 @@ RETARGET_OUT_DTYPE = {
     "relax.matmul": lambda call, args, want: relax.op.matmul(args[0], args[1], out_dtype=want),
     "relax.nn.conv1d": _conv(relax.op.nn.conv1d, _CONV_FIELDS),
     "relax.nn.conv2d": _conv(relax.op.nn.conv2d, _CONV_FIELDS),
+    "relax.nn.conv2d_transpose": _conv(relax.op.nn.conv2d_transpose, _CONV_FIELDS + ("output_padding",)),
 }
 
 

@@ -32,7 +32,9 @@ from .._rewrite import POINTWISE, has_call, mutate_relax_functions, op_name, per
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
-LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
+# a transposed convolution keeps NCHW/IOHW: TVM's layout inference otherwise hands it an NHWC input
+# from the convolution before, which neither its gradient rule nor its legalization takes
+LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
 # reductions whose result over every axis does not depend on the operand's layout
 FULL_REDUCTIONS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("sum", "mean", "max", "min", "prod"))
 # elementwise ops a permute moves through (their other operands: scalars, or tensors of the same shape)

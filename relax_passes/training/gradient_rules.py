@@ -193,8 +193,9 @@ def where_grad(orig_var, orig_call, output_grad, ctx):
     summed down to its operand's shape where the operand was broadcast (TVM's rule returns the
     output's shape: T5's position bias [1, H, q, k] under its [B, 1, 1, k] key mask)."""
     cond, a, b = orig_call.args
-    to_a = R.where(cond, output_grad, _const(0.0, a))
-    to_b = R.where(cond, _const(0.0, b), output_grad)
+    zero = _const(0.0, output_grad)  # the gradient's dtype (float32 under a bf16 operand in a mixed step)
+    to_a = R.where(cond, output_grad, zero)
+    to_b = R.where(cond, zero, output_grad)
     return [no_grad(cond), _fit(ctx, to_a, a, orig_call), _fit(ctx, to_b, b, orig_call)]
 
 
@@ -523,6 +524,22 @@ def strided_slice_grad(orig_var, orig_call, output_grad, ctx):
     return _with_no_grads(orig_call, grad)
 
 
+def flip_grad(orig_var, orig_call, output_grad, ctx):
+    return [R.flip(output_grad, int(orig_call.attrs.axis))]
+
+
+def slice_scatter_grad(orig_var, orig_call, output_grad, ctx):
+    """``slice_scatter(x, src, start, end, step, axis)`` (a circular convolution's padding): the
+    gradient of `x` is `output_grad` with the slice zeroed, that of `src` the slice itself."""
+    x, src, start, end, step = orig_call.args
+    axis = int(orig_call.attrs.axis)
+    bounds = [int(_scalar(v)) for v in (start, end, step)]
+    zeros = R.zeros(src.ty.shape, src.ty.dtype)
+    return [R.slice_scatter(output_grad, zeros, *bounds, axis=axis),
+            R.strided_slice(output_grad, [axis], [bounds[0]], [bounds[1]], [bounds[2]]),
+            no_grad(start), no_grad(end), no_grad(step)]
+
+
 def gather_elements_grad(orig_var, orig_call, output_grad, ctx):
     x, indices = orig_call.args
     axis = int(orig_call.attrs.axis)
@@ -610,6 +627,26 @@ def conv2d_grad(orig_var, orig_call, output_grad, ctx):
     if _shape(weight_grad, orig_call)[2:] != kernel:
         weight_grad = R.strided_slice(weight_grad, [2, 3], [0, 0], kernel)
     return [data_grad, weight_grad]
+
+
+def conv2d_transpose_grad(orig_var, orig_call, output_grad, ctx):
+    """NCHW/IOHW conv2d_transpose (``nn.ConvTranspose2d``) is the input gradient of the conv2d
+    with the same weight (read as OIHW), stride, padding, dilation and groups: its input gradient
+    is that conv2d of `output_grad`, and its weight gradient that conv2d's weight gradient with
+    `output_grad` as its input and the transposed convolution's input as its output gradient."""
+    attrs = orig_call.attrs
+    if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NCHW", "IOHW", "NCHW"):
+        raise _fail(orig_call, "only NCHW data / IOHW kernel layouts are supported")
+    data, weight = orig_call.args
+    out_dtype = attrs.out_dtype if str(attrs.out_dtype) else None
+    conv = ctx.normalize(R.nn.conv2d(
+        output_grad, weight, [int(v) for v in attrs.strides], [int(v) for v in attrs.padding],
+        [int(v) for v in attrs.dilation], int(attrs.groups), out_dtype=out_dtype))
+    if _shape(conv, orig_call) != _shape(data, orig_call):
+        raise _fail(orig_call, f"the adjoint convolution gives {_shape(conv, orig_call)}, not the input's "
+                    f"{_shape(data, orig_call)}")
+    _, weight_grad = conv2d_grad(relax.Var("conv2d_transpose_input", data.ty), conv, data, ctx)
+    return [conv, weight_grad]
 
 
 def conv1d_grad(orig_var, orig_call, output_grad, ctx):
@@ -828,12 +865,15 @@ GRADIENT_RULES: dict[str, GradientRule] = {
     "relax.triu": tril_triu_grad,
     "relax.nn.pad": pad_grad,
     "relax.strided_slice": strided_slice_grad,
+    "relax.slice_scatter": slice_scatter_grad,
+    "relax.flip": flip_grad,
     "relax.gather_elements": gather_elements_grad,
     "relax.topk": topk_grad,
     "relax.take": take_grad,
     # convolution and pooling
     "relax.nn.conv1d": conv1d_grad,
     "relax.nn.conv2d": conv2d_grad,
+    "relax.nn.conv2d_transpose": conv2d_transpose_grad,
     "relax.nn.max_pool1d": _pool_grad("max"),
     "relax.nn.max_pool2d": _pool_grad("max"),
     "relax.nn.max_pool3d": _pool_grad("max"),
