@@ -295,6 +295,25 @@ def test_arithmetic_of_bool_masks_is_logic():
                             nn.MSELoss())
 
 
+class _LastStep(nn.Module):
+    """A recurrent layer's last step as classifiers read it, ``out[:, -1]`` (``select.int`` with a
+    negative index), and an LSTM's own unrolled steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1]) + x[:, -2, :3]
+
+
+def test_select_counts_a_negative_index_from_the_end():
+    """The stock converter passed -1 to TVM's unchecked ``take``: the LSTM classifier's loss was
+    9.9e6 where torch's is 1.98, then the heap was corrupted."""
+    torch.manual_seed(0)
+    _assert_trains_as_torch(_LastStep(), torch.randn(2, 5, 4), torch.randn(2, 3), nn.MSELoss())
+
+
 class _SharedIndex(nn.Module):
     def forward(self, x):
         i = torch.tensor([-1, 0])

@@ -72,29 +72,43 @@ class _Region:
         self.kinds: dict = {}
 
     def kind(self, expr) -> str | None:
-        """CONST, LINEAR or ZERO for `expr` in the region, None where the rewrite does not apply."""
+        """CONST, LINEAR or ZERO for `expr` in the region, None where the rewrite does not apply.
+
+        Walked with a stack, operands left to right before their op (the region's first backward
+        value met is its `dy`): an unrolled recurrence (an LSTM over 256 steps) chains thousands
+        of pointwise ops, past Python's recursion limit."""
+        pending = [(expr, False)]
+        while pending:
+            e, operands_done = pending.pop()
+            if operands_done:
+                self.kinds[e] = self._call(self.bound[e])
+                continue
+            if not isinstance(e, relax.Var) or e in self.kinds or e in self.forward or e not in self.bound:
+                continue
+            if op_name(self.bound[e]) in POINTWISE and dtype_of(e) == self.dtype:
+                self.ops += 1
+                pending.append((e, True))
+                pending.extend((a, False) for a in reversed(self.bound[e].args))
+            elif self.dy is None or self.dy.same_as(e):  # the region's one backward input
+                self.dy, self.kinds[e] = e, (LINEAR if dtype_of(e) == self.dtype else None)
+            else:
+                self.kinds[e] = None
+        return self._known(expr)
+
+    def _known(self, expr) -> str | None:
+        """`expr`'s kind once its operands are walked: a constant's, a forward value's (CONST, and
+        read), or the one ``kind`` found."""
         if isinstance(expr, tvm.ir.GenericConst):
             return ZERO if _is_zero(expr) else CONST
         if not isinstance(expr, relax.Var):
             return None
         if expr in self.kinds:
             return self.kinds[expr]
-        if expr in self.forward or expr not in self.bound:  # a forward value or a parameter
-            self.reads.add(expr)
-            return CONST
-        value = self.bound[expr]
-        if op_name(value) in POINTWISE and dtype_of(expr) == self.dtype:
-            self.ops += 1
-            found = self._call(value)
-        elif self.dy is None or self.dy.same_as(expr):  # the region's one backward input
-            self.dy, found = expr, (LINEAR if dtype_of(expr) == self.dtype else None)
-        else:
-            found = None
-        self.kinds[expr] = found
-        return found
+        self.reads.add(expr)  # a forward value or a parameter
+        return CONST
 
     def _call(self, call: relax.Call) -> str | None:
-        kinds = [self.kind(a) for a in call.args]
+        kinds = [self._known(a) for a in call.args]
         if None in kinds:
             return None
         name = op_name(call)
