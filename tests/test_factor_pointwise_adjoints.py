@@ -166,3 +166,21 @@ def test_the_forward_keeps_one_factor_per_short_chain_and_gradients_match_torch(
     for name, p in params.items():
         err = float((grads[name] - p.grad).norm() / largest)
         assert err <= GRAD_TOL, f"{name}: {err:.2e}"
+
+
+def test_a_long_pointwise_backward_chain_is_walked_without_recursion():
+    """An unrolled recurrence (an LSTM over 256 steps) chains thousands of pointwise backward ops:
+    the region's walk passed Python's recursion limit.  Past ``MAX_OPS`` the region is left as it is."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    with bb.function("main_adjoint", [x]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.tanh(x))
+            loss = bb.emit(relax.op.sum(t))
+            g = bb.emit(relax.op.broadcast_to(relax.const(1.0, "float32"), relax.ShapeExpr([4, 8])))
+            for _ in range(5000):
+                g = bb.emit(relax.op.multiply(g, t))
+            out = bb.emit_output(relax.Tuple([relax.Tuple([loss]), relax.Tuple([g])]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(FactorPointwiseAdjoints()(mod), mod)
