@@ -160,6 +160,25 @@ def test_where_sums_broadcast_operands_down(rng):
     check(rng, lambda c, x, y: R.where(c, x, y), lambda c, x, y: torch.where(c.bool(), x, y), cond, a, b, wrt=[1, 2])
 
 
+@pytest.mark.parametrize("op", ["remainder", "fmod", "atan2"])
+def test_remainders_and_atan2(rng, op):
+    """torch's ``remainder`` (``floor_mod``) and ``fmod`` (``mod``) of floats, the divisor broadcast;
+    operands kept off the quotient's jumps, where the gradient is not defined."""
+    a = randn(rng, 3, 4) * 3
+    b = (randn(rng, 1, 4, low=0.5) * np.sign(randn(rng, 1, 4))).astype("float32")
+    q = a / b
+    a = np.where(np.abs(q - np.round(q)) < 0.05, a + 0.1 * b, a).astype("float32")
+    relax_fn, torch_fn = {"remainder": (R.floor_mod, torch.remainder), "fmod": (R.mod, torch.fmod),
+                          "atan2": (R.atan2, torch.atan2)}[op]
+    check(rng, relax_fn, torch_fn, a, b)
+
+
+def test_floor_division_takes_no_gradient(rng):
+    a, b = randn(rng, 3, 4) * 3, randn(rng, 3, 4, low=0.5)
+    check(rng, lambda x, y: R.add(R.floor_divide(x, y), x),
+          lambda x, y: torch.div(x, y, rounding_mode="floor") + x, a, b)
+
+
 ##################### Reductions #####################
 
 

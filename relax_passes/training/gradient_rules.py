@@ -145,6 +145,28 @@ def tan_grad(orig_var, orig_call, output_grad, ctx):
     return [output_grad * (_const(1.0, orig_var) + orig_var * orig_var)]
 
 
+def _remainder_grad(rounding: Callable) -> GradientRule:
+    """``a - rounding(a / b) * b`` (``floor_mod``: torch's ``remainder``; ``mod``: ``fmod``), the
+    rounded quotient piecewise constant: da = dy, db = -rounding(a / b) dy.  Integer operands (index
+    arithmetic) take no gradient."""
+
+    def rule(orig_var, orig_call, output_grad, ctx):
+        a, b = orig_call.args
+        if not str(dtype_of(orig_var)).startswith(("float", "bfloat")):
+            return _no_grads(orig_call)
+        quotient = rounding(R.divide(a, b))
+        return [_fit(ctx, output_grad, a, orig_call), _fit(ctx, R.negative(output_grad * quotient), b, orig_call)]
+
+    return rule
+
+
+def atan2_grad(orig_var, orig_call, output_grad, ctx):
+    """atan2(a, b): da = b / (a^2 + b^2), db = -a / (a^2 + b^2)."""
+    a, b = orig_call.args
+    scale = output_grad / (a * a + b * b)
+    return [_fit(ctx, scale * b, a, orig_call), _fit(ctx, R.negative(scale * a), b, orig_call)]
+
+
 def gelu_grad(orig_var, orig_call, output_grad, ctx):
     """y = x/2 (1 + erf(x/sqrt2)); dy/dx = (1 + erf(x/sqrt2))/2 + x exp(-x^2/2)/sqrt(2 pi)."""
     x = orig_call.args[0]
@@ -837,6 +859,9 @@ GRADIENT_RULES: dict[str, GradientRule] = {
     "relax.rsqrt": rsqrt_grad,
     "relax.square": square_grad,
     "relax.tan": tan_grad,
+    "relax.floor_mod": _remainder_grad(R.floor),
+    "relax.mod": _remainder_grad(R.trunc),
+    "relax.atan2": atan2_grad,
     "relax.clip": clip_grad,
     "relax.where": where_grad,
     "relax.nn.gelu": gelu_grad,
@@ -901,6 +926,7 @@ NO_GRAD_OPS: tuple[str, ...] = (
     "relax.ceil",
     "relax.round",
     "relax.trunc",
+    "relax.floor_divide",  # piecewise constant, as torch's div(rounding_mode="floor") differentiates it
     "relax.one_hot",
     "relax.grad.no_grad",  # a value read as a constant (an embedding's padding positions)
     "relax.bitwise_not",  # integer and boolean masks (cross-entropy's ignore_index with label smoothing)
