@@ -308,7 +308,7 @@ def test_unsupported_op_names_op_and_module():
 
 
 class _TargetWeighted(torch.nn.Module):
-    """A loss weighted by a function of the targets that has no gradient rule (floor_mod), on no
+    """A loss weighted by a function of the targets that has no gradient rule (cumprod), on no
     path from a parameter: TVM's Gradient still differentiates it."""
 
     def __init__(self):
@@ -316,12 +316,28 @@ class _TargetWeighted(torch.nn.Module):
         self.head = torch.nn.Linear(4, 4)
 
     def forward(self, x, labels):
-        return (self.head(x) * torch.remainder(labels, 3).float()).mean()
+        return (self.head(x) * torch.cumprod(labels.float(), -1)).mean()
 
 
 def test_unsupported_op_on_the_targets_side_names_op_and_module():
-    with pytest.raises(UnsupportedOpError, match=r"aten\.remainder.*no gradient rule for relax\.floor_mod"):
+    with pytest.raises(UnsupportedOpError, match=r"aten\.cumprod.*no gradient rule for relax\.cumprod"):
         tvm_evt.compile_training(_TargetWeighted(), (torch.randn(2, 4), torch.randint(0, 9, (2, 4))), target=LLVM)
+
+
+class _Cropped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.crop = torch.nn.ZeroPad2d(-1)  # a negative padding crops
+
+    def forward(self, x):
+        return self.crop(self.conv(x)).mean()
+
+
+def test_a_call_its_gradient_rule_refuses_names_op_module_and_reason():
+    """A rule's own refusal (``GradientRuleError``) reached the user as TVM's error, naming no module."""
+    with pytest.raises(UnsupportedOpError, match=r"aten\.constant_pad_nd.* module 'crop'.*negative pad widths"):
+        tvm_evt.compile_training(_Cropped(), (torch.randn(2, 3, 8, 8),), target=LLVM)
 
 
 def test_wrong_inputs_are_reported():

@@ -148,25 +148,33 @@ def _differentiate(mod: tvm.IRModule, params: list, imported: ImportedModel) -> 
         return relax.transform.Gradient("main", require_grads=params, target_index=0)(mod)
     except Exception as err:  # pylint: disable=broad-except  (TVM raises InternalError here)
         missing = re.search(r"FPrimalGradient has not been registered for (\S+)", str(err))
-        if missing is None:
+        refused = re.search(r"gradient of ((?:relax|tvm_evt)\.\S+): ([^\n]+)", str(err))  # a rule's GradientRuleError
+        if missing is not None:
+            op, why = missing.group(1), f"no gradient rule for {missing.group(1)}"
+        elif refused is not None:
+            op, why = refused.group(1), f"its gradient rule refuses it: {refused.group(2).strip()}"
+        else:
             raise
-        op = missing.group(1)
-        raise UnsupportedOpError(*_origin_of(imported, op), f"no gradient rule for {op}") from None
+        raise UnsupportedOpError(*_origin_of(imported, op), why) from None
 
 
 def _origin_of(imported: ImportedModel, op_name: str) -> tuple[str, str]:
-    """(aten op, module path) of the first binding of the imported ``main`` that calls `op_name`
-    (the origin recorded for it, or for the converter output it is part of)."""
-    found = False
+    """(aten op, module path) of the bindings of the imported ``main`` that call `op_name` (the
+    origin recorded for each, or for the converter output it is part of); where several modules
+    call it, their paths joined with "or" (Gradient does not say which call failed)."""
+    found, origins = False, []
     for block in imported.mod["main"].body.blocks:
         for binding in block.bindings:
             value = binding.value
             found = found or (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
                               and value.op.name == op_name)
             if found and binding.var in imported.origins:
-                origin = imported.origins[binding.var]
-                return origin.aten_op, origin.module_path
-    return op_name, ""
+                origins.append(imported.origins[binding.var])
+                found = False
+    if not origins:
+        return op_name, ""
+    paths = list(dict.fromkeys(o.module_path for o in origins))
+    return origins[0].aten_op, " or ".join(paths)
 
 
 # --------------------------------------------------------------------- graph building
