@@ -102,6 +102,14 @@ def elements(expr: relax.Expr) -> int | None:
     return None if shape is None else math.prod(shape)
 
 
+def group_norm_view(shape: list[int], channel: int, groups: int, axes: list[int]) -> tuple[list[int], list[int]]:
+    """A group norm's input seen with its channel axis split into (groups, channels of a group),
+    and the axes it normalizes on that view, sorted: a group's channels and `axes` (non-negative,
+    the channel axis not among them)."""
+    view = shape[:channel] + [groups, shape[channel] // groups] + shape[channel + 1:]
+    return view, sorted([channel + 1] + [a + 1 if a > channel else a for a in axes])
+
+
 def dtype_of(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, else None."""
     ty = getattr(expr, "ty", None)

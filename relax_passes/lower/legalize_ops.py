@@ -24,7 +24,7 @@ import math
 import tvm
 from tvm import relax, te, topi
 
-from .._rewrite import static_shape
+from .._rewrite import group_norm_view, static_shape
 
 
 def _bound(arg):
@@ -69,8 +69,7 @@ def _group_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     channel, groups = int(attrs.channel_axis) % ndim, int(attrs.num_groups)
     if shape[channel] % groups:
         raise ValueError(f"relax.nn.group_norm: {shape[channel]} channels in {groups} groups")
-    view = shape[:channel] + [groups, shape[channel] // groups] + shape[channel + 1:]
-    axes = sorted([channel + 1] + [a + 1 if a > channel else a for a in (int(a) % ndim for a in attrs.axes)])
+    view, axes = group_norm_view(shape, channel, groups, [int(a) % ndim for a in attrs.axes])
     return bb.call_te(_normalize, *call.args, view, axes, [channel, channel + 1], float(attrs.epsilon),
                       primfunc_name_hint="group_norm")
 

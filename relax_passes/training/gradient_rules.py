@@ -31,7 +31,7 @@ from tvm.relax.expr import Expr, Var
 from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad, take_backward
 
-from .._rewrite import dtype_of, op_name
+from .._rewrite import dtype_of, group_norm_view, op_name
 
 __all__ = ["GRADIENT_RULES", "NO_GRAD_OPS", "RULE_LEVEL", "GradientRuleError", "register_op"]
 
@@ -344,8 +344,7 @@ def group_norm_grad(orig_var, orig_call, output_grad, ctx):
     channel, groups = int(attrs.channel_axis) % ndim, int(attrs.num_groups)
     if shape[channel] % groups:
         raise _fail(orig_call, f"{shape[channel]} channels in {groups} groups")
-    view = shape[:channel] + [groups, shape[channel] // groups] + shape[channel + 1:]
-    axes = [channel + 1] + [a + 1 if a > channel else a for a in _norm_axes(attrs.axes, ndim)]
+    view, axes = group_norm_view(shape, channel, groups, _norm_axes(attrs.axes, ndim))
     bshape = [d if a in (channel, channel + 1) else 1 for a, d in enumerate(view)]
     dy = R.reshape(output_grad, view)
     dx, xhat = _normalize_backward(dy, R.reshape(x, view), R.reshape(gamma, bshape), axes, float(attrs.epsilon))
