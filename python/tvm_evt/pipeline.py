@@ -104,6 +104,7 @@ from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
 from .relax_passes.lower.legalize_ops import legalize_ops
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
+from .relax_passes.lower.non_finite_bf16_as_bits import NonFiniteBF16AsBits
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
 from .relax_passes.lower.pack_memory_arena import PackMemoryArena
 from .relax_passes.lower.sink_recomputed_values import SinkRecomputedValues
@@ -154,7 +155,7 @@ PHASES = (
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "RecomputeElementwise",
            "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "SinkRecomputedValues",
-           "ScheduleTIRForGPU", "PackMemoryArena", "CaptureStepGraphs")),
+           "ScheduleTIRForGPU", "NonFiniteBF16AsBits", "PackMemoryArena", "CaptureStepGraphs")),
 )
 
 # Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
@@ -407,6 +408,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 relax.transform.FuseTIR(),
                 SinkRecomputedValues(),  # copies FuseOps moved up the backward: down to their readers again
                 ScheduleTIRForGPU(vectorize=enabled("vectorize")),
+                NonFiniteBF16AsBits(),  # bfloat16 infinities the CUDA codegen would print as "inff"
             ]
             + cuda.dataflow_lower_passes(target)
             + finalize(cuda.finalize_passes(target))
@@ -497,7 +499,7 @@ def tvm_default_cuda_pipeline():
             raise RuntimeError("TVM's CUDA legalize passes changed: expected one ApplyDefaultSchedule")
         with target:
             return tvm.transform.Sequential(
-                cuda.library_dispatch_passes(target) + legalize + [ScheduleTIRForGPU()]
+                cuda.library_dispatch_passes(target) + legalize + [ScheduleTIRForGPU(), NonFiniteBF16AsBits()]
                 + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target)
             )(mod)
 
