@@ -12,7 +12,9 @@ for a compile, since the optional rewrites change the partitions.
 times the chosen partitions under every configuration of a search space (``select.candidates``,
 with narrow-epilogue variants) next to their plain GEMM and torch.matmul (cuBLAS) on the same
 shape and layouts: what an epilogue costs, whether a configuration hides it, and how far the main
-loop is from the library's; ``--configs pp_128x128x64_c1x1_e64x16,...`` times only those.
+loop is from the library's; ``--configs pp_128x128x64_c1x1_e64x16,...`` times only those, and
+``--sweep heuristic`` only what an untuned build runs (each partition beside its plain GEMM and
+cuBLAS, two builds a partition).
 """
 import argparse
 import json
@@ -27,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the model's small shapes")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     ap.add_argument("--only", default=None, help="comma-separated partition symbols (default: all)")
-    ap.add_argument("--sweep", default=None, choices=["quick", "default", "full"],
-                    help="time every configuration of this search space and the plain GEMM instead")
+    ap.add_argument("--sweep", default=None, choices=["heuristic", "quick", "default", "full"],
+                    help="time every configuration of this search space and the plain GEMM instead "
+                    "(heuristic: only what an untuned build runs)")
     ap.add_argument("--configs", default=None,
                     help="with --sweep: only these comma-separated configuration names (as the sweep prints them)")
     args = ap.parse_args(argv)

@@ -366,3 +366,21 @@ def test_in_place_step_partitions_as_the_functional_one():
                       if r["kind"] == "tir" and r["kernel"].startswith("cast"))
 
     assert casts(in_place) == casts(functional)
+
+
+def test_the_heuristic_sweep_times_what_an_untuned_build_runs_beside_the_plain_gemm(small_bert_partitions):
+    from tvm_evt.codegen import select
+    from tvm_evt.codegen.legality import fitting_config
+
+    parts = small_bert_partitions[:3]
+    asked = []
+
+    def measure(jobs):
+        asked.append(sorted(jobs))
+        return {name: 1.0 for name in jobs}
+
+    rows = tuning.sweep_configs(parts, tuning.HEURISTIC_SPACE, measure)
+    assert len(asked) == 1 and len(asked[0]) == 2 * len(parts)  # one build batch: each partition and its plain GEMM
+    for r in rows:
+        p = next(p for p in parts if p.symbol == r["symbol"])
+        assert list(r["ms"]) == [fitting_config(p, select.heuristic_config(p)).name] == [r["heuristic"]]

@@ -310,6 +310,9 @@ def compare_configs(partitions: list, measure: Callable | None = None) -> list[d
     return sorted(rows, key=lambda r: -r["heuristic_ms"])  # a failed build (inf) first
 
 
+HEURISTIC_SPACE = "heuristic"  # sweep_configs: the heuristic's configuration alone
+
+
 def sweep_configs(partitions: list, space: str = "quick", measure: Callable | None = None,
                   only: Iterable[str] | None = None) -> list[dict]:
     """Each partition timed under every configuration of ``space`` that ``select.candidates`` keeps
@@ -320,7 +323,8 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     too.  ``only`` keeps the configurations of those names (after fitting).  One row per partition:
     ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``heuristic`` (its name), ``errors``, and
     ``library_ms``: the plain GEMM by ``measure.matmul_ms`` (cuBLAS through torch on a GPU), None
-    where the measure has none."""
+    where the measure has none.  ``space="heuristic"`` times only the heuristic's choice: where
+    each partition of an untuned build stands against its plain GEMM and the library's."""
     from .codegen import select
     from .codegen.backend import default_config
     from .codegen.legality import fitting_config
@@ -328,7 +332,8 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     measure = measure or GpuMeasure()
     jobs, rows = {}, []
     for p in partitions:
-        configs = [c for base in select.candidates(p, space) for c in (base, select.epilogue_variant(base))]
+        configs = [] if space == HEURISTIC_SPACE else \
+            [c for base in select.candidates(p, space) for c in (base, select.epilogue_variant(base))]
         configs.append(select.heuristic_config(p))  # what an untuned build runs
         names = []
         fitted = list(dict.fromkeys(fitting_config(p, c) for c in configs))
