@@ -91,3 +91,29 @@ def test_an_open_clamp_in_bfloat16_compiles_with_nvcc():
     src = _cuda_source(with_pass=True)
     with CUDA:
         assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+def test_a_mobilenet_v3_block_on_the_bf16_cuda_route_prints_no_inff():
+    """torchvision's MobileNetV3 block (hard-swish, squeeze-excitation with hard-sigmoid), as
+    ``tests/test_cnn_layers.py`` writes it, partitioned for sm_90a in bf16: its TVM kernels as the
+    CUDA route schedules them print as code nvcc takes; without this pass they held 58
+    ``__float2bfloat16_rn(inff)`` on an H200 (torchvision's mobilenet_v3_small)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tvm_evt import tuning
+    from tvm_evt.training import build_training_module, from_torch, runtime_module
+    from test_cnn_layers import MODELS
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    graph = build_training_module(from_torch(MODELS["mobilenet_v3_blocks"](), (x, torch.randint(0, 10, (4,))),
+                                             F.cross_entropy), None, "bf16")
+    before, schedule = tuning.until_scheduling(CUDA)
+    with CUDA:
+        scheduled = schedule(tvm.transform.Sequential(before)(runtime_module(graph.mod)))
+    kernels = lambda mod: tvm.IRModule({gv: f.with_attr("global_symbol", gv.name_hint)  # noqa: E731
+                                        for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)})
+    source = lambda mod: tvm.compile(kernels(mod), target=CUDA).mod.imports[0].inspect_source()  # noqa: E731
+    assert "inff" in source(scheduled)  # TVM 0.27's codegen alone
+    assert "inff" not in source(NonFiniteBF16AsBits()(scheduled))
