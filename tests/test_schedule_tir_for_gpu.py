@@ -199,3 +199,70 @@ def test_a_function_without_a_reduction_is_offered_only_to_the_rules_that_may_ta
     monkeypatch.setattr(S, "has_reduction_block", lambda f: True)  # every rule tried on every function
     with CUDA:
         tvm.ir.assert_structural_equal(S.ScheduleTIRForGPU(vectorize=True)(mod), scheduled)
+
+
+def _relax_kernel(build, shapes, dtype):
+    """The one PrimFunc `build(*vars)` legalizes and fuses into, for CUDA."""
+    bb = relax.BlockBuilder()
+    args = [relax.Var(f"a{i}", relax.TensorType(s, dtype)) for i, s in enumerate(shapes)]
+    with bb.function("main", args):
+        with bb.dataflow():
+            out = bb.emit_output(build(*args))
+        bb.emit_func_output(out)
+    mod = _fused(bb.get())
+    (gv, func), = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    return gv, func
+
+
+def _odd_adaptive_pool(dtype):  # 14 -> 3 overlapping windows: a sum block and a divide block
+    return _relax_kernel(lambda x: relax.op.nn.adaptive_avg_pool2d(x, (3, 3)), [(2, 4, 14, 14)], dtype)
+
+
+def _grouped_conv(dtype):  # NCHW, 2 groups: a padding block and the convolution
+    return _relax_kernel(lambda x, w: relax.op.nn.conv2d(x, w, groups=2), [(4, 8, 14, 14), (8, 4, 3, 3)], dtype)
+
+
+@pytest.mark.parametrize("kernel", [_odd_adaptive_pool, _grouped_conv], ids=["odd_adaptive_pool", "grouped_conv"])
+def test_a_kernel_with_intermediate_buffers_runs_on_one_thread_as_written(kernel):
+    """The intermediate buffers become the thread's own and producers are inlined; its body, built
+    for llvm without the launch, computes what the kernel does."""
+    from _te_kernels import run_on_llvm
+
+    _, func = kernel("float32")
+    one = single_thread(func)
+    body = one.body.body.body  # inside the blockIdx.x and threadIdx.x launches
+    assert all(str(b.scope()) == "local" for b in body.block.alloc_buffers)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal([int(d) for d in ty.shape.values]).astype("float32") for ty in func.ty.params]
+    want = run_on_llvm(func, arrays)
+    got = run_on_llvm(one.with_body(body), arrays)
+    np.testing.assert_allclose(got[-1], want[-1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("kernel", [_odd_adaptive_pool, _grouped_conv], ids=["odd_adaptive_pool", "grouped_conv"])
+def test_bfloat16_kernels_no_rule_schedules_build_for_cuda(kernel):
+    """A grouped NCHW convolution and an odd adaptive average pool in bf16: DLight's rules either
+    decline them or schedule a cross-thread reduction TVM refuses when building; they run on one
+    thread, and the step builds (both failed to on the CUDA route: "Cross-thread reduction
+    requires all the reduction-related loops to be the deepest", "Buffer pad_temp is used before
+    its definition")."""
+    gv, func = kernel("bfloat16")
+    with CUDA, pytest.warns(UserWarning, match="one GPU thread"):
+        mod = ScheduleTIRForGPU(vectorize=True)(tvm.IRModule({gv: func}))
+    src = tvm.compile(tvm.IRModule({gv: mod[gv].with_attr("global_symbol", gv.name_hint)}),
+                      target=CUDA).mod.imports[0].inspect_source()
+    from tvm.support import nvcc
+    with CUDA:
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+def test_a_reduction_schedule_tvm_cannot_lower_is_passed_over():
+    from tvm.s_tir import dlight as dl
+
+    from tvm_evt.relax_passes.lower.schedule_tir_for_gpu import cross_thread_reduction_lowers
+
+    gv, func = _grouped_conv("bfloat16")
+    with CUDA:
+        by_reduction = dl.ApplyDefaultSchedule(dl.gpu.Reduction())(tvm.IRModule({gv: func}))[gv]
+    assert "threadIdx.x" in by_reduction.script() and not cross_thread_reduction_lowers(gv, by_reduction)

@@ -13,6 +13,9 @@ Fallback)`` stops the whole build when a rule raises on one function (TVM 0.27's
 trips an rfactor check on some fused reductions of training graphs).  Here every unscheduled
 PrimFunc is tried with each rule in that order, alone; a rule that raises or declines hands the
 function to the next one, and ``Fallback`` schedules anything left that has block iterators.  A
+schedule with a reduction that TVM's ``LowerCrossThreadReduction`` would refuse at build time
+(``cross_thread_reduction_lowers``: DLight's Reduction rule on a grouped convolution) is passed
+over the same way.  A
 function without a reduction block skips the rules that need one (``_reduction_rules``), which
 would each analyse it only to decline (ResNet-50's step: 13.8 -> 7.9 s, the same schedules).
 What even ``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward``
@@ -100,8 +103,35 @@ def _scheduled(func) -> bool:
     return bool(func.attrs) and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]) == 1
 
 
+def cross_thread_reduction_lowers(gv, func: tirx.PrimFunc) -> bool:
+    """Does TVM's ``LowerCrossThreadReduction`` take `func`'s schedule?  DLight's Reduction rule
+    binds a grouped convolution's reduction to threads with a spatial loop inside it (torchvision's
+    ResNeXt and ShuffleNet, in bf16), which that pass refuses only when the step is built."""
+    try:
+        s_tir.transform.LowerCrossThreadReduction()(tvm.IRModule({gv: func}))
+    except Exception:  # noqa: BLE001 - the schedule is passed over like a rule that raises
+        return False
+    return True
+
+
 def single_thread(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` as written, launched as one block of one thread."""
+    """`func` as written, launched as one block of one thread: the producers that can be inlined
+    into their readers are, and the buffers the function allocates are that thread's (local; a
+    global buffer allocated inside a kernel fails the build: "used before its definition")."""
+    root = func.body.block if isinstance(func.body, s_tir.SBlockRealize) else None
+    if root is not None and root.alloc_buffers:
+        sch = s_tir.Schedule(func)
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            try:
+                sch.compute_inline(block)
+            except Exception:  # noqa: BLE001 - a block that cannot be inlined stays
+                pass
+        allocated = sch.get(sch.get_sblock("root")).alloc_buffers
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            for i, region in enumerate(sch.get(block).writes):
+                if any(region.source.same_as(b) for b in allocated):
+                    sch.set_scope(block, i, "local")
+        func = sch.mod["main"]
     body = func.body
     for tag in ("threadIdx.x", "blockIdx.x"):
         axis = tirx.IterVar(tvm.ir.Range(0, 1), tirx.Var(tag, "int32"), tirx.IterVar.ThreadIndex, tag)
@@ -183,12 +213,13 @@ class ScheduleTIRForGPU:
                     if "global_symbol" in func.attrs else out
                 continue
             single = tvm.IRModule({gv: func})
-            for rule in rules if has_reduction_block(func) else injective_rules:
+            reduces = has_reduction_block(func)
+            for rule in rules if reduces else injective_rules:
                 try:  # (an output the rule left unscheduled has no vectorized loops to unroll)
                     out = scalar_bool_access(dl.ApplyDefaultSchedule(rule)(single)[gv])
                 except Exception:  # noqa: BLE001 - a failing rule passes the function on
                     continue
-                if _scheduled(out):
+                if _scheduled(out) and (not reduces or cross_thread_reduction_lowers(gv, out)):
                     updates[gv] = out
                     break
             else:
