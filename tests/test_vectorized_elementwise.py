@@ -28,6 +28,7 @@ def _kernels():
     g = te.placeholder((2, 4, 16, 128), "bfloat16", name="g")
     sin = te.placeholder((16, 128), "bfloat16", name="sin")
     stat = te.placeholder((32, 1), "float32", name="stat")
+    xb = te.placeholder((32, 256), "bfloat16", name="xb")
     return {
         # a cross-entropy gradient's one-hot: the class index compared with the row's int64 label,
         # a float32 row statistic; staged, and neither per-row value narrows the bf16 vectors
@@ -53,6 +54,10 @@ def _kernels():
         # staged: a comparison along the vector (ReLU's backward), x read twice at one place
         "relu_bwd": ([x, te.compute((32, 256), lambda i, j: tirx.Select(x[i, j] > tirx.const(0, "bfloat16"), x[i, j],
                                                                            tirx.const(0, "bfloat16")), name="y")], 8),
+        # staged: a select on the row alone between values along the vector (a slice scatter, circular
+        # padding's gradient); vectorized, its condition would be a broadcast boolx8
+        "row_select": ([x, xb, te.compute((32, 256), lambda i, j: tirx.Select(
+            tirx.all(1 <= i, i < 31), x[tirx.max(i - 1, 0), j], xb[i, j]), name="y")], 8),
         # staged, with x under a padding guard (read element by element) and the mask's fp32 scale
         # as the widest type (4 lanes)
         "mask_pad": ([x, m, xf, te.compute(
@@ -135,7 +140,8 @@ def test_takes_contiguous_injective_kernels_and_declines_the_rest(name):
         assert f"T.vectorized({lanes})" in script
 
 
-STAGED = {"mask": ("x", "m"), "relu_bwd": ("x", None), "mask_pad": ("xf", "x")}  # (a vector load, a scalar one)
+STAGED = {"mask": ("x", "m"), "relu_bwd": ("x", None), "mask_pad": ("xf", "x"),
+          "row_select": ("xb", None)}  # (a vector load, a scalar one)
 
 
 @pytest.mark.parametrize("name", list(STAGED))
@@ -233,3 +239,19 @@ def test_vectorized_kernels_compile_with_nvcc(name):
 def test_vectorized_kernels_on_gpu_match_llvm(name):
     tensors, _ = _kernels()[name]
     assert_matches_llvm_on_gpu(_schedule(tensors), tensors)
+
+
+def test_a_select_on_the_row_alone_computes_what_the_kernel_does():
+    """Staged, the row select (a slice scatter's) keeps its meaning: its thread loops run serially
+    on llvm and equal the unscheduled kernel bit for bit."""
+    tensors, _ = _kernels()["row_select"]
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((32, 256)) for _ in range(2)]
+    outs = []
+    for f in (te.create_prim_func(tensors), serial(_schedule(tensors)["main"])):
+        lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")
+        y = tvm.runtime.empty((32, 256), "bfloat16")
+        lib["main"](*(_bf16(a) for a in inputs), y)
+        outs.append(y.numpy().view("uint16"))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert (outs[0][0] == _bf16(inputs[1]).numpy()[0].view("uint16")).all()  # row 0 from the second input

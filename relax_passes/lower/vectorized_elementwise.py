@@ -21,6 +21,8 @@ is vector-friendly:
 
 Bool data along the vector (a dropout mask read, ReLU's backward comparison
 ``where(x > 0, dy, 0)``) cannot be one vector: TVM 0.27's CUDA codegen has no ``boolxN`` type.
+Nor can a ``Select`` between values along the vector on a condition that is not (a slice
+scatter's row test, circular padding's): the vectorizer broadcasts the condition to one.
 Such a kernel is *staged* instead: each thread still owns ``v`` consecutive elements, the other
 buffers are loaded into registers and the results stored from them as 16-byte vectors, and the
 ``v`` elements are computed one by one in an unrolled loop, the bool bytes read as they are used
@@ -96,6 +98,20 @@ def _bool_values_along(block: tirx.SBlock, var, exclude=()) -> bool:
             hit.append(node)
 
     tvm_ffi.structural_walk(block.body, [(kind, visit) for kind in BOOL_VALUED], order="post")
+    return bool(hit)
+
+
+def _selects_on_a_broadcast(block: tirx.SBlock, var) -> bool:
+    """Does the block select between values along `var` on a condition that does not vary along it
+    (a slice-scatter's ``where`` on a row index)?  The vectorizer broadcasts that condition into a
+    boolxN, which TVM 0.27's CUDA codegen cannot declare ("Cannot convert type T.boolx8")."""
+    hit = []
+
+    def visit(sel) -> None:
+        if not _uses_var(sel.condition, var) and (_uses_var(sel.true_value, var) or _uses_var(sel.false_value, var)):
+            hit.append(sel)
+
+    tvm_ffi.structural_walk(block.body, (tirx.Select, visit), order="post")
     return bool(hit)
 
 
@@ -179,7 +195,8 @@ def _plan(block: tirx.SBlock, guards: list) -> Plan:
     accesses = _accesses(block)
     along = [(b, idx) for b, idx in accesses if any(_uses_var(i, inner.var) for i in idx)]
     conditions = [c for g in guards for c in _conditions(g)]
-    staged = _bool_values_along(block, inner.var, conditions) or any(str(b.dtype) == "bool" for b, _ in along)
+    staged = _bool_values_along(block, inner.var, conditions) or any(str(b.dtype) == "bool" for b, _ in along) \
+        or _selects_on_a_broadcast(block, inner.var)
     vector = [(b, idx) for b, idx in accesses if str(b.dtype) != "bool"] if staged else accesses
     analyzer = sym.Analyzer()
     for iv in block.iter_vars:
