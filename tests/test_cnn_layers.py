@@ -6,6 +6,9 @@ convolutions, stride-2 downsamples, dilation; and torchvision's other ``norm_lay
 norm, instance norm, batch norm without running statistics; and upsampling as an FPN's top-down step
 and a segmentation head write it (``F.interpolate``, nearest and bilinear), and as a U-Net's decoder
 does (``ConvTranspose2d``, with circular padding after)."""
+import shutil
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,6 +158,16 @@ class _UNetUp(nn.Module):
         return self.up2(F.relu(self.fuse(torch.cat([self.up(coarse), x], 1))))
 
 
+class _ChannelShuffle(nn.Module):  # torchvision.models.shufflenetv2.channel_shuffle
+    def __init__(self, groups: int):
+        super().__init__()
+        self.groups = groups
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        return x.view(b, self.groups, c // self.groups, h, w).transpose(1, 2).contiguous().view(b, c, h, w)
+
+
 def _classifier(body: nn.Module, channels: int, classes: int = 10) -> nn.Module:
     return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
 
@@ -176,10 +189,24 @@ MODELS = {
     "mobilenet_v2_blocks": lambda: _classifier(nn.Sequential(
         nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(),
         _InvertedResidual(8, 8, 1, 4), _InvertedResidual(8, 16, 2, 4)), 16),
+    # a channel shuffle before a grouped convolution (NCHW after the shuffle's views); a circular
+    # 3x3 and an adaptive average pool whose windows overlap (14 -> 3)
+    "shuffle_grouped": lambda: _classifier(nn.Sequential(
+        nn.Conv2d(3, 8, 3), _ChannelShuffle(2), nn.Conv2d(8, 8, 3, groups=2)), 8),
+    "circular_odd_pool": lambda: _classifier(nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding_mode="circular", padding=1), nn.AdaptiveAvgPool2d(3), nn.ReLU()), 8),
     "mobilenet_v3_blocks": lambda: _classifier(nn.Sequential(
         nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(),
         _mobilenet_v3_block(16, 32, 24, 2)), 24),
 }
+
+
+FROM_IMAGES = ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks", "fpn_upsample", "unet_up",
+               "shuffle_grouped", "circular_odd_pool")  # the models whose first layer takes 3 channels
+
+
+def _in_channels(name: str, model: nn.Module) -> int:
+    return 3 if name in FROM_IMAGES else model[0].conv1.in_channels
 
 
 def _torch_step(model, reference: dict, x, y) -> tuple:
@@ -198,8 +225,7 @@ def _torch_step(model, reference: dict, x, y) -> tuple:
 def test_cnn_layers_match_torch(name, channels_last):
     torch.manual_seed(0)
     model = MODELS[name]()
-    cin = 3 if name in ("resnet_stem", "mobilenet_v2_blocks", "mobilenet_v3_blocks", "fpn_upsample", "unet_up") \
-        else model[0].conv1.in_channels
+    cin = _in_channels(name, model)
     x, y = torch.randn(2, cin, 15 if name == "fpn_upsample" else 16, 16), torch.randint(0, 10, (2,))
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -221,7 +247,7 @@ def test_normalisations_and_transposed_convolutions_compile_and_match_in_bf16(na
     and gradients as bf16 allows."""
     torch.manual_seed(0)
     model = MODELS[name]()
-    cin = 3 if name == "unet_up" else model[0].conv1.in_channels
+    cin = _in_channels(name, model)
     x, y = torch.randn(4, cin, 16, 16), torch.randint(0, 10, (4,))
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     step = tvm_evt.compile_training(model, (x, y), loss_fn=F.cross_entropy, target="llvm", precision="bf16")
@@ -287,3 +313,34 @@ def test_convolution_forms_without_a_gradient_rule_are_refused_by_name():
     target = torch.randn_like(model(inputs).detach())
     with pytest.raises(UnsupportedOpError, match=r"aten\.convolution\.default in module '0\.0': no gradient rule"):
         tvm_evt.compile_training(model, [inputs, target], loss_fn=F.mse_loss, target="llvm")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_bf16_cuda_routes_tvm_kernels_compile_with_nvcc(name):
+    """Each model's bf16 step partitioned for sm_90a: its TVM kernels, as the CUDA route schedules
+    them, print as CUDA that nvcc builds.  On an H200 these once failed only there: bf16
+    infinities printed as ``inff`` (MobileNetV3's hardsigmoid), a boolx8 select condition (circular
+    padding's slice scatter), DLight's cross-thread reduction of a grouped NCHW convolution and the
+    one-thread fallback's global buffers (the shuffle, the overlapping adaptive pool)."""
+    import tvm
+    from tvm.support import nvcc
+
+    from tvm_evt import tuning
+    from tvm_evt.relax_passes.lower.non_finite_bf16_as_bits import NonFiniteBF16AsBits
+    from tvm_evt.training import build_training_module, from_torch, runtime_module
+
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x = torch.randn(4, _in_channels(name, model), 16, 16).contiguous(memory_format=torch.channels_last)
+    graph = build_training_module(from_torch(model, (x, torch.randint(0, 10, (4,))), F.cross_entropy), None, "bf16")
+    before, schedule = tuning.until_scheduling(cuda)
+    with cuda, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kernels left to one thread say so
+        mod = NonFiniteBF16AsBits()(schedule(tvm.transform.Sequential(before)(runtime_module(graph.mod))))
+    kernels = {gv: f.with_attr("global_symbol", gv.name_hint) for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc)}
+    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source()
+    with cuda:
+        assert nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")

@@ -3,7 +3,7 @@
 Every op states the dtype it wants for its floating-point inputs, by a policy table:
 
 * ``FP32``   — numerically sensitive ops (normalisations, softmax, losses, reductions,
-  exp/log) compute in fp32;
+  exp/log) compute in fp32, and those TVM's CUDA route has no bf16 form of (atan2, isnan, ...);
 * ``FOLLOW`` — layout and indexing ops keep whatever dtype arrives (no cast);
 * arithmetic that normalises by a batch statistic (an fp32 ``sum``/``mean``/``variance``, or
   arithmetic on such statistics only: ``x - mean``, ``/ sqrt(var + eps)``), arithmetic whose
@@ -55,6 +55,23 @@ FP32 = frozenset(
         "relax.power",
         "relax.sqrt",
         "relax.rsqrt",
+        # no bfloat16 form in TVM 0.27's CUDA route: its legalisation refuses the finiteness tests
+        # ("not supported for isnan op"), its codegen has no bf16 atan2, asin, acos, their
+        # hyperbolic kinds, rounding (``hnearbyint``) or truncated remainder; bf16 steps with
+        # torch.atan2, xlogy, fmod or round did not build on the GPU
+        "relax.atan2",
+        "relax.asin",
+        "relax.acos",
+        "relax.asinh",
+        "relax.acosh",
+        "relax.atanh",
+        "relax.sinh",
+        "relax.cosh",
+        "relax.isnan",
+        "relax.isinf",
+        "relax.isfinite",
+        "relax.round",
+        "relax.mod",
     }
 )
 
