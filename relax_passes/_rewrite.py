@@ -110,6 +110,17 @@ def group_norm_view(shape: list[int], channel: int, groups: int, axes: list[int]
     return view, sorted([channel + 1] + [a + 1 if a > channel else a for a in axes])
 
 
+def replace_functions(mod: tvm.IRModule, updates: dict) -> tvm.IRModule:
+    """`mod` with the functions of `updates` ({GlobalVar: function}) in their places; `mod`
+    itself when there are none."""
+    if not updates:
+        return mod
+    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
 def dtype_of(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, else None."""
     ty = getattr(expr, "ty", None)

@@ -61,3 +61,30 @@ def assert_matches_llvm_on_gpu(scheduled: tvm.IRModule, tensors, rtol: float = 0
         torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
     else:
         assert torch.equal(got.cpu(), want)
+
+
+def cuda_route_source(training_mod: tvm.IRModule) -> str:
+    """The CUDA source of the TVM kernels the CUDA route builds for a training module (sm_90a):
+    its passes up to ``ScheduleTIRForGPU`` and ``NonFiniteBF16AsBits``, without nvcc or a GPU."""
+    import warnings
+
+    from tvm_evt import tuning
+    from tvm_evt.relax_passes.lower.non_finite_bf16_as_bits import NonFiniteBF16AsBits
+    from tvm_evt.training import runtime_module
+
+    target = tvm.target.Target(CUDA)
+    before, schedule = tuning.until_scheduling(target)
+    with target, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kernels left to one thread say so
+        mod = NonFiniteBF16AsBits()(schedule(tvm.transform.Sequential(before)(runtime_module(training_mod))))
+    kernels = {gv: f.with_attr("global_symbol", gv.name_hint) for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc)}
+    return tvm.compile(tvm.IRModule(kernels), target=target).mod.imports[0].inspect_source()
+
+
+def assert_nvcc_builds(source: str) -> None:
+    """nvcc compiles `source` for sm_90a (the caller skips where there is no nvcc)."""
+    from tvm.support import nvcc
+
+    with tvm.target.Target(CUDA):
+        assert nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")

@@ -6,7 +6,6 @@ schedules them, compile with nvcc.  Without a GPU: the kernels are built for sm_
 (``asin``, ``acos`` and the hyperbolic functions are float32 too, but have no gradient rule: a
 step that differentiates through them is refused by name.)"""
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -15,11 +14,8 @@ from torch import nn
 
 import tvm
 
-from tvm_evt import tuning
-from tvm_evt.relax_passes.lower.non_finite_bf16_as_bits import NonFiniteBF16AsBits
-from tvm_evt.training import build_training_module, from_torch, runtime_module
-
-CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+from _te_kernels import assert_nvcc_builds, cuda_route_source
+from tvm_evt.training import build_training_module, from_torch
 
 FUNCTIONS = {
     "atan2": lambda x: torch.atan2(x, x.abs() + 1),
@@ -61,17 +57,7 @@ def test_a_bf16_step_with_the_function_builds_for_cuda(name):
     model = nn.Sequential(nn.Linear(16, 16), _Apply(FUNCTIONS[name]), nn.Linear(16, 10))
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
     graph = build_training_module(from_torch(model, (x, y), F.cross_entropy), None, "bf16")
-    before, schedule = tuning.until_scheduling(CUDA)
-    with CUDA, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mod = NonFiniteBF16AsBits()(schedule(tvm.transform.Sequential(before)(runtime_module(graph.mod))))
-    kernels = {gv: f.with_attr("global_symbol", gv.name_hint) for gv, f in mod.functions_items()
-               if isinstance(f, tvm.tirx.PrimFunc)}
-    source = tvm.compile(tvm.IRModule(kernels), target=CUDA).mod.imports[0].inspect_source()
-    from tvm.support import nvcc
-
-    with CUDA:
-        assert nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")
+    assert_nvcc_builds(cuda_route_source(graph.mod))
 
 
 def test_mixed_precision_computes_them_in_float32():

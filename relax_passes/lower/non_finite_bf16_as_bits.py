@@ -22,6 +22,8 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from .._rewrite import replace_functions
+
 BITS = {"bfloat16": ("uint16", {"inf": 0x7F80, "-inf": 0xFF80, "nan": 0x7FC0})}
 
 
@@ -53,9 +55,4 @@ class NonFiniteBF16AsBits:
         updates = {gv: tvm_ffi.structural_map(func, (tirx.FloatImm, _as_bits))
                    for gv, func in mod.functions_items()
                    if isinstance(func, tirx.PrimFunc) and _has_non_finite(func)}
-        if not updates:
-            return mod
-        mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-        for gv, func in updates.items():
-            mod[gv] = func
-        return mod
+        return replace_functions(mod, updates)

@@ -40,6 +40,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from .._rewrite import replace_functions
 from ..ops import depthwise_conv_op
 from ..training import optimizer_update, philox, write_back
 from . import column_sums
@@ -230,9 +231,4 @@ class ScheduleTIRForGPU:
                 f"no DLight rule schedules {', '.join(sorted(serial))}: run on one GPU thread",
                 stacklevel=2,
             )
-        if not updates:
-            return mod
-        mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-        for gv, func in updates.items():
-            mod[gv] = func
-        return mod
+        return replace_functions(mod, updates)
