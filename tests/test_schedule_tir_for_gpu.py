@@ -266,3 +266,28 @@ def test_a_reduction_schedule_tvm_cannot_lower_is_passed_over():
     with CUDA:
         by_reduction = dl.ApplyDefaultSchedule(dl.gpu.Reduction())(tvm.IRModule({gv: func}))[gv]
     assert "threadIdx.x" in by_reduction.script() and not cross_thread_reduction_lowers(gv, by_reduction)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_a_kernel_that_launches_its_own_threads_is_kept_as_written():
+    """TVM's CUDA legalisation of ``scatter_elements`` (DeBERTa-v2's relative-position gradient)
+    launches its own threads; wrapped in a one-thread launch it did not build."""
+    from tvm_evt.relax_passes.lower.schedule_tir_for_gpu import launches_threads
+
+    bb = relax.BlockBuilder()
+    data = relax.Var("data", relax.TensorType((8, 16, 16), "bfloat16"))
+    index = relax.Var("index", relax.TensorType((8, 16, 16), "int64"))
+    with bb.function("main", [data, index]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.scatter_elements(data, index, data, axis=2))
+        bb.emit_func_output(out)
+    (gv, func), = [(gv, f) for gv, f in _fused(bb.get()).functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert launches_threads(func)
+    with CUDA:
+        mod = ScheduleTIRForGPU(vectorize=True)(tvm.IRModule({gv: func}))
+    assert mod[gv].body.same_as(func.body)
+    src = tvm.compile(tvm.IRModule({gv: mod[gv].with_attr("global_symbol", gv.name_hint)}),
+                      target=CUDA).mod.imports[0].inspect_source()
+    from tvm.support import nvcc
+    with CUDA:
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")

@@ -1,5 +1,6 @@
 """Modules as transformers builds them (random weights, no downloads) train as torch computes them:
 loss and every gradient against torch fp32 on the CPU route."""
+import shutil
 from pathlib import Path
 
 import pytest
@@ -456,3 +457,20 @@ def test_llama_decoder_layers_kernels_pass_legality_and_build_for_sm90a(tmp_path
     built = relax_ext.prebuild(mod)
     failed = {name: str(r).splitlines()[0] for name, r in built.items() if not isinstance(r, Path)}
     assert not failed and set(built) == set(sources)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+@pytest.mark.parametrize("family", ["deberta_v2", "t5", "gemma"])
+def test_bf16_steps_tvm_kernels_compile_with_nvcc(family):
+    """The bf16 step partitioned for sm_90a: its TVM kernels as the CUDA route schedules them
+    compile with nvcc.  DeBERTa-v2's relative-position gradient is TVM's CUDA ``scatter_elements``,
+    which launches its own threads; wrapped in a one-thread launch it did not build."""
+    from _te_kernels import assert_nvcc_builds, cuda_route_source
+    from tvm_evt.training import build_training_module
+
+    torch.manual_seed(0)
+    model = _library_lm(family)
+    model.config._attn_implementation = "eager" if family == "deberta_v2" else "sdpa"
+    input_ids = torch.randint(1, 100, (2, 16))
+    graph = build_training_module(tvm_evt.from_torch(LibraryLoss(model), (input_ids, input_ids.clone()), None), None, "bf16")
+    assert_nvcc_builds(cuda_route_source(graph.mod))

@@ -15,7 +15,7 @@ PrimFunc is tried with each rule in that order, alone; a rule that raises or dec
 function to the next one, and ``Fallback`` schedules anything left that has block iterators.  A
 schedule with a reduction that TVM's ``LowerCrossThreadReduction`` would refuse at build time
 (``cross_thread_reduction_lowers``: DLight's Reduction rule on a grouped convolution) is passed
-over the same way.  A
+over the same way.  A function that launches its own threads (TVM's CUDA scatter) is kept as written.  A
 function without a reduction block skips the rules that need one (``_reduction_rules``), which
 would each analyse it only to decline (ResNet-50's step: 13.8 -> 7.9 s, the same schedules).
 What even ``Fallback`` cannot take — TVM's own opaque serial kernels such as ``take_backward``
@@ -102,6 +102,17 @@ def has_reduction_block(func: tirx.PrimFunc) -> bool:
 
 def _scheduled(func) -> bool:
     return bool(func.attrs) and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]) == 1
+
+
+def launches_threads(func: tirx.PrimFunc) -> bool:
+    """Does `func` launch its own GPU threads (``T.launch_thread``)?  TVM's CUDA legalisation of
+    ``scatter_elements`` writes its kernel so (DeBERTa-v2's relative-position gradient); wrapped in
+    the one-thread launch, its inner launches of other extents failed the build ("All loops that
+    are bound to `blockIdx.x` should have the same extent")."""
+    found = []
+    tvm_ffi.structural_walk(func.body, (tirx.AttrStmt, lambda a: found.append(a) if a.attr_key == "thread_extent"
+                                        else None), order="post")
+    return bool(found)
 
 
 def cross_thread_reduction_lowers(gv, func: tirx.PrimFunc) -> bool:
@@ -206,6 +217,9 @@ class ScheduleTIRForGPU:
                 safe = _made_safe(gv, func)
                 if not safe.same_as(func):
                     updates[gv] = safe
+                continue
+            if launches_threads(func):  # TVM's own GPU form (its CUDA scatter): kept as written
+                updates[gv] = func.with_attr("tirx.is_scheduled", True)
                 continue
             hook = _own_gpu_form_hook(func)
             if hook is not None:
