@@ -2,9 +2,7 @@
 legalisation refuses ``isnan`` of bf16, its codegen has no bf16 ``atan2``, ``asin`` ...,
 ``hnearbyint`` is no CUDA function, its truncated remainder takes no bf16 vectors):
 ``AutoMixedPrecision`` computes them in float32, so the step's TVM kernels, as the CUDA route
-schedules them, compile with nvcc.  Without a GPU: the kernels are built for sm_90a on the CPU.
-(``asin``, ``acos`` and the hyperbolic functions are float32 too, but have no gradient rule: a
-step that differentiates through them is refused by name.)"""
+schedules them, compile with nvcc.  Without a GPU: the kernels are built for sm_90a on the CPU."""
 import shutil
 
 import pytest
@@ -19,6 +17,9 @@ from tvm_evt.training import build_training_module, from_torch
 
 FUNCTIONS = {
     "atan2": lambda x: torch.atan2(x, x.abs() + 1),
+    "inverse_trigonometric": lambda x: torch.asin(0.5 * torch.tanh(x)) + torch.acos(0.5 * torch.tanh(x)),
+    "hyperbolic": lambda x: torch.sinh(0.1 * x) + torch.cosh(0.1 * x) + torch.asinh(x)
+    + torch.atanh(0.5 * torch.tanh(x)) + torch.acosh(x.abs() + 1.5),
     "xlogy": lambda x: torch.xlogy(x, x.abs() + 1),  # isnan of its second operand
     "fmod": lambda x: torch.fmod(x, 0.7),
     "round": lambda x: x + (torch.round(2 * x) / 2 - x).detach(),

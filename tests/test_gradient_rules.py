@@ -107,6 +107,13 @@ UNARY = [
     ("rsqrt", R.rsqrt, torch.rsqrt, 0.2),
     ("square", R.square, torch.square, None),
     ("tan", R.tan, torch.tan, None),
+    ("asin", R.asin, torch.asin, None),
+    ("acos", R.acos, torch.acos, None),
+    ("asinh", R.asinh, torch.asinh, None),
+    ("acosh", R.acosh, torch.acosh, None),
+    ("atanh", R.atanh, torch.atanh, None),
+    ("sinh", R.sinh, torch.sinh, None),
+    ("cosh", R.cosh, torch.cosh, None),
     ("gelu", R.nn.gelu, F.gelu, None),
     ("gelu_tanh", R.nn.gelu_tanh, lambda t: F.gelu(t, approximate="tanh"), None),
     ("log_softmax", lambda x: R.nn.log_softmax(x, -1), lambda t: F.log_softmax(t, -1), None),
@@ -120,6 +127,10 @@ def test_unary(rng, name, relax_fn, torch_fn, low):
     x = randn(rng, *shape, low=low)
     if name == "tan":
         x = np.clip(x, -1.2, 1.2)
+    if name in ("asin", "acos", "atanh"):  # inside (-1, 1), away from the poles
+        x = np.clip(x, -0.9, 0.9)
+    if name == "acosh":  # above 1
+        x = np.abs(x) + 1.1
     check(rng, relax_fn, torch_fn, x)
 
 

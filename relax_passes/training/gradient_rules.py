@@ -145,6 +145,39 @@ def tan_grad(orig_var, orig_call, output_grad, ctx):
     return [output_grad * (_const(1.0, orig_var) + orig_var * orig_var)]
 
 
+def asin_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    return [output_grad * R.rsqrt(_const(1.0, x) - x * x)]
+
+
+def acos_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    return [R.negative(output_grad * R.rsqrt(_const(1.0, x) - x * x))]
+
+
+def asinh_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    return [output_grad * R.rsqrt(x * x + _const(1.0, x))]
+
+
+def acosh_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    return [output_grad * R.rsqrt(x * x - _const(1.0, x))]
+
+
+def atanh_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    return [output_grad / (_const(1.0, x) - x * x)]
+
+
+def sinh_grad(orig_var, orig_call, output_grad, ctx):
+    return [output_grad * R.cosh(orig_call.args[0])]
+
+
+def cosh_grad(orig_var, orig_call, output_grad, ctx):
+    return [output_grad * R.sinh(orig_call.args[0])]
+
+
 def _remainder_grad(rounding: Callable) -> GradientRule:
     """``a - rounding(a / b) * b`` (``floor_mod``: torch's ``remainder``; ``mod``: ``fmod``), the
     rounded quotient piecewise constant: da = dy, db = -rounding(a / b) dy.  Integer operands (index
@@ -858,6 +891,13 @@ GRADIENT_RULES: dict[str, GradientRule] = {
     "relax.rsqrt": rsqrt_grad,
     "relax.square": square_grad,
     "relax.tan": tan_grad,
+    "relax.asin": asin_grad,
+    "relax.acos": acos_grad,
+    "relax.asinh": asinh_grad,
+    "relax.acosh": acosh_grad,
+    "relax.atanh": atanh_grad,
+    "relax.sinh": sinh_grad,
+    "relax.cosh": cosh_grad,
     "relax.floor_mod": _remainder_grad(R.floor),
     "relax.mod": _remainder_grad(R.trunc),
     "relax.atan2": atan2_grad,
