@@ -63,9 +63,10 @@ def assert_matches_llvm_on_gpu(scheduled: tvm.IRModule, tensors, rtol: float = 0
         assert torch.equal(got.cpu(), want)
 
 
-def cuda_route_source(training_mod: tvm.IRModule) -> str:
+def cuda_route_source(training_mod: tvm.IRModule, non_finite_as_bits: bool = True) -> str:
     """The CUDA source of the TVM kernels the CUDA route builds for a training module (sm_90a):
-    its passes up to ``ScheduleTIRForGPU`` and ``NonFiniteBF16AsBits``, without nvcc or a GPU."""
+    its passes up to ``ScheduleTIRForGPU`` and ``NonFiniteBF16AsBits`` (or without that pass),
+    without nvcc or a GPU."""
     import warnings
 
     from tvm_evt import tuning
@@ -76,7 +77,9 @@ def cuda_route_source(training_mod: tvm.IRModule) -> str:
     before, schedule = tuning.until_scheduling(target)
     with target, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # kernels left to one thread say so
-        mod = NonFiniteBF16AsBits()(schedule(tvm.transform.Sequential(before)(runtime_module(training_mod))))
+        mod = schedule(tvm.transform.Sequential(before)(runtime_module(training_mod)))
+        if non_finite_as_bits:
+            mod = NonFiniteBF16AsBits()(mod)
     kernels = {gv: f.with_attr("global_symbol", gv.name_hint) for gv, f in mod.functions_items()
                if isinstance(f, tvm.tirx.PrimFunc)}
     return tvm.compile(tvm.IRModule(kernels), target=target).mod.imports[0].inspect_source()

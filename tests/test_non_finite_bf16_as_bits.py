@@ -101,19 +101,13 @@ def test_a_mobilenet_v3_block_on_the_bf16_cuda_route_prints_no_inff():
     import torch
     import torch.nn.functional as F
 
-    from tvm_evt import tuning
-    from tvm_evt.training import build_training_module, from_torch, runtime_module
+    from _te_kernels import cuda_route_source
+    from tvm_evt.training import build_training_module, from_torch
     from test_cnn_layers import MODELS
 
     torch.manual_seed(0)
     x = torch.randn(4, 3, 16, 16).contiguous(memory_format=torch.channels_last)
     graph = build_training_module(from_torch(MODELS["mobilenet_v3_blocks"](), (x, torch.randint(0, 10, (4,))),
                                              F.cross_entropy), None, "bf16")
-    before, schedule = tuning.until_scheduling(CUDA)
-    with CUDA:
-        scheduled = schedule(tvm.transform.Sequential(before)(runtime_module(graph.mod)))
-    kernels = lambda mod: tvm.IRModule({gv: f.with_attr("global_symbol", gv.name_hint)  # noqa: E731
-                                        for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)})
-    source = lambda mod: tvm.compile(kernels(mod), target=CUDA).mod.imports[0].inspect_source()  # noqa: E731
-    assert "inff" in source(scheduled)  # TVM 0.27's codegen alone
-    assert "inff" not in source(NonFiniteBF16AsBits()(scheduled))
+    assert "inff" in cuda_route_source(graph.mod, non_finite_as_bits=False)  # TVM 0.27's codegen alone
+    assert "inff" not in cuda_route_source(graph.mod)

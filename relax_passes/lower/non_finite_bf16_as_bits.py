@@ -36,23 +36,15 @@ def _as_bits(imm: tirx.FloatImm):
     return tirx.call_intrin(dtype, "tirx.reinterpret", tirx.IntImm(carrier, patterns[name]))
 
 
-def _has_non_finite(func: tirx.PrimFunc) -> bool:
-    found = []
-
-    def visit(imm) -> None:
-        if str(imm.ty.dtype) in BITS and not math.isfinite(imm.value):
-            found.append(imm)
-
-    tvm_ffi.structural_walk(func.body, (tirx.FloatImm, visit), order="post")
-    return bool(found)
-
-
 @tvm.transform.module_pass(opt_level=0, name="NonFiniteBF16AsBits")
 class NonFiniteBF16AsBits:
     """Every PrimFunc's non-finite bfloat16 constants as reinterpreted bit patterns."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {gv: tvm_ffi.structural_map(func, (tirx.FloatImm, _as_bits))
-                   for gv, func in mod.functions_items()
-                   if isinstance(func, tirx.PrimFunc) and _has_non_finite(func)}
+        updates = {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc):
+                out = tvm_ffi.structural_map(func, (tirx.FloatImm, _as_bits))  # `func` itself where none is
+                if not out.same_as(func):
+                    updates[gv] = out
         return replace_functions(mod, updates)

@@ -151,8 +151,8 @@ def asin_grad(orig_var, orig_call, output_grad, ctx):
 
 
 def acos_grad(orig_var, orig_call, output_grad, ctx):
-    x = orig_call.args[0]
-    return [R.negative(output_grad * R.rsqrt(_const(1.0, x) - x * x))]
+    """acos(x) = pi/2 - asin(x)."""
+    return [R.negative(g) for g in asin_grad(orig_var, orig_call, output_grad, ctx)]
 
 
 def asinh_grad(orig_var, orig_call, output_grad, ctx):
