@@ -163,6 +163,8 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     """A configuration by problem shape, for partitions nobody profiled: the choices the H100
     tuning runs of BERT-Large made most often (scripts/tune.py, 2026-11-23; ms best / default):
 
+    * a batch of K slices at least ``MIN_SLICE`` long within one wave (``k_slices``' weight
+      gradients): ``slice_tile``;
     * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156); not for a
       weight gradient's long K, which takes the long-K rules below: ResNet-50's 1x1 weight gradient
       256x64x401408 ran data-parallel on 2 CTAs, 0.97 ms a call (H200, 2026-11-28);
@@ -258,7 +260,9 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     store_bits = {BITS[node.dtype] for node in partition.epilogue.nodes if isinstance(node, AuxStore)}
     wide = g.batch == 1 and k >= 4096 and 4096 <= min(m, n) and max(m, n) <= 16384
     long_k = g.batch == 1 and k >= 4096 and k >= 4 * max(m, n)  # a weight gradient's reduction
-    if n <= 64 and m >= 128 and not long_k:
+    if g.batch > 1 and k >= MIN_SLICE and tiles(*slice_tile(m, n)[:2]) <= num_sms:
+        cfg = _cfg(slice_tile(m, n))  # a batch of K slices (``k_slices``)
+    elif n <= 64 and m >= 128 and not long_k:
         cfg = _cfg((128, 64, 64))
     elif g.batch == 1 and is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:
         cfg = _cfg((128, 64, 64) if 4 * tiles(128, 64) <= num_sms else (128, 128, 64), decomposition=SPLIT, splits=4)
@@ -312,6 +316,53 @@ def alu_heavy(partition: Partition) -> bool:
 # The longest K slice of the thin rule's split-K 4 (XML-CNN's weight gradients measured it with
 # slices of about 4000); a longer reduction takes the long-K rules, whose CTAs fill the SMs.
 THIN_SLICE = 16384
+
+
+# The shortest K slice ``k_slices`` cuts: 32 k-tiles of 64, enough main loop to hide the prologue
+# and the partial's store (ResNet-50's measured slices were 3136 to 12544 long).
+MIN_SLICE = 2048
+
+
+def slice_tile(m: int, n: int) -> tuple[int, int, int]:
+    """The CTA tile of a K-slice batch (``k_slices``): 128x64 for an output at most 64 wide, 128x256
+    for at most 64 rows over more than 128 columns (the padded rows cost MMA work only: the batched
+    64x256x401408 ran 0.070 ms on 128x256 tiles, 0.087 on 128x128, 0.084 on 128x64; H200,
+    2026-12-01), else 128x128."""
+    if n <= 64:
+        return (128, 64, 64)
+    if m <= 64 and n > 128:
+        return (128, 256, 64)
+    return (128, 128, 64)
+
+
+def k_slices(m: int, n: int, k: int, dtype: str = "bfloat16", num_sms: int = H100_SMS) -> int:
+    """How many K slices an M x N x K GEMM should run as: a batch of GEMMs over contiguous slices of
+    K writing float32 partial products, which a reduction sums after (``SplitMatmulReduction``);
+    1 keeps it one GEMM.
+
+    For a long reduction (``k >= 4096`` and ``k >= 4 * max(m, n)``: a weight gradient) whose output
+    tiles (``slice_tile``) fill at most one wave: the most slices, at least ``MIN_SLICE`` long,
+    that keep slices x tiles within one wave (a divisor of K: the slices are views).  CUTLASS's
+    in-kernel split-K and stream-K pass every partial tile through a workspace under one lock per
+    tile, so the tile's units queue; the batch writes its partials without waiting.  ResNet-50's
+    weight gradients (H200, 2026-12-01, ms: batch + torch's sum of the partials / the in-kernel
+    decomposition ``heuristic_config`` gave / cuBLAS): 64x256x401408 0.070 + 0.018 / 0.134 / 0.075,
+    256x64x401408 0.065 + 0.019 / 0.147 / 0.072, 64x64x401408 0.035 + 0.017 / 0.188 / 0.037,
+    128x256x401408 0.078 + 0.017 / 0.143 / 0.086, 512x128x100352 0.039 + 0.017 / 0.069 / 0.038,
+    512x256x100352 0.045 + 0.018 / 0.078 / 0.047, 1024x256x25088 0.024 + 0.017 / 0.041 / 0.031,
+    512x1024x25088 0.039 + 0.017 / 0.049 / 0.040, 2048x512x6272 0.024 + 0.018 / 0.026 (stream-K) /
+    0.030, the 7x7 stem's 64x152x1605632 0.240 + 0.017 (128x128 tiles) / 0.453 / 0.189.  In the
+    step the sum is a TVM kernel that also does what follows the GEMM (the cast, the optimizer's
+    reads).  A thin output over a K up to ``4 * THIN_SLICE`` keeps the in-kernel split-K 4 measured
+    for it (``heuristic_config``)."""
+    if dtype not in ("bfloat16", "float16"):
+        return 1
+    if k < 4096 or k < 4 * max(m, n) or is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:
+        return 1
+    tm, tn, _ = slice_tile(m, n)
+    tiles = math.ceil(m / tm) * math.ceil(n / tn)
+    fits = [s for s in range(2, num_sms // tiles + 1) if k % s == 0 and k // s >= MIN_SLICE and (k // s) % 8 == 0]
+    return max(fits, default=1)
 
 
 def long_k_splits(m: int, n: int, k: int, num_sms: int = H100_SMS) -> int:

@@ -322,6 +322,33 @@ def mutate_relax_functions(mutator, mod: tvm.IRModule, before_each=None) -> tvm.
     return mutator.builder_.get()
 
 
+PARTITION_ATTRS = ("Codegen", "Composite", "Primitive")  # a function with one is a partition or kernel
+
+
+def mutate_step_functions(mutator, mod: tvm.IRModule, functions: tuple[str, ...] | None = None,
+                          before_each=None) -> tvm.IRModule:
+    """Run `mutator` (a PyExprMutator built on `mod`) over the Relax functions of `mod` that are
+    not partitions or kernels (``PARTITION_ATTRS``), or over those named in `functions`;
+    `before_each(func)` may prime it first.  A function the mutator changed loses its unused
+    bindings; `mod` itself is returned when none changed."""
+    changed = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or (functions is not None and gv.name_hint not in functions):
+            continue
+        if func.attrs is not None and any(k in func.attrs for k in PARTITION_ATTRS):
+            continue
+        if before_each is not None:
+            before_each(func)
+        new = mutator.visit_expr(func)
+        if not new.same_as(func):
+            changed.append((gv, relax.analysis.remove_all_unused(new)))
+    if not changed:
+        return mod
+    for gv, func in changed:
+        mutator.builder_.update_func(gv, func)
+    return mutator.builder_.get()
+
+
 @mutator
 class _BindingReplacer(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, find: Callable):

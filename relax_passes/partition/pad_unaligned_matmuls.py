@@ -44,7 +44,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import bind_as, dtype_of, flat_bindings, permute_axes, static_shape
+from .._rewrite import bind_as, dtype_of, flat_bindings, mutate_step_functions, permute_axes, static_shape
 from .partition_evt import COMPOSITE_NAME
 
 ALIGN_BYTES = 16  # what TMA needs of every global stride
@@ -180,7 +180,6 @@ class _Padder(PyExprMutator):
         self.bound: dict = {}  # var -> value, of the function being visited
         self.pads: dict = {}  # (stored tensor, ((axis, extent), ...)) -> its padded var, this block's
         self.views: dict = {}  # (padded var, axes) -> permute_dims of it, this block's
-        self.padded = 0
 
     def prime(self, func: relax.Function) -> None:
         self.bound = {b.var: b.value for b in flat_bindings(func)[0]}
@@ -230,7 +229,6 @@ class _Padder(PyExprMutator):
             result = relax.op.strided_slice(self.builder_.emit(result), axes, [0] * len(axes),
                                             [found.out_slice[a - ndim] for a in axes])
         self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, result))
-        self.padded += 1
 
 
 @tvm.transform.module_pass(opt_level=0, name="PadUnalignedMatmuls")
@@ -243,19 +241,4 @@ class PadUnalignedMatmuls:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         padder = _Padder(mod)
-        changed = []
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or (self.functions is not None and gv.name_hint not in self.functions):
-                continue
-            if func.attrs is not None and any(k in func.attrs for k in ("Codegen", "Composite", "Primitive")):
-                continue
-            padder.prime(func)
-            before = padder.padded
-            new = padder.visit_expr(func)
-            if padder.padded != before:
-                changed.append((gv, relax.analysis.remove_all_unused(new)))
-        if not changed:
-            return mod
-        for gv, func in changed:
-            padder.builder_.update_func(gv, func)
-        return padder.builder_.get()
+        return mutate_step_functions(padder, mod, self.functions, padder.prime)
