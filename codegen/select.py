@@ -340,9 +340,9 @@ def k_slices(m: int, n: int, k: int, dtype: str = "bfloat16", num_sms: int = H10
     K writing float32 partial products, which a reduction sums after (``SplitMatmulReduction``);
     1 keeps it one GEMM.
 
-    For a long reduction (``k >= 4096`` and ``k >= 4 * max(m, n)``: a weight gradient) whose output
-    tiles (``slice_tile``) fill at most one wave: the most slices, at least ``MIN_SLICE`` long,
-    that keep slices x tiles within one wave (a divisor of K: the slices are views).  CUTLASS's
+    For a reduction of at least 4096 (a weight gradient's, over a batch's tokens or pixels) whose
+    output tiles (``slice_tile``) fill at most half a wave: the most slices, at least ``MIN_SLICE``
+    long, that keep slices x tiles within one wave (a divisor of K: the slices are views).  CUTLASS's
     in-kernel split-K and stream-K pass every partial tile through a workspace under one lock per
     tile, so the tile's units queue; the batch writes its partials without waiting.  ResNet-50's
     weight gradients (H200, 2026-12-01, ms: batch + torch's sum of the partials / the in-kernel
@@ -350,14 +350,16 @@ def k_slices(m: int, n: int, k: int, dtype: str = "bfloat16", num_sms: int = H10
     256x64x401408 0.065 + 0.019 / 0.147 / 0.072, 64x64x401408 0.035 + 0.017 / 0.188 / 0.037,
     128x256x401408 0.078 + 0.017 / 0.143 / 0.086, 512x128x100352 0.039 + 0.017 / 0.069 / 0.038,
     512x256x100352 0.045 + 0.018 / 0.078 / 0.047, 1024x256x25088 0.024 + 0.017 / 0.041 / 0.031,
-    512x1024x25088 0.039 + 0.017 / 0.049 / 0.040, 2048x512x6272 0.024 + 0.018 / 0.026 (stream-K) /
-    0.030, the 7x7 stem's 64x152x1605632 0.240 + 0.017 (128x128 tiles) / 0.453 / 0.189.  In the
+    512x1024x25088 0.039 + 0.017 / 0.049 / 0.040, 2048x512x6272 (2 slices) 0.024 + 0.018 / 0.035
+    (0.026 stream-K) / 0.030, the 7x7 stem's 64x152x1605632 0.240 + 0.017 (128x128 tiles) / 0.453 /
+    0.189 (``docs/bench/h200-2026-12-01b/wgrad-sweep``; torch's sum of the partials took 17-19 us
+    whatever their size, the TVM sums of the step 1-5 us).  In the
     step the sum is a TVM kernel that also does what follows the GEMM (the cast, the optimizer's
     reads).  A thin output over a K up to ``4 * THIN_SLICE`` keeps the in-kernel split-K 4 measured
     for it (``heuristic_config``)."""
     if dtype not in ("bfloat16", "float16"):
         return 1
-    if k < 4096 or k < 4 * max(m, n) or is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:
+    if k < 4096 or is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:
         return 1
     tm, tn, _ = slice_tile(m, n)
     tiles = math.ceil(m / tm) * math.ceil(n / tn)

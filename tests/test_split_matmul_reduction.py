@@ -135,8 +135,10 @@ def test_the_slices_fill_one_wave_of_the_gpu_and_are_at_least_min_slice_long():
         s = select.k_slices(m, n, k)
         tm, tn, _ = select.slice_tile(m, n)
         assert k % s == 0 and k // s >= select.MIN_SLICE and s * -(-m // tm) * -(-n // tn) <= select.H100_SMS
-    # not a weight gradient's reduction (K < 4 max(M, N)); XML-CNN's thin output keeps split-K 4
+    assert select.k_slices(2048, 512, 6272) == 2  # 64 tiles: two slices fill the wave
+    # 128 tiles fill a wave; XML-CNN's thin output keeps split-K 4; a short K; float32
     assert select.k_slices(2048, 1024, 6272) == 1
+    assert select.k_slices(1024, 1024, 2048) == 1
     assert select.k_slices(32, 1200, 15904) == 1
     assert select.k_slices(128, 128, 16384, "float32") == 1
 
