@@ -70,14 +70,18 @@ def _ints(values) -> str:
     return ", ".join(str(int(v)) for v in values)
 
 
-def emit_conv(call: ConvCall) -> str:
+def emit_conv(call: ConvCall, cta_tile: tuple[int, int, int] | None = None, chunks: int | None = None) -> str:
     """The C++ source of `call`'s kernel and its entry ``__tvm_ffi_<symbol>``; the same call gives
-    the same text (the build cache's key)."""
+    the same text (the build cache's key).  `cta_tile` and `chunks` replace ``tile(call)`` and
+    ``splits(call)`` (a benchmark's variants: ``codegen.bench_conv``)."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", call.symbol):
         raise Unsupported(f"{call.symbol!r} is not a C identifier")
     reason = supported(call)
     if reason is not None:
         raise Unsupported(f"{call.symbol}: {reason}")
+    if chunks is not None and not (1 <= chunks <= min(MAX_SPLITS, call.x[0]) and (chunks == 1 or call.kind == "wgrad")):
+        raise Unsupported(f"{call.symbol}: {chunks} batch chunks (weight gradients only, 1 to "
+                          f"{min(MAX_SPLITS, call.x[0])})")
     code, bits = DL_CODE[call.dtype]
     names = call.inputs + call.outputs
     bind = "\n".join(f"  DLTensor* {name} = tensors[{i}];" for i, name in enumerate(names))
@@ -86,8 +90,8 @@ def emit_conv(call: ConvCall) -> str:
         f"device_id)) return -1;"
         for name in names
     )
-    tm, tn, tk = tile(call)
-    split = splits(call)
+    tm, tn, tk = cta_tile or tile(call)
+    split = chunks or splits(call)
     # wgrad's N mode is (C, S, R): the tile spans channels of one filter tap (CUTLASS's wgrad tiles)
     n_mode = f"Shape<_{tn}>" if call.kind == "wgrad" else f"_{tn}"
     m, n, k = call.gemm
