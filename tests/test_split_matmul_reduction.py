@@ -69,12 +69,32 @@ def test_a_reader_of_the_gemms_dtype_gets_the_sum_cast_back():
                 p = R.matmul(dys, R.reshape(x, (8, 2048, 128)), out_dtype="float32")
                 s = R.sum(p, axis=[0])
                 w = R.astype(s, "bfloat16")
-                g = s  # the widening cast's reader: the float32 sum, unrounded
+                g = R.astype(w, "float32")  # read as bf16 too: rounded as the GEMM rounds
                 h = R.multiply(w, w)
                 R.output(g, h)
             return (g, h)
 
     tvm.ir.assert_structural_equal(SplitMatmulReduction(num_sms=SMS)(Bf16Result), relax.transform.Normalize()(Expected))
+
+
+@I.ir_module
+class WidenedInAnotherBlock:  # the gradient handed out of its block, widened after it
+    @R.function
+    def main(dy: R.Tensor((16384, 128), "bfloat16"), x: R.Tensor((16384, 128), "bfloat16")):
+        with R.dataflow():
+            dyt = R.permute_dims(dy, [1, 0])
+            w = R.matmul(dyt, x)
+            R.output(w)
+        g = R.astype(w, "float32")
+        return g
+
+
+def test_a_widening_outside_the_block_reads_the_sum_cast_back():
+    after = SplitMatmulReduction(num_sms=SMS)(WidenedInAnotherBlock)
+    relax.analysis.well_formed(after)  # raises unless every value is defined in its scope
+    ops = [e.op.name for e in _calls(after["main"])]
+    assert ops.count("relax.astype") == 2 and "relax.sum" in ops  # sum -> bf16 in the block, -> f32 after
+    _same_values(WeightGradient, after)
 
 
 @I.ir_module

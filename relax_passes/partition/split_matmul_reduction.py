@@ -17,8 +17,8 @@ ResNet-50's step).  The slices count and the batch's tile are the codegen's choi
 (``codegen.select.k_slices`` and ``slice_tile``: K at least 4096 over output tiles that fill at
 most half a wave, slices of at least 2048 that with the tiles fill at most one wave).  The sum is in float32
 whatever the GEMM's output dtype; the result is cast to that dtype, as the GEMM rounds its own,
-except where it is only widened to float32 again (a bf16 weight gradient for float32 master
-weights): that reader gets the float32 sum, unrounded.  (TVM fuses no elementwise reader into a
+except where it is only ever widened to float32 again, in its block (a bf16 weight gradient for
+float32 master weights): those readers get the float32 sum, unrounded.  (TVM fuses no elementwise reader into a
 reduction, so the round trip would cost a kernel of its own.)
 
 A matmul is split only when the codegen takes the sliced one as a lone GEMM (views folded): one
@@ -102,20 +102,22 @@ class _Splitter(PyExprMutator):
         super().__init__(mod)
         self.num_sms = num_sms
         self.bound: dict = {}
-        self.widened: set = set()  # vars only ever cast to float32
-        self.sums: dict = {}  # a split matmul's var -> the float32 sum of its slices (var or call)
+        self.widened: set = set()  # vars only ever cast to float32, in their own dataflow block
+        self.sums: dict = {}  # such a split matmul's var -> the float32 sum of its slices (var or call)
 
     def prime(self, func: relax.Function) -> None:
-        bindings = flat_bindings(func)[0]
+        bindings, block_of = flat_bindings(func)
         self.bound = {b.var: b.value for b in bindings}
-        self.widened = {var for var, uses in binding_uses(func).items()
-                        if all(i < len(bindings) and _is_cast_to_float32(bindings[i].value) for i in uses)}
+        self.widened = {
+            var for var, uses in binding_uses(func).items() if block_of.get(var) is not None and all(
+                i < len(bindings) and _is_cast_to_float32(bindings[i].value) and block_of[bindings[i].var] == block_of[var]
+                for i in uses)}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         call = binding.value
         if _is_cast_to_float32(call) and call.args[0] in self.sums:
-            # the GEMM's output widened (a weight gradient for float32 master weights): the float32
-            # sum itself, without the round trip through the GEMM's dtype
+            # the GEMM's output only widened (a weight gradient for float32 master weights): the
+            # float32 sum itself, without the round trip through the GEMM's dtype
             total = self.sums[call.args[0]] = bind_as(self.builder_, binding.var, self.sums[call.args[0]])
             self.set_var_remap(binding.var, total)
             return
@@ -128,14 +130,12 @@ class _Splitter(PyExprMutator):
         partials = self.builder_.emit(_sliced((self.visit_expr(a), a_axes), (self.visit_expr(b), b_axes),
                                               m, n, k, slices))
         total = relax.op.sum(partials, axis=[0])
-        if dtype_of(binding.var) == "float32":
-            self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, total))
-        elif binding.var in self.widened:
+        if dtype_of(binding.var) != "float32" and binding.var in self.widened:
             self.sums[binding.var] = total  # bound by the first cast that reads it
-        else:
-            self.sums[binding.var] = self.builder_.emit(total)
-            cast = relax.op.astype(self.sums[binding.var], dtype_of(binding.var))
-            self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, cast))
+            return
+        if dtype_of(binding.var) != "float32":
+            total = relax.op.astype(self.builder_.emit(total), dtype_of(binding.var))
+        self.set_var_remap(binding.var, bind_as(self.builder_, binding.var, total))
 
 
 @tvm.transform.module_pass(opt_level=0, name="SplitMatmulReduction")
