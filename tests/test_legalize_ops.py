@@ -123,3 +123,68 @@ def test_a_float16_group_norm_is_normalized_in_float32():
     vm = relax.VirtualMachine(tvm.compile(legalize_ops()(bb.get()), target=tvm.target.Target(cpu_target())), tvm.cpu())
     got = vm["main"](*(tvm.runtime.tensor(a) for a in (x, g, b))).numpy().astype("float64")
     assert np.abs(got - expected).max() <= 2 ** -11 * np.abs(expected).max()  # one float16 rounding of the result
+
+
+# ----------------------------------------------------------- ops without a 16-bit form on CUDA
+def _narrow_ops(dtype: str) -> tvm.IRModule:
+    """atan2, a rounding, a remainder and the finiteness tests on `dtype` tensors, no
+    AutoMixedPrecision in front to widen them."""
+    bb = relax.BlockBuilder()
+    x, y = (relax.Var(n, relax.TensorType((64, 256), dtype)) for n in ("x", "y"))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            a = bb.emit(R.atan2(x, y))
+            r = bb.emit(R.add(R.round(x), R.mod(y, R.const(0.7, dtype))))
+            h = bb.emit(R.add(R.asinh(x), R.sinh(y)))
+            bad = bb.emit(R.logical_or(R.isnan(x), R.isinf(y)))
+            out = bb.emit_output(relax.Tuple([a, r, h, bad, R.isfinite(x)]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_ops_without_a_bf16_form_are_computed_on_float32_copies():
+    from tvm_evt.relax_passes.lower.legalize_ops import FLOAT32_ONLY
+
+    mod = legalize_ops()(_narrow_ops("bfloat16"))
+    kernels = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    for name in ("atan2", "tir_round", "mod", "tir_isnan", "tir_isinf", "tir_isfinite", "tir_asinh", "tir_sinh"):
+        (func,) = [f for n, f in kernels.items() if n == name]
+        assert "bfloat16" not in func.script(), name
+    assert {"relax.atan2", "relax.isnan", "relax.round", "relax.mod"} <= FLOAT32_ONLY
+
+
+def test_ops_without_a_bf16_form_compute_what_float32_does_rounded_once():
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal((64, 256)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    x[0, :3] = [np.nan, np.inf, -np.inf]
+    y[1, :2] = [np.inf, np.nan]
+    ex = tvm.compile(legalize_ops()(_narrow_ops("bfloat16")), target=tvm.target.Target(cpu_target()))
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y))
+    tx, ty = torch.from_numpy(x.astype("float32")), torch.from_numpy(y.astype("float32"))
+    c = float(torch.tensor(0.7).bfloat16())  # the constant as the bf16 graph holds it
+    want = [torch.atan2(tx, ty), torch.round(tx) + torch.fmod(ty, c), torch.asinh(tx) + torch.sinh(ty),
+            torch.isnan(tx) | torch.isinf(ty), torch.isfinite(tx)]
+    for i, w in enumerate(want):
+        g = torch.from_numpy(got[i].numpy().astype("float32") if w.dtype != torch.bool else got[i].numpy())
+        if w.dtype == torch.bool:
+            assert torch.equal(g, w), i
+        else:  # each result rounded once to bf16 (the sum in bf16 after two such roundings)
+            w = w.to(torch.bfloat16).float()
+            fin = torch.isfinite(w)
+            assert torch.equal(fin, torch.isfinite(g)), i
+            assert torch.allclose(g[fin], w[fin], rtol=2 ** -7, atol=2 ** -7), i
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
+def test_ops_without_a_bf16_form_build_for_cuda_in_bf16():
+    from _te_kernels import assert_nvcc_builds
+
+    passes = [legalize_ops(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
+              relax.transform.FuseTIR(), ScheduleTIRForGPU(vectorize=True)]
+    with CUDA:
+        mod = tvm.transform.Sequential(passes)(_narrow_ops("bfloat16"))
+    kernels = {gv: f.with_attr("global_symbol", gv.name_hint) for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc)}
+    assert_nvcc_builds(tvm.compile(tvm.IRModule(kernels), target=CUDA).mod.imports[0].inspect_source())

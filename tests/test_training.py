@@ -639,3 +639,28 @@ def test_headless_attention_trains_as_torch(fused):
     torch.manual_seed(0)
     module, x, t = _HeadlessAttention(fused=fused), torch.randn(4, 32, 32), torch.randn(4, 32, 32)
     matches_torch(module, (x, t), torch.nn.functional.mse_loss)
+
+
+def test_a_float16_model_trains_as_torch_computes_it_in_float32():
+    """A model in ``.half()``: its linear layers (``addmm`` of fp16 operands, which the stock
+    importer could not convert) train, loss and gradients as torch's float32 ones of the same weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).half()
+    x, y = torch.randn(8, 16).half(), torch.randint(0, 10, (8,))
+    step = tvm_evt.compile_training(copy.deepcopy(model), (x, y), loss_fn=torch.nn.functional.cross_entropy,
+                                    target=LLVM)
+    loss, grads = step.loss_and_grads(x, y)
+    ref = copy.deepcopy(model).float()
+    want = torch.nn.functional.cross_entropy(ref(x.float()), y)
+    want.backward()
+    assert abs(float(loss) - float(want.detach())) < 1e-2 * abs(float(want.detach()))
+    largest = max(float(p.grad.norm()) for p in ref.parameters())
+    for name, p in ref.named_parameters():
+        assert float((torch.as_tensor(grads[name]).float() - p.grad).norm()) < 1e-2 * largest, name
+
+
+def test_bfloat16_parameters_are_refused_naming_them():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)).bfloat16()
+    x, y = torch.randn(8, 16).bfloat16(), torch.randint(0, 10, (8,))
+    with pytest.raises(TypeError, match=r"'0\.weight', '0\.bias', '2\.weight' and 1 more are bfloat16.*precision='bf16'"):
+        tvm_evt.compile_training(model, (x, y), loss_fn=torch.nn.functional.cross_entropy, target=LLVM)

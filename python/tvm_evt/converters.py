@@ -38,6 +38,8 @@ What the stock importer gets wrong, and what the converters here emit instead:
   coordinate, weighted), whose gradient is a scatter-add.
 * **hardtanh (ReLU6) is a clip**, whose gradient (torch.clamp's) reads the input.  Here it becomes
   ``tvm_evt.hardtanh``: the same values, torch's ``hardtanh_backward`` from the output.
+* **addmm of 16-bit operands** (an ``nn.Linear`` in float16 or bfloat16) failed to import: the
+  product in float32, the bias added in the operands' dtype.  Here both are in that dtype.
 * **True division of integer tensors** (``a / b``) divides as integers, truncating.  Here the
   operands are cast to a float dtype first, as torch's result is.
 * **Integer clamps with one bound** become a ``clip`` with an infinite other bound, which an
@@ -576,6 +578,26 @@ def _convert_true_divide(node: fx.Node, importer) -> relax.Expr:
     return bb.emit(relax.op.divide(a, b))
 
 
+def _convert_addmm(node: fx.Node, importer) -> relax.Expr:
+    """``addmm(input, mat1, mat2, beta=1, alpha=1)``: ``beta * input + alpha * (mat1 @ mat2)`` in
+    the operands' dtype, as the mixed-precision graphs compute a bf16 linear layer.  The stock
+    conversion takes the product in float32 and adds the bias in its own dtype: a bf16 or fp16
+    ``nn.Linear`` (a model in ``.to(torch.float16)``) failed to import ("Binary operators must
+    have the same datatype")."""
+    bias, a, b = (importer.env[n] for n in node.args[:3])
+    beta, alpha = _arg(node, 3, "beta", 1), _arg(node, 4, "alpha", 1)
+    bb = importer.block_builder
+    total = None
+    if alpha != 0:
+        total = bb.emit(relax.op.matmul(a, b))
+        if alpha != 1:
+            total = bb.emit(relax.op.multiply(total, _const(float(alpha), total)))
+    if beta != 0:
+        term = bias if beta == 1 else bb.emit(relax.op.multiply(bias, _const(float(beta), bias)))
+        total = term if total is None else bb.emit(relax.op.add(term, total))
+    return total
+
+
 def _make_bool_binary(logical, arithmetic, py_op) -> Converter:
     """``mul``/``add`` of two bool tensors is torch's logical and/or (a bool result); the stock
     conversion multiplied bools, which LLVM's code generator rejects with an internal error
@@ -876,6 +898,7 @@ CONVERT_MAP: dict[str, Converter] = {
     "index.Tensor": _convert_index_tensor,
     "select.int": _convert_select,
     # true division of integer tensors gives floats
+    "addmm.default": _convert_addmm,
     "div.Tensor": _convert_true_divide,
     "div.Scalar": _convert_true_divide,
     # arithmetic of two bool tensors is logic

@@ -116,10 +116,19 @@ def as_target(target) -> tvm.target.Target:
 
 def check_differentiable(imported: ImportedModel) -> None:
     """Raise `UnsupportedOpError` for the first op on a parameter→loss path that has no
-    gradient rule, naming the aten op and torch module it came from."""
+    gradient rule, naming the aten op and torch module it came from; a `TypeError` naming the
+    parameters that are bfloat16."""
     func = imported.mod["main"]
     num_input = len(imported.input_names)
-    tainted = {p for p in func.params[num_input : num_input + len(imported.param_names)]}
+    params = func.params[num_input : num_input + len(imported.param_names)]
+    bf16 = [name for name, p in zip(imported.param_names, params) if str(p.ty.dtype) == "bfloat16"]
+    if bf16:  # TVM's Gradient: "Only Tensors of floating point dtype ... can require gradients"
+        listed = ", ".join(repr(n) for n in bf16[:3]) + (f" and {len(bf16) - 3} more" if len(bf16) > 3 else "")
+        raise TypeError(f"parameters {listed} are bfloat16: tvm_evt differentiates float32 and float16 "
+                        "parameters (TVM's Gradient takes no bfloat16 ones); keep the model in float32 "
+                        "(model.float()) and pass precision='bf16', which computes in bf16 with float32 "
+                        "master weights")
+    tainted = set(params)
     bindings = [b for block in func.body.blocks for b in block.bindings]
     origins = imported.origins
     pending = []  # bindings whose origin is the next recorded one

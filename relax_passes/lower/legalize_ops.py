@@ -1,5 +1,8 @@
 """LegalizeOps with the project's rules in place of TVM's for a few ops (both routes).
 
+Ops with no 16-bit float form on TVM's CUDA route (``FLOAT32_ONLY``: atan2, the finiteness tests,
+rounding, ...) computed on float32 copies of their operands.
+
 Index generators as kernels.  TVM 0.27 legalizes ``relax.arange`` with constant bounds to a
 constant tensor (``relax.const(np.arange(...))``); a kernel that reads it then loads what it could
 compute from its own index.  The cross-entropy's one-hot compares the classes' ``arange`` with the
@@ -82,7 +85,37 @@ def _instance_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                       primfunc_name_hint="instance_norm")
 
 
-LEGALIZE = {"relax.arange": _arange, "relax.nn.group_norm": _group_norm, "relax.nn.instance_norm": _instance_norm}
+# Ops TVM 0.27's CUDA route has no 16-bit float form of: its legalisation refuses the finiteness
+# tests ("not supported for isnan op"), its codegen has no bf16 atan2, asin, acos, their
+# hyperbolic kinds, rounding (``hnearbyint`` is no CUDA function) or vector remainder.  Their
+# 16-bit float operands are widened to float32, TVM's own rule computes the op, and a float
+# result is narrowed back: a step built from bf16 weights (no ``AutoMixedPrecision`` to route
+# them to float32 first) then compiles, and its values are the float32 op's, rounded once.
+FLOAT32_ONLY = frozenset({
+    "relax.atan2", "relax.asin", "relax.acos", "relax.asinh", "relax.acosh", "relax.atanh", "relax.sinh",
+    "relax.cosh", "relax.isnan", "relax.isinf", "relax.isfinite", "relax.round", "relax.mod",
+})
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def _in_float32(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """`call` by TVM's rule for its op on float32 copies of its 16-bit float operands, a float
+    result narrowed back to its dtype (``FLOAT32_ONLY``)."""
+    default = call.op.get_attr("FLegalize")
+    narrow = [str(a.ty.dtype) in NARROW_FLOATS for a in call.args]
+    if not any(narrow):
+        return default(bb, call)
+    args = [bb.emit(bb.call_te(topi.cast, a, "float32", primfunc_name_hint="cast")) if n else a
+            for a, n in zip(call.args, narrow)]
+    result = default(bb, bb.normalize(relax.Call(call.op, args, call.attrs, call.ty_args)))
+    dtype = str(call.ty.dtype)
+    if dtype not in NARROW_FLOATS:
+        return result  # the finiteness tests' booleans
+    return bb.call_te(topi.cast, bb.emit(result), dtype, primfunc_name_hint="cast")
+
+
+LEGALIZE = {"relax.arange": _arange, "relax.nn.group_norm": _group_norm, "relax.nn.instance_norm": _instance_norm,
+            **{name: _in_float32 for name in FLOAT32_ONLY}}
 
 
 def legalize_ops() -> tvm.transform.Pass:
