@@ -33,6 +33,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .._rewrite import binding_uses, dtype_of, flat_bindings, op_name, rewrite_function
+from ..lower.legalize_ops import FLOAT32_ONLY
 from .append_optimizer import LOSS_SCALE_PARAM
 
 FP32 = frozenset(
@@ -55,25 +56,8 @@ FP32 = frozenset(
         "relax.power",
         "relax.sqrt",
         "relax.rsqrt",
-        # no bfloat16 form in TVM 0.27's CUDA route: its legalisation refuses the finiteness tests
-        # ("not supported for isnan op"), its codegen has no bf16 atan2, asin, acos, their
-        # hyperbolic kinds, rounding (``hnearbyint``) or truncated remainder; bf16 steps with
-        # torch.atan2, xlogy, fmod or round did not build on the GPU
-        "relax.atan2",
-        "relax.asin",
-        "relax.acos",
-        "relax.asinh",
-        "relax.acosh",
-        "relax.atanh",
-        "relax.sinh",
-        "relax.cosh",
-        "relax.isnan",
-        "relax.isinf",
-        "relax.isfinite",
-        "relax.round",
-        "relax.mod",
     }
-)
+) | FLOAT32_ONLY  # no bfloat16 form on TVM's CUDA route (legalize_ops): the step computes them in float32
 
 FOLLOW = frozenset(
     {
