@@ -278,7 +278,9 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     1257 MB with dgamma's and dbeta's partial sums made by the gradient kernels and the statistics
     stored by the forward kernels (no second read of x or of dy); 1291 MB at 46efa40, and 1324 MB
     with the first layer norm's gradient kernel writing its bf16 result again (34 MB) for FFN1's
-    weight gradient (norm_output: the step keeps 34 MB less across the forward)."""
+    weight gradient (norm_output: the step keeps 34 MB less across the forward); 1375 MB with the
+    four 1024x1024 projections' weight gradients as two K slices each (SplitMatmulReduction),
+    whose float32 partials a TVM kernel sums (12.6 MB a call)."""
     from tvm_evt import bench_e2e
 
     _imported, graph = tuning.training_graph(bench_e2e.build_entry("bert_large", False), "bf16")
@@ -295,7 +297,7 @@ def test_bert_large_layer_norms_write_no_float32_element_values():
     assert all(r["bytes_per_call"] < 205e6 + ("_ybfloat16" in r["kernel"]) * 34e6 for r in backward), backward
     assert sum("_ybfloat16" in r["kernel"] for r in backward) == 1, backward
     assert all("_tail_sum_dy_xhat_sum_dy_" in r["kernel"] for r in backward), backward
-    assert sum(r["bytes"] for r in tir) < 1.33e9, sum(r["bytes"] for r in tir)
+    assert sum(r["bytes"] for r in tir) < 1.38e9, sum(r["bytes"] for r in tir)
 
 
 def test_cuda_route_leaves_no_var_undefined():
