@@ -353,9 +353,8 @@ def k_slices(m: int, n: int, k: int, dtype: str = "bfloat16", num_sms: int = H10
     512x1024x25088 0.039 + 0.017 / 0.049 / 0.040, 2048x512x6272 (2 slices) 0.024 + 0.018 / 0.035
     (0.026 stream-K) / 0.030, the 7x7 stem's 64x152x1605632 0.240 + 0.017 (128x128 tiles) / 0.453 /
     0.189 (``docs/bench/h200-2026-12-01b/wgrad-sweep``; torch's sum of the partials took 17-19 us
-    whatever their size, the TVM sums of the step 1-5 us).  In the
-    step the sum is a TVM kernel that also does what follows the GEMM (the cast, the optimizer's
-    reads).  A thin output over a K up to ``4 * THIN_SLICE`` keeps the in-kernel split-K 4 measured
+    whatever their size, the TVM sums of the step 1-5 us).  In the step the sum is a TVM kernel of
+    its own (TVM fuses no elementwise reader into a reduction).  A thin output over a K up to ``4 * THIN_SLICE`` keeps the in-kernel split-K 4 measured
     for it (``heuristic_config``)."""
     if dtype not in ("bfloat16", "float16"):
         return 1

@@ -897,8 +897,9 @@ CONVERT_MAP: dict[str, Converter] = {
     # advanced indexing and select with negative indices
     "index.Tensor": _convert_index_tensor,
     "select.int": _convert_select,
-    # true division of integer tensors gives floats
+    # a linear layer in its operands' dtype (fp16/bf16 ones did not import)
     "addmm.default": _convert_addmm,
+    # true division of integer tensors gives floats
     "div.Tensor": _convert_true_divide,
     "div.Scalar": _convert_true_divide,
     # arithmetic of two bool tensors is logic

@@ -95,22 +95,33 @@ def _forms(view: list[int], stored: list[int], axes: list[int] | None, copies: b
     return forms
 
 
+def lone_gemm(param_types: list, build) -> relax.Function:
+    """A partition function as the partitioner would hand one GEMM to the codegen: parameters of
+    `param_types`, body ``build(bb, params)`` (the GEMM over views of them) as its output; ask
+    ``codegen.legality`` whether the codegen takes it."""
+    bb = relax.BlockBuilder()
+    params = [relax.Var(f"in{k}", ty) for k, ty in enumerate(param_types)]
+    with bb.function("evt_check", params, attrs={"Composite": COMPOSITE_NAME}):
+        with bb.dataflow():
+            out = bb.emit_output(build(bb, params))
+        bb.emit_func_output(out)
+    return bb.get()["evt_check"]
+
+
 def _gemm_legal(call: relax.Call, operands: list, out_dtype: str) -> bool:
     """Does the codegen take ``call`` as a lone GEMM reading one of the forms of each operand
     (`operands`: a list of ``_forms`` each)?"""
     from ...codegen.legality import legality
 
+    def build(bb, params, forms):
+        args = [bb.emit(relax.op.permute_dims(p, axes)) if axes is not None else p
+                for p, (_, axes) in zip(params, forms)]
+        return relax.Call(call.op, args, call.attrs, call.ty_args)
+
     for forms in itertools.product(*operands):
-        bb = relax.BlockBuilder()
-        params = [relax.Var(f"in{k}", relax.TensorType(stored, dtype_of(call.args[k])))
-                  for k, (stored, _) in enumerate(forms)]
-        with bb.function("evt_check", params, attrs={"Composite": COMPOSITE_NAME}):
-            with bb.dataflow():
-                args = [bb.emit(relax.op.permute_dims(p, axes)) if axes is not None else p
-                        for p, (_, axes) in zip(params, forms)]
-                out = bb.emit_output(relax.Call(call.op, args, call.attrs, call.ty_args))
-            bb.emit_func_output(out)
-        if str(out.ty.dtype) == out_dtype and legality(bb.get()["evt_check"]).ok:
+        types = [relax.TensorType(stored, dtype_of(call.args[k])) for k, (stored, _) in enumerate(forms)]
+        func = lone_gemm(types, lambda bb, params: build(bb, params, forms))
+        if str(func.ret_ty.dtype) == out_dtype and legality(func).ok:
             return True
     return False
 

@@ -31,8 +31,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .._rewrite import bind_as, binding_uses, dtype_of, flat_bindings, mutate_step_functions, static_shape
-from .pad_unaligned_matmuls import MATMUL, view_of
-from .partition_evt import COMPOSITE_NAME
+from .pad_unaligned_matmuls import MATMUL, lone_gemm, view_of
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
 
@@ -60,14 +59,8 @@ def _legal(a: tuple, b: tuple, m: int, n: int, k: int, s: int) -> bool:
     """Does the codegen take the sliced matmul, its views folded, as a lone GEMM?"""
     from ...codegen.legality import legality
 
-    bb = relax.BlockBuilder()
-    params = [relax.Var(f"in{i}", relax.TensorType(static_shape(stored), dtype_of(stored)))
-              for i, (stored, _) in enumerate((a, b))]
-    with bb.function("evt_check", params, attrs={"Composite": COMPOSITE_NAME}):
-        with bb.dataflow():
-            out = bb.emit_output(_sliced((params[0], a[1]), (params[1], b[1]), m, n, k, s))
-        bb.emit_func_output(out)
-    return legality(bb.get()["evt_check"]).ok
+    types = [relax.TensorType(static_shape(stored), dtype_of(stored)) for stored, _ in (a, b)]
+    return legality(lone_gemm(types, lambda _bb, p: _sliced((p[0], a[1]), (p[1], b[1]), m, n, k, s))).ok
 
 
 def plan(call: relax.Call, bound: dict, num_sms: int) -> tuple | None:
