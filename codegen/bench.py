@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -177,29 +176,17 @@ def pick_cases(cases: list[Case], patterns: str | None) -> list[Case]:
 
 # -------------------------------------------------------------------------- building and loading
 def build_tolerant(sources: dict[str, str], jobs: int) -> tuple[dict[str, Path], dict[str, str], dict]:
-    """``build_many`` that records a failing kernel instead of stopping (a candidate may not fit)."""
-    objects, failed, stats = {}, {}, {"built": 0, "cached": 0, "failed": 0}
-    start = time.monotonic()
-
-    def one(item):
-        name, src = item
-        try:
-            path, was_cached = cache.build_object(src, name)
-            return name, path, was_cached, None
-        except cache.BuildError as err:
-            return name, None, False, str(err)[-3000:]
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for i, (name, path, was_cached, err) in enumerate(pool.map(one, sources.items()), 1):
-            if err:
-                failed[name] = err
-                stats["failed"] += 1
-            else:
-                objects[name] = path
-                stats["cached" if was_cached else "built"] += 1
-            how = "FAILED" if err else "cached" if was_cached else "built"
-            _log(f"build {i}/{len(sources)} {name}: {how} ({time.monotonic() - start:.0f}s)")
-    stats["seconds"] = round(time.monotonic() - start, 1)
+    """``build_many`` that records a failing kernel instead of stopping (a candidate may not fit):
+    (objects, errors, stats).  Kernels of one CUTLASS type share one translation unit, as in a
+    model's build (``cache.build_each``): a sweep of one configuration over many partitions with
+    the same epilogue compiles it once."""
+    start, wall = time.monotonic(), time.time()
+    results = cache.build_each(sources, jobs, progress=True)
+    objects = {n: r for n, r in results.items() if not isinstance(r, cache.BuildError)}
+    failed = {n: str(r)[-3000:] for n, r in results.items() if isinstance(r, cache.BuildError)}
+    fresh = {o for o in set(objects.values()) if o.stat().st_mtime >= wall - 1}  # compiled by this call
+    stats = {"built": len(fresh), "cached": len(set(objects.values()) - fresh), "failed": len(failed),
+             "seconds": round(time.monotonic() - start, 1)}
     return objects, failed, stats
 
 

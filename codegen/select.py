@@ -143,8 +143,9 @@ def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str 
             continue  # enough output tiles without splitting K
         if cfg.decomposition is Decomposition.DATA_PARALLEL and m * n < 64 * 64 * num_sms and tm * tn > 128 * 128:
             continue  # too few output tiles for big tiles
-        if tm * tn < 128 * 128 and math.ceil(m / 128) * math.ceil(n / 128) >= 2 * num_sms:
-            continue  # 128x128 tiles already fill two waves: small tiles only cost operand traffic
+        big = math.ceil(m / 128) * math.ceil(n / 128)
+        if tm * tn < 128 * 128 and big >= 2 * num_sms and tiles > big:
+            continue  # 128x128 tiles already fill two waves: more, smaller tiles only cost operand traffic
         out.append(cfg)
     return out
 
@@ -165,7 +166,12 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
 
     * a batch of K slices at least ``MIN_SLICE`` long within one wave (``k_slices``' weight
       gradients): ``slice_tile``;
-    * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156); not for a
+    * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156), and 256x64
+      where those fill two waves in one GEMM (half the tiles of one 128 rows taller at the same
+      padding: no MMA work on the absent columns of a 128x128 tile).  ResNet-50's 64-channel
+      layers (H200, 2026-12-01, ``docs/bench/h200-2026-12-01c/``, ms 256x64 / 128x64 / 128x128):
+      the stem's 1605632x64x152 0.253 / 0.336 / 0.396, 401408x64x256 0.068 / 0.067 / 0.076 and
+      with a ReLU mask loaded 0.080 / 0.079 / 0.089, 401408x64x64 0.033 / 0.033 / 0.040.  Not for a
       weight gradient's long K, which takes the long-K rules below: ResNet-50's 1x1 weight gradient
       256x64x401408 ran data-parallel on 2 CTAs, 0.97 ms a call (H200, 2026-11-28);
     * at most 64 rows over 2048 <= K <= 4 x ``THIN_SLICE`` (``is_thin``): split-K 4 on 128x64 tiles, or on 128x128 tiles
@@ -215,7 +221,12 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         32000x4096x8192 took 3.470 against 128x256's 3.229.  A single bf16 store keeps 128x256;
     * short K (256..1024) over two or more waves with at most one stored output: ping-pong
       128x128 (0.049 / 0.056), with a 2x1 cluster when N >= 4096 (0.264 / 0.300); attention's
-      K = 64 GEMMs kept the default.  Not with two stores: FFN1's recomputation (bias, GELU,
+      K = 64 GEMMs kept the default.  K from 128 with no M x N operand loaded in the epilogue, and
+      from 128 more for each loaded one: one warp group's epilogue then has the other's main loop
+      to hide behind.  ResNet-50 (H200, 2026-12-01, ms ping-pong / cooperative): 100352x512x128
+      with a plain store 0.040 / 0.049; input gradients loading two M x N operands (a residual
+      gradient and a ReLU's input) at K = 256, 25088x1024 0.059 / 0.051 and 100352x512 0.115 /
+      0.098, at K = 512 25088x1024 0.067 / 0.072; one loaded at K = 512, 100352x128 0.044 / 0.043.  Not with two stores: FFN1's recomputation (bias, GELU,
       dropout, stores of h and of the result) took 1.362 ms ping-pong against 0.416 ms
       cooperative (``scripts/bench_partitions.py bert_large``, H100): one warp group runs the
       whole 128x128 tile's heavy epilogue while the other waits.  Two stores of light arithmetic
@@ -263,7 +274,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     if g.batch > 1 and k >= MIN_SLICE and tiles(*slice_tile(m, n)[:2]) <= num_sms:
         cfg = _cfg(slice_tile(m, n))  # a batch of K slices (``k_slices``)
     elif n <= 64 and m >= 128 and not long_k:
-        cfg = _cfg((128, 64, 64))
+        cfg = _cfg((256, 64, 64) if g.batch == 1 and tiles(256, 64) >= 2 * num_sms else (128, 64, 64))
     elif g.batch == 1 and is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:
         cfg = _cfg((128, 64, 64) if 4 * tiles(128, 64) <= num_sms else (128, 128, 64), decomposition=SPLIT, splits=4)
     elif m <= 64 and n >= 256 and not long_k:
@@ -284,7 +295,7 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
         cfg = _cfg((256, 128, 64), (1, 2), epi_tile=(128, 16))
     elif wide and not heavy and stores == 1 and store_bits == {32}:
         cfg = _cfg((128, 128, 64), schedule=PP, epi_tile=(64, 16))
-    elif 256 <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and (stores <= 1 or not heavy):
+    elif 128 * (1 + loads) <= k <= 1024 and tiles(128, 128) >= 2 * num_sms and (stores <= 1 or not heavy):
         cfg = _cfg((128, 128, 64), (2, 1) if n >= 4096 else (1, 1), schedule=PP)
     elif 256 <= k <= 1024 and n >= 3072 and tiles(128, 256) >= 2 * num_sms and heavy:
         cfg = _cfg((128, 256, 64))

@@ -4,8 +4,12 @@ import json
 import math
 
 import pytest
+from tvm import relax
 
 from tvm_evt.codegen import Decomposition, KernelConfig, Schedule, bench, default_config, emit, select
+from tvm_evt.codegen.frontend import from_function
+from tvm_evt.codegen.ir.nodes import AuxLoad
+from tvm_evt.codegen.passes import lower
 from tvm_evt.codegen.relax_ext import _config
 
 
@@ -247,6 +251,13 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("gemm", "fwd", (16384, 4096, 1024), "pp_128x128x64_c2x1"),
     ("gemm", "fwd", (16384, 1024, 4096), "coop_128x256x64_c1x1"),  # long K, one store
     ("gemm", "fwd", (16384, 64, 512), "coop_128x64x64_c1x1"),  # head dim 64
+    # 64 output channels over many rows: 256x64, half the tiles at no more padding
+    ("gemm", "fwd", (1605632, 64, 152), "coop_256x64x64_c1x1"),  # a 7x7 stem's im2col GEMM
+    ("gemm", "fwd", (401408, 64, 256), "coop_256x64x64_c1x1"),
+    ("relu_bwd", "dgrad", (401408, 64, 256), "coop_256x64x64_c1x1"),
+    ("gemm", "fwd", (100352, 512, 128), "pp_128x128x64_c1x1"),  # K 128, nothing loaded: ping-pong
+    ("relu_bwd", "dgrad", (100352, 512, 128), "coop_128x128x64_c1x1"),  # ... one M x N load needs K 256
+    ("relu_bwd", "dgrad", (100352, 512, 256), "pp_128x128x64_c1x1"),
     ("gemm", "fwd", (512, 256, 128), "coop_128x128x64_c1x1"),  # small: the default
     ("bias_gelu_aux", "fwd", (16384, 4096, 1024), "coop_128x256x64_c1x1"),  # two stores and erf: no ping-pong
     ("bias_gelu_aux", "fwd", (16384, 2048, 1024), "coop_128x128x64_c1x1"),  # N < 4096: not measured
@@ -261,6 +272,32 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
 def test_heuristic_config_by_shape(epilogue, kind, mnk, want):
     m, n, k = mnk
     assert select.heuristic_config(case(epilogue, kind, m, n, k)).name == want
+
+
+def _residual_relu_dgrad(m, n, k):
+    """An input gradient whose epilogue loads two M x N operands: where(x > 0, A·B + residual, 0)."""
+    bt = lambda *shape: relax.TensorType(shape, "bfloat16")  # noqa: E731
+    a, b, res, pre = (relax.Var(name, bt(*shape)) for name, shape in
+                      (("dy", (m, k)), ("w", (k, n)), ("res", (m, n)), ("pre", (m, n))))
+    bb = relax.BlockBuilder()
+    with bb.function("dgrad", [a, b, res, pre]):
+        with bb.dataflow():
+            total = bb.emit(relax.op.add(bb.emit(relax.op.matmul(a, b)), res))
+            zero = relax.const(0.0, "bfloat16")
+            out = bb.emit_output(bb.emit(relax.op.where(relax.op.greater(pre, zero), total, zero)))
+        bb.emit_func_output(out)
+    return lower(from_function(bb.get()["dgrad"]))
+
+
+@pytest.mark.parametrize("k,want", [(256, "coop_128x128x64_c1x1"), (384, "pp_128x128x64_c1x1"),
+                                    (512, "pp_128x128x64_c1x1")])
+def test_two_loaded_operands_need_k_384_for_ping_pong(k, want):
+    """ResNet-50's 1x1 input gradients that add the residual's gradient under the ReLU mask: at K
+    256 one warp group's epilogue (two M x N loads, one store) is too long to hide behind the
+    other's main loop (H200: 25088x1024 0.059 ms ping-pong / 0.051 cooperative)."""
+    p = _residual_relu_dgrad(25088, 1024, k)
+    assert sum(isinstance(node, AuxLoad) for node in p.epilogue.nodes) == 2
+    assert select.heuristic_config(p).name == want
 
 
 def test_heuristic_config_keeps_the_default_where_the_emitter_says_no(monkeypatch):
