@@ -775,7 +775,8 @@ def _tiled_max_pool_grad(x: Expr, grad: Expr, spatial: list[int], kernel: list[i
 
 def _pool_grad(kind: str) -> GradientRule:
     """max/avg pooling of any rank, written as one strided window per kernel offset (max pooling
-    over windows that tile the input: one argmax, ``_tiled_max_pool_grad``).
+    over windows that tile the input: one argmax, ``_tiled_max_pool_grad``; any other 2-D max
+    pooling: ``tvm_evt.max_pool2d_backward``, two gathers).
 
     For kernel offset r the window values are xw_r = x_padded[r*dilation :: stride]. Max pooling
     routes the gradient to the first offset (in scan order, as torch does) whose value equals the
@@ -812,6 +813,13 @@ def _pool_grad(kind: str) -> GradientRule:
         if kind == "max" and not any(padding) and all(d == 1 for d in dilation) and kernel == strides \
                 and all(n == o * k for n, o, k in zip(sizes, outs, kernel)):
             return [_tiled_max_pool_grad(x, output_grad, spatial, kernel, in_shape, out_shape)]
+        if kind == "max" and orig_call.op.name == "relax.nn.max_pool2d":
+            from ..ops import max_pool_op  # registers the op; ops/ imports this module
+
+            window = max_pool_op.applies(layout, kernel, strides, padding, dilation)
+            if window is not None:
+                dy = output_grad if dtype_of(output_grad) == dtype_of(x) else R.astype(output_grad, dtype_of(x))
+                return [max_pool_op.max_pool2d_backward(ctx.normalize(dy), x, orig_var, window)]
         if kind == "max":
             lowest = _lowest(dtype_of(x))
             x_padded = ctx.normalize(R.nn.pad(x, pad_width, "constant", lowest))
