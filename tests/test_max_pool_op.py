@@ -155,6 +155,53 @@ def test_channels_last_kernels_compile_with_16_byte_stores(name):
     assert re.search(r"uint4|float4|int2", src), src[:2000]
 
 
+def _gather_spec(shape=(2, 10, 10, 16), out=(2, 5, 5, 16), window=None):
+    window = window or max_pool_op.Window((3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (1, 2))
+    return {"x": list(shape), "y": list(out), "window": [int(v) for v in window.expr().values],
+            "dtype": "bfloat16", "index": "int8"}
+
+
+@pytest.mark.parametrize("window,out", [
+    (max_pool_op.Window((3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (1, 2)), (2, 5, 5, 16)),
+    (max_pool_op.Window((3, 2), (1, 3), (2, 1), (1, 0, 1, 0), (1, 2)), (2, 10, 3, 16)),  # dilated, gaps
+])
+def test_gather_cuda_form_computes_what_the_portable_one_does(window, out):
+    """The channels-last CUDA form (windows' dy and taps staged in registers) with its threads run
+    serially on llvm: bit for bit the portable form's result, on random taps and gradients."""
+    import ml_dtypes
+
+    spec = _gather_spec(out=out, window=window)
+    portable = tvm.te.create_prim_func(max_pool_op.gather_tensors(spec["x"], spec["y"], window, "bfloat16", "int8"))
+    rng = np.random.default_rng(2)
+    dy = rng.standard_normal(spec["y"]).astype(ml_dtypes.bfloat16)
+    first = rng.integers(0, 7, size=spec["y"]).astype("int8")
+    outs = []
+    for f in (portable, serial(max_pool_op.gpu_gather(spec))):
+        lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")
+        dx = tvm.runtime.empty(spec["x"], "bfloat16")
+        lib["main"](tvm.runtime.tensor(dy), tvm.runtime.tensor(first), dx)
+        outs.append(dx.numpy().astype("float32"))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert np.abs(outs[0]).sum() > 0
+
+
+def test_only_channels_last_gathers_get_the_cuda_form():
+    for layout, shape, tagged in (("NHWC", [2, 8, 8, 16], True), ("NCHW", [2, 16, 8, 8], False),
+                                  ("NHWC", [2, 8, 8, 12], False)):  # 12 channels: no 8-lane vectors
+        mod = relax.transform.LegalizeOps()(_adjoint(shape, "bfloat16", layout, (3, 3), (2, 2), (1, 1), (1, 1), False))
+        gather = next(f for gv, f in mod.functions.items() if gv.name_hint == "max_pool2d_backward")
+        assert (max_pool_op.GATHER_ATTR in gather.attrs) == tagged, (layout, shape)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_gather_cuda_form_reads_each_window_as_one_vector():
+    spec = _gather_spec((4, 56, 56, 64), (4, 28, 28, 64))
+    func = max_pool_op.gpu_gather(spec).with_attr("global_symbol", "main")
+    src = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
+    assert src.count("*(uint4*)(dyw_local_ptr") == 4 and src.count("*(int2*)(tapw_local_ptr") == 4  # 4 windows
+    assert "*(uint4*)(dx_ptr" in src
+
+
 @pytest.mark.gpu
 def test_first_tap_kernel_on_gpu_matches_llvm():
     """The CUDA schedule of the first-tap kernel picks the same tap as the llvm build on a bf16 input

@@ -41,7 +41,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from .._rewrite import replace_functions
-from ..ops import depthwise_conv_op
+from ..ops import depthwise_conv_op, max_pool_op
 from ..training import optimizer_update, philox, write_back
 from . import column_sums
 
@@ -51,7 +51,8 @@ OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
                  (optimizer_update.OPTIMIZER_ATTR, optimizer_update.gpu_variant),
                  (column_sums.SUMS_ATTR, column_sums.gpu_variant),
                  (write_back.WRITE_BACK_ATTR, write_back.gpu_variant),
-                 (depthwise_conv_op.DEPTHWISE_ATTR, depthwise_conv_op.gpu_variant))
+                 (depthwise_conv_op.DEPTHWISE_ATTR, depthwise_conv_op.gpu_variant),
+                 (max_pool_op.GATHER_ATTR, max_pool_op.gpu_variant))
 
 
 def _own_gpu_form_hook(func):
