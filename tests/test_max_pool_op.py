@@ -230,14 +230,19 @@ def test_resnet_stem_pool_gradient_on_gpu_matches_torch():
         pytest.skip("no CUDA GPU")
     from tvm_evt.relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
 
+    from tvm.relax.backend.cuda import pipeline as cuda
+
     shape = [8, 112, 112, 64]
     mod = _adjoint(shape, "bfloat16", "NHWC", (3, 3), (2, 2), (1, 1), (1, 1), False)
     target = tvm.target.Target(CUDA)
+    # the evt pipeline's lowering stages, then TVM's CUDA ones (tvm.compile's default pipeline would
+    # annotate and fuse the scheduled kernels a second time)
+    lower = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
+             relax.transform.FuseTIR(), ScheduleTIRForGPU(vectorize=True)]
     with target:
-        mod = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-                                        relax.transform.FuseOps(), relax.transform.FuseTIR(),
-                                        ScheduleTIRForGPU(vectorize=True)])(mod)
-    vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cuda())
+        steps = tvm.transform.Sequential(lower + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
+        exe = tvm.compile(mod, target=target, relax_pipeline=steps)
+    vm = relax.VirtualMachine(exe, tvm.cuda())
     x = torch.randn(shape, dtype=torch.bfloat16, device="cuda").round()  # ties
     xt = x.permute(0, 3, 1, 2).detach().requires_grad_()
     y = F.max_pool2d(xt, 3, 2, 1)
