@@ -74,6 +74,11 @@ def test_tile_follows_the_channels():
     assert tile(call(x=(2, 28, 28, 64), w=(64, 3, 3, 64), y=(2, 28, 28, 64))) == (128, 64, 64)
     assert tile(call(kind="wgrad", x=(2, 28, 28, 256), w=(64, 3, 3, 256), y=(2, 28, 28, 64))) == (64, 128, 64)
     narrow = call(kind="dgrad", x=(2, 28, 28, 64), w=(128, 3, 3, 64), y=(2, 28, 28, 128))  # dgrad's N is C
+    # a weight gradient of 144 tiles of 128x128 (one wave and a tenth on 132 SMs) takes 128x64: 288
+    last = dict(kind="wgrad", x=(128, 7, 7, 512), w=(512, 3, 3, 512), y=(128, 7, 7, 512))
+    assert tile(call(**last)) == (128, 64, 64)
+    assert tile(call(kind="wgrad", x=(128, 14, 14, 256), w=(256, 3, 3, 256), y=(128, 14, 14, 256))) == (128, 128, 64)
+    assert tile(call(kind="fprop", x=(128, 7, 7, 512), w=(512, 3, 3, 512), y=(128, 7, 7, 512))) == (128, 128, 64)
     assert "using TileShape = Shape<_128, _64, Shape<_64>>;" in emit_conv(narrow)
 
 

@@ -31,10 +31,18 @@ XFORMED = {"fprop": "shape_C", "dgrad": "shape_A", "wgrad": "shape_A"}
 
 def tile(call: ConvCall) -> tuple[int, int, int]:
     """(M, N, K) of the CTA tile: N 128 where the GEMM's N dimension (its channel part for wgrad)
-    fills it, else 64; M 128, but 64 for a wgrad of fewer than 128 output channels (its M = K)."""
+    fills it, else 64; M 128, but 64 for a wgrad of fewer than 128 output channels (its M = K).
+    A wgrad whose 128-wide tiles fill one wave but not two takes N 64: twice the tiles, so the
+    last wave is not mostly idle (ResNet-50's 7x7-map 3x3 weight gradients, 512 channels, 144
+    tiles of 128x128 on 132 SMs: 0.071-0.073 ms on 128x64 against 0.078-0.079, H200,
+    ``docs/bench/h200-2026-12-01c/conv/``)."""
     channels = {"fprop": call.w[0], "dgrad": call.x[3], "wgrad": call.x[3]}[call.kind]
     rows = 128 if call.kind != "wgrad" or call.w[0] >= 128 else 64
-    return rows, 128 if channels >= 128 else 64, 64
+    cols = 128 if channels >= 128 else 64
+    if call.kind == "wgrad" and cols == 128:
+        wide = -(-call.w[0] // rows) * call.w[1] * call.w[2] * -(-channels // cols)
+        cols = 64 if SMS <= wide < 2 * SMS else cols
+    return rows, cols, 64
 
 
 SMS = 132  # the SMs of an H100 SXM (and an H200): one CTA of these kernels each
