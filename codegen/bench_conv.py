@@ -20,7 +20,7 @@ import dataclasses
 import math
 import os
 
-from .backend.conv import MAX_SPLITS, emit_conv, splits, tile
+from .backend.conv import MAX_SPLITS, SMS, emit_conv, splits, tile
 from .errors import Unsupported
 from .frontend.conv_call import output_extent, supported
 from .ir.conv import ConvCall
@@ -54,12 +54,16 @@ def case_calls(name: str, dtype: str = "bfloat16") -> dict[str, ConvCall]:
 def variants(call: ConvCall) -> list[tuple[tuple[int, int, int], int]]:
     """(CTA tile, batch chunks) to time `call` under, the built configuration first: tiles of 64 or
     128 along M and N where the problem fills them (N: the output channels for fprop, a filter
-    tap's channels otherwise; a wgrad's M: its output channels), and for a weight gradient none,
-    half, twice the built chunks (at most ``MAX_SPLITS``)."""
+    tap's channels otherwise; a wgrad's M: its output channels), 256x64 for a forward or input
+    gradient of at most 64 channels over two waves of such tiles (the 56² stage's; the GEMMs of
+    that shape ran fastest on them), and for a weight gradient none, half, twice the built chunks
+    (at most ``MAX_SPLITS``)."""
     built_tile, built_chunks = tile(call), splits(call)
     n_extent = call.w[0] if call.kind == "fprop" else call.x[3]
     m_extent = call.w[0] if call.kind == "wgrad" else call.gemm[0]
     tiles = [(tm, tn, 64) for tm in (64, 128) for tn in (64, 128) if tm <= max(64, m_extent) and tn <= max(64, n_extent)]
+    if call.kind != "wgrad" and n_extent <= 64 and call.gemm[0] >= 2 * SMS * 256:
+        tiles.append((256, 64, 64))  # 64 channels over many pixels: as the GEMMs of N <= 64 (select)
     chunks = [1]
     if call.kind == "wgrad":
         chunks = sorted({1, max(1, built_chunks // 2), built_chunks, min(MAX_SPLITS, call.x[0], 2 * built_chunks)})

@@ -18,6 +18,10 @@ def test_each_kernel_is_timed_first_as_built_then_under_other_tiles_and_chunks()
     assert {c for _, c in bench_conv.variants(calls["fprop"])} == {1}
     # 64 channels fill no 128-wide tile of a filter tap, nor 64 filters a 128-row one
     assert {t for t, _ in bench_conv.variants(bench_conv.case_calls("conv2_3x3")["wgrad"])} == {(64, 64, 64)}
+    # ... whose forward and input gradient (401408 pixels, 64 channels) also try 256x64 tiles
+    for kind in ("fprop", "dgrad"):
+        assert (256, 64, 64) in {t for t, _ in bench_conv.variants(bench_conv.case_calls("conv2_3x3")[kind])}
+    assert (256, 64, 64) not in {t for t, _ in bench_conv.variants(calls["fprop"])}  # 128 channels
 
 
 def test_a_variant_is_its_own_source_and_names_its_tile_and_chunks():
