@@ -215,3 +215,28 @@ def test_a_slice_is_recomputed_with_the_cast_that_reads_it():
     assert len(readers) == 2  # one slice per cast
     assert recompute_pays(_sliced_logits()["main"].body.blocks[0].bindings[0].value,
                           _sliced_logits()["main"].body.blocks[0].bindings[0].var, 1, others=False)
+
+
+def test_a_sigmoid_read_by_two_kernels_is_recomputed_in_each():
+    """SiLU's gradient: sigmoid(x) read by a column sum and by an elementwise pass; each computes
+    it from x (an exp and a division) instead of reading it back."""
+    x = relax.Var("x", relax.TensorType((N, C), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.sigmoid(x))
+            total = bb.emit(SUM(bb.emit(relax.op.multiply(s, x)), [0]))
+            d = bb.emit(relax.op.subtract(relax.const(1.0, "bfloat16"), s))
+            gv = bb.emit_output(relax.Tuple([total, d]))
+        bb.emit_func_output(gv)
+    before = bb.get()
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            total = bb.emit(SUM(bb.emit(relax.op.multiply(bb.emit(relax.op.sigmoid(x)), x)), [0]))
+            d = bb.emit(relax.op.subtract(relax.const(1.0, "bfloat16"), bb.emit(relax.op.sigmoid(x))))
+            gv = bb.emit_output(relax.Tuple([total, d]))
+        bb.emit_func_output(gv)
+    tvm.ir.assert_structural_equal(RecomputeElementwise()(before), bb.get())
+    # TVM_EVT_DISABLE=recompute_sigmoid: written once and read back, as before the rewrite
+    tvm.ir.assert_structural_equal(RecomputeElementwise(sigmoid=False)(before), before)

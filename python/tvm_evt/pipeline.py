@@ -241,6 +241,10 @@ OPTIONAL = {
                           "write-back over its state) and TVM's RewriteCUDAGraph captures its kernels into CUDA "
                           "graphs that later steps replay (H100 bf16: ResNet-50 conv3_x 6.75 -> 6.08, BERT-Large "
                           "3.22 -> 3.18 ms per step)"),
+    "recompute_sigmoid": Rewrite("RecomputeElementwise(sigmoid=True): a sigmoid read by several kernels (SiLU's "
+                                 "gradient in a batch norm's column sums and input-gradient pass) computed again "
+                                 "in each from its input, not written and read back (modelled: an EfficientNet "
+                                 "replica's TVM-kernel traffic 525 -> 386 MB a step; not yet timed on a GPU)"),
     "recompute_statistics": Rewrite("RecomputeElementwise(statistics=True): small per-channel values (batch-norm "
                                     "statistics) recomputed in each reader where that takes their kernel away "
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
@@ -402,7 +406,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                   if enabled("layer_norm") else []),
                 GatherBeforeSlice(),  # a loss's pick of the label logit reads the padded logits, not a copy
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
-                RecomputeElementwise(statistics=enabled("recompute_statistics")),
+                RecomputeElementwise(statistics=enabled("recompute_statistics"), sigmoid=enabled("recompute_sigmoid")),
                 # a layer norm's dgamma and dbeta: one pass over its output gradient and input
                 FuseColumnMoments(LAYER_NORM, stored=True),
                 # column sums recomputing the same values from the same tensors (a loss, dgamma, dbeta): one pass

@@ -7,6 +7,14 @@ costs more than recomputing: a batch norm's gradient reads ``x32 = astype(x, flo
 ``c = x32 - mean`` in two column sums and in the input-gradient pass, and ResNet-50's stage wrote
 and re-read them as float32 M×C tensors (206 MB each at 100352×512, against 103 MB for ``x``).
 
+A sigmoid is cheap next to its bytes too (an exp and a division an element, where the readers are
+memory-bound): SiLU's gradient reads ``sigmoid(x)`` in the batch norm gradient's column sums and in
+its input-gradient pass, and each EfficientNet block wrote it and read it back (on H200,
+EfficientNet-B0's ``tir_sigmoid*`` kernels took about 0.3 ms a step of their own).  Recomputed,
+with the normalisation it reads (itself cheap), a replica of two of its blocks (batch 16, 64²)
+moves 386 MB a step in TVM kernels where it moved 525 (``tuning.kernel_traffic``, modelled; not
+yet timed on a GPU: the ``recompute_sigmoid`` rewrite of ``pipeline.OPTIONAL`` turns it off).
+
 A slice is cheap the same way: GPT-2's LM head, padded to 50264 columns (PadUnalignedMatmuls),
 is sliced back to the vocabulary's 50257 and cast to float32 for the loss's kernels; the cast is
 recomputed in each of them, and the slice, now read by each copy, was a kernel of its own (H200:
@@ -53,6 +61,7 @@ from ..partition.evt_cost import tensor_bytes
 
 CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
                    "relax.negative", "relax.strided_slice"})
+SIGMOID = "relax.sigmoid"  # cheap next to its bytes: recomputed, and a reader, with ``sigmoid`` (on by default)
 SLICES = frozenset({"relax.strided_slice"})  # read only the part of their operand they return
 FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
                              "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
@@ -78,9 +87,11 @@ def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool
     return full <= own if others else (readers - 1) * full <= (readers + 1) * own
 
 
-def plan(func: relax.Function, statistics: bool = False) -> tuple[dict, set]:
+def plan(func: relax.Function, statistics: bool = False, sigmoid: bool = True) -> tuple[dict, set]:
     """(var -> its bound call, for every recomputed var; the recomputed vars whose original
-    binding stays for readers that cannot recompute them).  `statistics`: small values too."""
+    binding stays for readers that cannot recompute them).  `statistics`: small values too;
+    `sigmoid`: sigmoids as well as ``CHEAP`` values."""
+    cheap, fusable_ops = (CHEAP | {SIGMOID}, FUSABLE | {SIGMOID}) if sigmoid else (CHEAP, FUSABLE)
     bindings, block_of = flat_bindings(func)
     uses = binding_uses(func)  # index len(bindings): the function's result
     readers = {v: {bindings[i].var for i in idx if i < len(bindings)} for v, idx in uses.items()}
@@ -93,9 +104,9 @@ def plan(func: relax.Function, statistics: bool = False) -> tuple[dict, set]:
         if block_of.get(v) is None or n is None:
             continue
         small = n < MIN_ELEMENTS
-        if (small and not statistics) or op_name(value) not in (SMALL_CHEAP if small else CHEAP):
+        if (small and not statistics) or op_name(value) not in (SMALL_CHEAP if small else cheap):
             continue
-        fusable = [r for r in readers.get(v, ()) if op_name(bound.get(r)) in FUSABLE and block_of.get(r) == block_of[v]]
+        fusable = [r for r in readers.get(v, ()) if op_name(bound.get(r)) in fusable_ops and block_of.get(r) == block_of[v]]
         others = v in outputs or len(fusable) < len(readers.get(v, ()))
         if not (len(fusable) >= 2 or any(r in recomputed for r in fusable)):
             continue
@@ -103,20 +114,21 @@ def plan(func: relax.Function, statistics: bool = False) -> tuple[dict, set]:
         if (not others) if small else recompute_pays(value, v, len(fusable), others):
             recomputed[v] = value
     kept = {v for v in recomputed
-            if v in outputs or any(op_name(bound.get(r)) not in FUSABLE for r in readers.get(v, ()))}
+            if v in outputs or any(op_name(bound.get(r)) not in fusable_ops for r in readers.get(v, ()))}
     return recomputed, kept
 
 
 @mutator
 class _Recomputer(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, statistics: bool):
+    def __init__(self, mod: tvm.IRModule, statistics: bool, sigmoid: bool):
         super().__init__(mod)
         self.statistics = statistics
+        self.sigmoid = sigmoid
         self.recomputed: dict = {}
         self.kept: set = set()
 
     def prime(self, func: relax.Function) -> None:
-        self.recomputed, self.kept = plan(func, self.statistics)
+        self.recomputed, self.kept = plan(func, self.statistics, self.sigmoid)
 
     def _call(self, value: relax.Call, made: dict) -> relax.Call:
         """`value` with its recomputed operands copied (each once: `made`)."""
@@ -133,7 +145,8 @@ class _Recomputer(PyExprMutator):
         v, value = binding.var, binding.value
         if v in self.recomputed and v not in self.kept:
             return  # every reader recomputes it
-        if op_name(value) in FUSABLE and any(a in self.recomputed for a in value.args):
+        fusable = FUSABLE | {SIGMOID} if self.sigmoid else FUSABLE
+        if op_name(value) in fusable and any(a in self.recomputed for a in value.args):
             # one copy per reader, the reader bound to its own var (a dataflow block's output stays one)
             self.builder_.emit_normalized(relax.VarBinding(v, self.builder_.normalize(self._call(value, {}))))
             return
@@ -143,11 +156,13 @@ class _Recomputer(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="RecomputeElementwise")
 class RecomputeElementwise:
     """Give every reader of a cheap, multiply-read elementwise value its own copy (module docstring);
-    `statistics`: values under ``MIN_ELEMENTS`` too, where that takes their kernels away."""
+    `statistics`: values under ``MIN_ELEMENTS`` too, where that takes their kernels away;
+    `sigmoid`: sigmoids too."""
 
-    def __init__(self, statistics: bool = False):
+    def __init__(self, statistics: bool = False, sigmoid: bool = True):
         self.statistics = statistics
+        self.sigmoid = sigmoid
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        recomputer = _Recomputer(mod, self.statistics)
+        recomputer = _Recomputer(mod, self.statistics, self.sigmoid)
         return mutate_relax_functions(recomputer, mod, before_each=recomputer.prime)
