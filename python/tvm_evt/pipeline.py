@@ -244,7 +244,8 @@ OPTIONAL = {
     "recompute_sigmoid": Rewrite("RecomputeElementwise(sigmoid=True): a sigmoid read by several kernels (SiLU's "
                                  "gradient in a batch norm's column sums and input-gradient pass) computed again "
                                  "in each from its input, not written and read back (modelled: an EfficientNet "
-                                 "replica's TVM-kernel traffic 525 -> 386 MB a step; not yet timed on a GPU)"),
+                                 "replica's TVM-kernel traffic 525 -> 386 MB a step; not yet run on a GPU)",
+                                 default=False),
     "recompute_statistics": Rewrite("RecomputeElementwise(statistics=True): small per-channel values (batch-norm "
                                     "statistics) recomputed in each reader where that takes their kernel away "
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",

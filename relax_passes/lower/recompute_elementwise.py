@@ -13,7 +13,8 @@ its input-gradient pass, and each EfficientNet block wrote it and read it back (
 EfficientNet-B0's ``tir_sigmoid*`` kernels took about 0.3 ms a step of their own).  Recomputed,
 with the normalisation it reads (itself cheap), a replica of two of its blocks (batch 16, 64²)
 moves 386 MB a step in TVM kernels where it moved 525 (``tuning.kernel_traffic``, modelled; not
-yet timed on a GPU: the ``recompute_sigmoid`` rewrite of ``pipeline.OPTIONAL`` turns it off).
+yet run on a GPU, so the pipeline passes ``sigmoid`` only with the ``recompute_sigmoid`` rewrite of
+``pipeline.OPTIONAL``, off by default).
 
 A slice is cheap the same way: GPT-2's LM head, padded to 50264 columns (PadUnalignedMatmuls),
 is sliced back to the vocabulary's 50257 and cast to float32 for the loss's kernels; the cast is
@@ -61,7 +62,7 @@ from ..partition.evt_cost import tensor_bytes
 
 CHEAP = frozenset({"relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.divide",
                    "relax.negative", "relax.strided_slice"})
-SIGMOID = "relax.sigmoid"  # cheap next to its bytes: recomputed, and a reader, with ``sigmoid`` (on by default)
+SIGMOID = "relax.sigmoid"  # cheap next to its bytes: recomputed, and a reader, with ``sigmoid``
 SLICES = frozenset({"relax.strided_slice"})  # read only the part of their operand they return
 FUSABLE = CHEAP | frozenset({"relax.where", "relax.sqrt", "relax.exp", "relax.less", "relax.greater",
                              "relax.nn.relu", "relax.sum", "relax.mean", "relax.max", "relax.min"})
@@ -87,7 +88,7 @@ def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool
     return full <= own if others else (readers - 1) * full <= (readers + 1) * own
 
 
-def plan(func: relax.Function, statistics: bool = False, sigmoid: bool = True) -> tuple[dict, set]:
+def plan(func: relax.Function, statistics: bool = False, sigmoid: bool = False) -> tuple[dict, set]:
     """(var -> its bound call, for every recomputed var; the recomputed vars whose original
     binding stays for readers that cannot recompute them).  `statistics`: small values too;
     `sigmoid`: sigmoids as well as ``CHEAP`` values."""
@@ -159,7 +160,7 @@ class RecomputeElementwise:
     `statistics`: values under ``MIN_ELEMENTS`` too, where that takes their kernels away;
     `sigmoid`: sigmoids too."""
 
-    def __init__(self, statistics: bool = False, sigmoid: bool = True):
+    def __init__(self, statistics: bool = False, sigmoid: bool = False):
         self.statistics = statistics
         self.sigmoid = sigmoid
 
