@@ -186,11 +186,13 @@ def test_gather_cuda_form_computes_what_the_portable_one_does(window, out):
 
 
 def test_only_channels_last_gathers_get_the_cuda_form():
-    for layout, shape, tagged in (("NHWC", [2, 8, 8, 16], True), ("NCHW", [2, 16, 8, 8], False),
-                                  ("NHWC", [2, 8, 8, 12], False)):  # 12 channels: no 8-lane vectors
-        mod = relax.transform.LegalizeOps()(_adjoint(shape, "bfloat16", layout, (3, 3), (2, 2), (1, 1), (1, 1), False))
+    for layout, shape, kernel, tagged in (("NHWC", [2, 8, 8, 16], (3, 3), True), ("NCHW", [2, 16, 8, 8], (3, 3), False),
+                                          ("NHWC", [2, 8, 8, 12], (3, 3), False),  # 12 channels: no 8-lane vectors
+                                          ("NHWC", [2, 14, 14, 16], (12, 11), False)):  # 132 taps: int32 indices
+        mod = _adjoint(shape, "bfloat16", layout, kernel, (2, 2), (1, 1), (1, 1), False)
+        mod = relax.transform.LegalizeOps()(mod)
         gather = next(f for gv, f in mod.functions.items() if gv.name_hint == "max_pool2d_backward")
-        assert (max_pool_op.GATHER_ATTR in gather.attrs) == tagged, (layout, shape)
+        assert (max_pool_op.GATHER_ATTR in gather.attrs) == tagged, (layout, shape, kernel)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")

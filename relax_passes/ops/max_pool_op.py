@@ -241,7 +241,9 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     gv = bb.add_func(_primfunc([x_t, y_t, first]), "max_pool2d_first_tap")
     (taps,) = emit_call_tir(bb, gv, [x, y], [relax.TensorType(y_shape, index)])
     gather = _primfunc(gather_tensors(x_shape, y_shape, window, dtype, index))
-    if gather_lanes(x_shape, window, dtype):  # channels-last: ScheduleTIRForGPU swaps in gpu_gather
+    # channels-last with int8 taps (its 8-byte vectors; windows of 127 taps or more take int32):
+    # ScheduleTIRForGPU swaps in gpu_gather
+    if index == "int8" and gather_lanes(x_shape, window, dtype):
         spec = {"x": x_shape, "y": y_shape, "window": [int(v) for v in window.expr().values], "dtype": dtype,
                 "index": index}
         gather = gather.with_attr(GATHER_ATTR, json.dumps(spec))
