@@ -39,9 +39,8 @@ def tile(call: ConvCall) -> tuple[int, int, int]:
     channels = {"fprop": call.w[0], "dgrad": call.x[3], "wgrad": call.x[3]}[call.kind]
     rows = 128 if call.kind != "wgrad" or call.w[0] >= 128 else 64
     cols = 128 if channels >= 128 else 64
-    if call.kind == "wgrad" and cols == 128:
-        wide = -(-call.w[0] // rows) * call.w[1] * call.w[2] * -(-channels // cols)
-        cols = 64 if SMS <= wide < 2 * SMS else cols
+    if call.kind == "wgrad" and cols == 128 and SMS <= _tile_count(call, rows, cols) < 2 * SMS:
+        cols = 64
     return rows, cols, 64
 
 
@@ -51,13 +50,19 @@ MAX_SPLITS = 16  # side streams a split weight gradient runs on (tvm_evt::kMaxSp
 LONG_K = 8192  # a reduction this long keeps one CTA busy for tens of microseconds
 
 
-def tiles(call: ConvCall) -> int:
-    """Output tiles of one launch over the whole batch (wgrad's N tiles run over the channels of
-    one filter tap each)."""
-    (m, n, _), (tm, tn, _) = call.gemm, tile(call)
+def _tile_count(call: ConvCall, tm: int, tn: int) -> int:
+    """Output tiles of `tm` x `tn` of one launch over the whole batch (wgrad's N tiles run over
+    the channels of one filter tap each)."""
+    m, n, _ = call.gemm
     if call.kind == "wgrad":
         n = call.w[1] * call.w[2] * -(-call.w[3] // tn) * tn
     return -(-m // tm) * -(-n // tn)
+
+
+def tiles(call: ConvCall) -> int:
+    """Output tiles of one launch over the whole batch, on ``tile(call)``."""
+    tm, tn, _ = tile(call)
+    return _tile_count(call, tm, tn)
 
 
 def splits(call: ConvCall) -> int:

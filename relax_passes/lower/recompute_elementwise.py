@@ -88,11 +88,17 @@ def recompute_pays(value: relax.Call, var: relax.Var, readers: int, others: bool
     return full <= own if others else (readers - 1) * full <= (readers + 1) * own
 
 
+def op_sets(sigmoid: bool) -> tuple[frozenset, frozenset]:
+    """(ops whose values are recomputed, ops a recomputed value fuses into), with ``SIGMOID`` in
+    both where `sigmoid`."""
+    return (CHEAP | {SIGMOID}, FUSABLE | {SIGMOID}) if sigmoid else (CHEAP, FUSABLE)
+
+
 def plan(func: relax.Function, statistics: bool = False, sigmoid: bool = False) -> tuple[dict, set]:
     """(var -> its bound call, for every recomputed var; the recomputed vars whose original
     binding stays for readers that cannot recompute them).  `statistics`: small values too;
     `sigmoid`: sigmoids as well as ``CHEAP`` values."""
-    cheap, fusable_ops = (CHEAP | {SIGMOID}, FUSABLE | {SIGMOID}) if sigmoid else (CHEAP, FUSABLE)
+    cheap, fusable_ops = op_sets(sigmoid)
     bindings, block_of = flat_bindings(func)
     uses = binding_uses(func)  # index len(bindings): the function's result
     readers = {v: {bindings[i].var for i in idx if i < len(bindings)} for v, idx in uses.items()}
@@ -125,6 +131,7 @@ class _Recomputer(PyExprMutator):
         super().__init__(mod)
         self.statistics = statistics
         self.sigmoid = sigmoid
+        self.fusable = op_sets(sigmoid)[1]
         self.recomputed: dict = {}
         self.kept: set = set()
 
@@ -146,8 +153,7 @@ class _Recomputer(PyExprMutator):
         v, value = binding.var, binding.value
         if v in self.recomputed and v not in self.kept:
             return  # every reader recomputes it
-        fusable = FUSABLE | {SIGMOID} if self.sigmoid else FUSABLE
-        if op_name(value) in fusable and any(a in self.recomputed for a in value.args):
+        if op_name(value) in self.fusable and any(a in self.recomputed for a in value.args):
             # one copy per reader, the reader bound to its own var (a dataflow block's output stays one)
             self.builder_.emit_normalized(relax.VarBinding(v, self.builder_.normalize(self._call(value, {}))))
             return

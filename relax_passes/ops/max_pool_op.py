@@ -69,6 +69,10 @@ class Window:
         """Windows along spatial `axis` (0: H, 1: W) that can contain one input position."""
         return (self.kernel[axis] - 1) * self.dilation[axis] // self.stride[axis] + 1
 
+    def along(self, axis: int) -> tuple[int, int, int, int]:
+        """(taps, stride, dilation, padding before) along spatial `axis` (0: H, 1: W)."""
+        return self.kernel[axis], self.stride[axis], self.dilation[axis], self.pad[axis]
+
 
 def max_pool2d_backward(dy: relax.Expr, x: relax.Expr, y: relax.Expr, window: Window) -> relax.Call:
     return relax.Call(tvm.ir.Op.get(OP), [dy, x, y, window.expr()])
@@ -122,10 +126,11 @@ def first_tap_tensors(x_shape, y_shape, window: Window, dtype: str) -> list[te.T
     return [x, y, te.compute(y_shape, first, name="first")]
 
 
-def _windows(pos, pad: int, stride: int, dil: int, taps: int, out: int, j):
-    """Candidate `j` (0 .. reach-1; an int or an index expression) of the windows along one axis
-    that may contain input position `pos`: (its index clamped into the output, whether it contains
-    `pos`, the tap `pos` is in it)."""
+def _windows(pos, window: Window, axis: int, out: int, j):
+    """Candidate `j` (0 .. reach-1; an int or an index expression) of the windows along spatial
+    `axis` (0: H, 1: W; `out` windows) that may contain input position `pos`: (its index clamped
+    into the output, whether it contains `pos`, the tap `pos` is in it)."""
+    taps, stride, dil, pad = window.along(axis)
     padded = pos + pad
     o = tirx.floordiv(padded, stride) - j
     offset = padded - o * stride  # >= 0: o <= padded // stride
@@ -138,13 +143,12 @@ def _chosen(first_at, dy_at, i, window: Window, y_shape, index: str, dtype: str)
     """dx at input index `i`: the float32 sum over the candidate windows (jh, jw) of dy where the
     window contains `i` and chose it; `first_at(at, j)` and `dy_at(at, j)` read candidate j's
     (``j = jh · reach_w + jw``) window `at` (i with its spatial indices replaced)."""
-    (kh, kw), (sh, sw), (dh, dw), (pt, pl, _, _), (ah, aw) = (window.kernel, window.stride, window.dilation,
-                                                              window.pad, window.axes)
+    (ah, aw), kw = window.axes, window.kernel[1]
     total = None
     for jh in range(window.reach(0)):
-        oh, ok_h, th = _windows(i[ah], pt, sh, dh, kh, y_shape[ah], jh)
+        oh, ok_h, th = _windows(i[ah], window, 0, y_shape[ah], jh)
         for jw in range(window.reach(1)):
-            ow, ok_w, tw = _windows(i[aw], pl, sw, dw, kw, y_shape[aw], jw)
+            ow, ok_w, tw = _windows(i[aw], window, 1, y_shape[aw], jw)
             at = list(i)
             at[ah], at[aw] = oh, ow
             j = jh * window.reach(1) + jw
@@ -182,17 +186,15 @@ def gpu_gather(spec: dict) -> tirx.PrimFunc:
     128 on H200, 0.64 ms for 205 MB written."""
     x_shape, y_shape, dtype, index = spec["x"], spec["y"], spec["dtype"], spec["index"]
     window = Window.of(relax.ShapeExpr(spec["window"]))
-    (kh, kw), (sh, sw), (dh, dw), (pt, pl, _, _), (ah, aw) = (window.kernel, window.stride, window.dilation,
-                                                              window.pad, window.axes)
-    reach_w, count = window.reach(1), window.reach(0) * window.reach(1)
+    (ah, aw), reach_w, count = window.axes, window.reach(1), window.reach(0) * window.reach(1)
     lanes = gather_lanes(x_shape, window, dtype)
     dy = te.placeholder(y_shape, dtype, name="dy")
     first = te.placeholder(y_shape, index, name="first")
     n, h, w, c = x_shape
 
     def window_of(b, i, j, jj, ch):
-        oh = _windows(i, pt, sh, dh, kh, y_shape[ah], tirx.floordiv(jj, reach_w))[0]
-        ow = _windows(j, pl, sw, dw, kw, y_shape[aw], tirx.floormod(jj, reach_w))[0]
+        oh = _windows(i, window, 0, y_shape[ah], tirx.floordiv(jj, reach_w))[0]
+        ow = _windows(j, window, 1, y_shape[aw], tirx.floormod(jj, reach_w))[0]
         return b, oh, ow, ch
 
     staged = (n, h, w, count, c)
