@@ -109,6 +109,8 @@ BINARY = {
     OpKind.LE: lambda a, b: (a <= b).astype(np.float64),
     OpKind.EQ: lambda a, b: (a == b).astype(np.float64),
     OpKind.NE: lambda a, b: (a != b).astype(np.float64),
+    OpKind.AND: lambda a, b: np.logical_and(a != 0, b != 0).astype(np.float64),
+    OpKind.OR: lambda a, b: np.logical_or(a != 0, b != 0).astype(np.float64),
 }
 
 

@@ -19,12 +19,37 @@ def switched_on(monkeypatch):
     monkeypatch.delenv(pipeline.ENABLE_ENV, raising=False)
 
 
+def _inverted_residual():
+    """torchvision's MobileNetV2 InvertedResidual (expand 1x1, depthwise 3x3, project 1x1, each
+    with a batch norm, ReLU6 after the first two), channels-last, under a classifier."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    hidden = 48
+    model = nn.Sequential(
+        nn.Conv2d(16, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+        nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+        nn.Conv2d(hidden, 24, 1, bias=False), nn.BatchNorm2d(24),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(24, 10))
+
+    def make():
+        return (torch.randn(4, 16, 8, 8).contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (4,)))
+
+    return models.ZooEntry(model, make, F.cross_entropy, "MobileNetV2 block", num_targets=1)
+
+
 def _graph(precision="bf16", model="bert_layer"):
-    """bert_layer (small), or a scripts/bench.py model at its quick shapes."""
+    """bert_layer (small), a MobileNetV2 block, or a scripts/bench.py model at its quick shapes."""
     from tvm_evt import bench_e2e
 
-    entry = (models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4) if model == "bert_layer"
-             else bench_e2e.build_entry(model, True))
+    if model == "bert_layer":
+        entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)
+    elif model == "inverted_residual":
+        entry = _inverted_residual()
+    else:
+        entry = bench_e2e.build_entry(model, True)
     return tuning.training_graph(entry, precision)[1].mod
 
 
@@ -102,8 +127,73 @@ def test_relu_masks_feeding_only_an_epilogue_move_into_the_partition():
     assert absorbed and all(legality(f).ok for f in absorbed)
 
 
+def test_clamp_masks_feeding_only_an_epilogue_move_into_the_partition():
+    """ReLU6's gradient selects by logical_and(greater(y, 0), less(y, 6)): where only the
+    projection's input-gradient epilogue reads that mask, the epilogue computes it from y."""
+    connective = tvm.ir.Op.get("relax.logical_and")
+    without, with_ = _front(_graph(model="inverted_residual"), absorb=False), _front(_graph(model="inverted_residual"))
+    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == connective for _, vals in calls for v in vals)  # noqa: E731
+    assert masks(_partition_args(without)[1]) > 0
+    parts, calls = _partition_args(with_)
+    assert masks(calls) == 0
+    absorbed = [f for f in parts.values() if any(isinstance(e, relax.Call) and e.op == connective
+                                                 for e in _calls(f))]
+    assert absorbed and all(legality(f).ok for f in absorbed)
+
+
+def _calls(func):
+    found = []
+    relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
+    return found
+
+
+def test_calls_absorbing_other_constants_get_their_own_partition():
+    """Two calls of one partition whose masks compare with other constants do not share a copy."""
+    from tvm.script import relax as R
+
+    @tvm.script.ir_module
+    class Module:
+        @R.function
+        def part(a: R.Tensor((64, 32), "bfloat16"), b: R.Tensor((32, 64), "bfloat16"),
+                 m: R.Tensor((64, 64), "bool")) -> R.Tensor((64, 64), "bfloat16"):
+            R.func_attr({"Codegen": "evt", "global_symbol": "part"})
+
+            @R.function
+            def inner(a1: R.Tensor((64, 32), "bfloat16"), b1: R.Tensor((32, 64), "bfloat16"),
+                      m1: R.Tensor((64, 64), "bool")) -> R.Tensor((64, 64), "bfloat16"):
+                R.func_attr({"Composite": "evt.gemm_epilogue"})
+                with R.dataflow():
+                    y = R.matmul(a1, b1)
+                    z = R.where(m1, y, R.const(0, "bfloat16"))
+                    R.output(z)
+                return z
+
+            out = inner(a, b, m)
+            return out
+
+        @R.function
+        def main(a: R.Tensor((64, 32), "bfloat16"), b: R.Tensor((32, 64), "bfloat16"),
+                 y: R.Tensor((64, 64), "bfloat16")):
+            cls = Module
+            with R.dataflow():
+                m0 = R.greater(y, R.const(0, "bfloat16"))
+                z0 = cls.part(a, b, m0)
+                m1 = R.greater(y, R.const(1, "bfloat16"))
+                z1 = cls.part(a, b, m1)
+                R.output(z0, z1)
+            return (z0, z1)
+
+    after = AbsorbPartitionInputCasts()(Module)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)
+             and isinstance(b.value.op, tvm.ir.GlobalVar)]
+    assert len(calls) == 2 and not calls[0].op.same_as(calls[1].op)
+    consts = [[float(e.args[1].value.numpy()) for e in _calls(after[c.op]) if e.op == tvm.ir.Op.get("relax.greater")]
+              for c in calls]
+    assert consts == [[0.0], [1.0]]
+
+
 @pytest.mark.parametrize("precision, model", [("bf16", "bert_layer"), ("fp32", "bert_layer"),
-                                              ("bf16", "resnet50")])
+                                              ("bf16", "resnet50"), ("bf16", "inverted_residual")])
 def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision, model):
     from tvm_evt.pipeline import InlineEVTPartitions
 

@@ -61,7 +61,8 @@ def dropout_kernel():
 
 
 def batched_kernel():
-    """bf16 NN batched: column-major aux load, compare/where with a bool aux output, fp32 scalar sum."""
+    """bf16 NN batched: column-major aux load, a clamp's mask (two compares joined) and a where with
+    a bool aux output, fp32 scalar sum."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((2, 64, 256), "bfloat16"))  # (L, K, M): A is M-major
     w = relax.Var("w", relax.TensorType((64, 128), "bfloat16"))  # (K, N): B is N-major
@@ -70,7 +71,7 @@ def batched_kernel():
         with bb.dataflow():
             y = bb.emit(relax.op.matmul(relax.op.permute_dims(x, [0, 2, 1]), w))
             rt = relax.op.permute_dims(r, [1, 0])
-            m = bb.emit(relax.op.greater(y, rt))
+            m = bb.emit(relax.op.logical_and(relax.op.greater(y, rt), relax.op.less(y, relax.const(4.0, "bfloat16"))))
             z = bb.emit(relax.op.where(m, y, relax.op.multiply(y, rt)))
             s = bb.emit(relax.op.sum(relax.op.astype(z, "float32"), axis=[1, 2]))
             out = bb.emit_output(relax.Tuple([z, m, s]))

@@ -8,6 +8,7 @@ from tvm import relax
 UNARY = ["negative", "exp", "log", "tanh", "erf", "sigmoid", "relu", "gelu", "gelu_tanh", "silu"]
 BINARY = ["add", "subtract", "multiply", "divide", "maximum", "minimum"]
 COMPARE = ["greater", "greater_equal", "less", "less_equal"]
+CONNECTIVES = ["logical_and", "logical_or"]
 
 
 def _op(name):
@@ -86,6 +87,9 @@ def random_partition(seed: int, dtype: str = "float32"):
                     v = bb.emit(_op(name)(a, b) if rng.random() < 0.8 else _op(name)(b, a))
                 elif choice < 0.85:
                     c = bb.emit(_op(COMPARE[rng.integers(0, len(COMPARE))])(a, operand()))
+                    if rng.random() < 0.5:  # a clamp's mask: two comparisons joined
+                        d = bb.emit(_op(COMPARE[rng.integers(0, len(COMPARE))])(a, operand()))
+                        c = bb.emit(_op(CONNECTIVES[rng.integers(0, len(CONNECTIVES))])(c, d))
                     v = bb.emit(relax.op.where(c, a, operand()))
                 elif choice < 0.9:
                     v = bb.emit(relax.op.astype(relax.op.astype(a, "float16"), dtype))

@@ -180,6 +180,47 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
         assert err <= 1e-5, f"{op} {(h, c, r, stride, m, dilation)}: {err:.2e}"
 
 
+RELU6_MASK = ["logical_and", ["greater", 0.0], ["less", 6.0]]
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_selected_dgrad_cuda_forms_compute_what_torch_does(lanes, monkeypatch):
+    """``selected_dgrad``'s kernel (a ReLU6 gradient's select applied to the rounded input
+    gradient) on the stride-1 strips, the strided phase strips and the direct form, threads as
+    serial loops: ``where(0 < y < 6, dx, 0)`` exactly as torch's float64 dx selected."""
+    monkeypatch.setattr(tvm.s_tir.Schedule, "bind", lambda self, loop, thread: None)
+    rng = np.random.default_rng(1)
+    for h, c, r, stride in ((9, 6, 3, 1), (12, 4, 5, 2), (11, 8, 3, 2)):
+        g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
+        spec = {**dwc._spec("dgrad", (2, h, h, c), (c, r, r, 1), g, "float32"),
+                "select": {"dtype": "float32", "mask": RELU6_MASK}}
+        func = dwc.gpu_primfunc(spec, lanes=lanes).with_attr("global_symbol", "main")
+        kernel = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
+        p = g.out((h, h), (r, r))[0]
+        x, w = rng.standard_normal((2, h, h, c), "float32"), rng.standard_normal((c, r, r, 1), "float32")
+        dy = rng.standard_normal((2, p, p, c), "float32")
+        y = rng.uniform(-2.0, 8.0, (2, h, h, c)).astype("float32")
+        y[0, 0, 0, 0], y[0, 0, 1, 0] = 0.0, 6.0  # the bounds themselves are outside
+        dx = _torch_reference(x, w, dy, c, g.pad, g.stride, g.dilation)[1]
+        want = np.where((y > 0) & (y < 6), dx, 0.0)
+        out = tvm.runtime.tensor(np.zeros(want.shape, "float32"))
+        kernel(*(tvm.runtime.tensor(a) for a in (dy, w, y)), out)
+        got = out.numpy()
+        assert np.array_equal(got == 0, want == 0)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= 1e-5, f"{(h, c, r, stride)}: {err:.2e}"
+
+
+def test_selected_dgrad_cuda_form_builds_for_sm90_with_vector_loads():
+    """In bf16 the select reads its tensor as the sums are stored: bf16 pairs, one vector each."""
+    x, w, g = (8, 28, 28, 144), (144, 3, 3, 1), conv_op.Geometry((1, 1, 1, 1), (1, 1), (1, 1))
+    spec = {**dwc._spec("dgrad", x, w, g, "bfloat16"), "select": {"dtype": "bfloat16", "mask": RELU6_MASK}}
+    func = dwc.gpu_variant(dwc.primfunc(spec))
+    src = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                      target=CUDA).mod.imports[0].inspect_source()
+    assert "__global__" in src and re.search(r"\*\(nv_bfloat162\*\)\(sel_ptr \+", src), src
+
+
 # ---------------------------------------------------------------------------------- GPU tier
 
 

@@ -29,6 +29,8 @@ FUNCTOR = {
     OpKind.LE: "tvm_evt::Le",
     OpKind.EQ: "tvm_evt::Eq",
     OpKind.NE: "tvm_evt::Ne",
+    OpKind.AND: "tvm_evt::And",
+    OpKind.OR: "tvm_evt::Or",
     OpKind.WHERE: "tvm_evt::Where",
 }
 

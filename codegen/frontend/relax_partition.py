@@ -52,6 +52,8 @@ BINARY_OPS = {
     "relax.less_equal": OpKind.LE,
     "relax.equal": OpKind.EQ,
     "relax.not_equal": OpKind.NE,
+    "relax.logical_and": OpKind.AND,
+    "relax.logical_or": OpKind.OR,
 }
 UNARY_OPS = {
     "relax.negative": OpKind.NEG,

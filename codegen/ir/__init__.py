@@ -18,13 +18,13 @@ from .nodes import (
     STORE_KINDS,
     TensorInput,
 )
-from .ops import COMPARISONS, OpKind, ReduceAxis, ReduceFn, arity
+from .ops import COMPARISONS, LOGICAL, OpKind, ReduceAxis, ReduceFn, arity
 from .tree import EVTNode, TopoVisitor, Visitor, tree_nodes
 
 __all__ = [
     "AccFetch", "AuxLoad", "AuxStore", "ColBroadcast", "Compute", "Dropout", "EVTNode",
     "EpilogueGraph", "GemmSpec", "LAYOUT_KINDS", "LOAD_KINDS", "Node", "OpKind", "Partition",
     "Permute", "Reduction", "ReduceAxis", "ReduceFn", "Reshape", "RowBroadcast", "STORE_KINDS",
-    "ScalarBroadcast", "TensorDesc", "TensorInput", "TopoVisitor", "Visitor", "COMPARISONS",
+    "ScalarBroadcast", "TensorDesc", "TensorInput", "TopoVisitor", "Visitor", "COMPARISONS", "LOGICAL",
     "arity", "canonicalize", "keep_nodes", "tree_nodes",
 ]

@@ -43,13 +43,16 @@ class OpKind(enum.Enum):
     LE = "le"
     EQ = "eq"
     NE = "ne"
+    # logical connectives of 1/0 values (comparisons' results, bool masks): 1 or 0
+    AND = "and"
+    OR = "or"
     # ternary select, operands (condition, if_true, if_false)
     WHERE = "where"
 
 
 _ARITY = {
     **{k: 2 for k in ("ADD", "SUB", "MUL", "DIV", "MAX", "MIN", "RELU_BACKWARD", "GELU_BACKWARD")},
-    **{k: 2 for k in ("GT", "GE", "LT", "LE", "EQ", "NE")},
+    **{k: 2 for k in ("GT", "GE", "LT", "LE", "EQ", "NE", "AND", "OR")},
     **{k: 1 for k in ("NEG", "EXP", "LOG", "TANH", "ERF", "SIGMOID", "RELU", "GELU", "GELU_TANH")},
     **{k: 1 for k in ("GELU_GRAD", "GELU_TANH_GRAD")},
     "SILU": 1,
@@ -58,6 +61,7 @@ _ARITY = {
 }
 
 COMPARISONS = frozenset({OpKind.GT, OpKind.GE, OpKind.LT, OpKind.LE, OpKind.EQ, OpKind.NE})
+LOGICAL = frozenset({OpKind.AND, OpKind.OR})
 
 
 def arity(op: OpKind) -> int:

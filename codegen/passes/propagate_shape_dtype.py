@@ -10,6 +10,7 @@ from ..ir import (
     AccFetch,
     AuxStore,
     COMPARISONS,
+    LOGICAL,
     Compute,
     Dropout,
     OpKind,
@@ -73,7 +74,7 @@ class PropagateShapeDtype(EpiloguePass):
         dtypes = {x.dtype for x in values}
         if len(dtypes) != 1:
             raise Unsupported(f"{node.op.value} mixes dtypes {sorted(dtypes)}")
-        dtype = "bool" if node.op in COMPARISONS else dtypes.pop()
+        dtype = "bool" if node.op in COMPARISONS | LOGICAL else dtypes.pop()
         if node.dtype is not None and node.dtype != dtype:
             raise Unsupported(f"{node.op.value} yields {dtype}, annotated {node.dtype}")
         return dtype

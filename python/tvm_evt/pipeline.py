@@ -58,6 +58,8 @@ What ``phases(target)`` runs after the training phase, in order:
                        switched on or off: ``OPTIONAL``)
     GatherBeforeSlice  a pick (gather_elements) from a prefix slice reads the sliced tensor (a loss's
                        label logit from the padded logits: no copy of the slice for one element a row)
+    SelectInDepthwiseDgrad  (optional) a clamp's gradient mask (ReLU6 before a depthwise convolution)
+                       applied by the depthwise input gradient's kernel, not by a kernel of its own
     RecomputeElementwise  casts and centrings read by several kernels recomputed in each of them
                        instead of written once in float32 (batch norm's x32 and x - mean, a layer
                        norm's xhat from x and its statistics)
@@ -104,6 +106,7 @@ from .relax_passes.lower.fuse_layer_norm import FuseLayerNorm
 from .relax_passes.lower.fuse_layer_norm_backward import FuseLayerNormBackward
 from .relax_passes.lower.fuse_softmax_dropout import FuseSoftmaxDropout
 from .relax_passes.lower.gather_before_slice import GatherBeforeSlice
+from .relax_passes.lower.select_in_depthwise_dgrad import SelectInDepthwiseDgrad
 from .relax_passes.lower.legalize_ops import legalize_ops
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
@@ -157,7 +160,8 @@ PHASES = (
            "InlineEVTPartitions")),
     Phase("lower", "relax_passes.lower",
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
-           "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "RecomputeElementwise",
+           "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "SelectInDepthwiseDgrad",
+           "RecomputeElementwise",
            "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "SinkRecomputedValues",
            "ScheduleTIRForGPU", "NonFiniteBF16AsBits", "PackMemoryArena", "CaptureStepGraphs")),
 )
@@ -246,6 +250,11 @@ OPTIONAL = {
                                  "in each from its input, not written and read back (H200 bf16, timm "
                                  "EfficientNet-B0 at batch 128: 18.32 -> 16.81 ms a step, kernels 18.64 -> 17.18 "
                                  "ms; docs/bench/h200-2026-12-01d/)"),
+    "depthwise_select": Rewrite("SelectInDepthwiseDgrad: a clamp's gradient mask (ReLU, ReLU6, hardtanh before a "
+                                "depthwise convolution) applied by the depthwise input gradient's kernel, which "
+                                "reads the activation instead of storing its sum for a select kernel to read "
+                                "back (MobileNetV2: 18 such kernels a step, 0.71 ms on H200; not yet run on a "
+                                "GPU in a step)", default=False),
     "recompute_statistics": Rewrite("RecomputeElementwise(statistics=True): small per-channel values (batch-norm "
                                     "statistics) recomputed in each reader where that takes their kernel away "
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
@@ -406,6 +415,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                                                           norm_output=enabled("norm_output"))]
                   if enabled("layer_norm") else []),
                 GatherBeforeSlice(),  # a loss's pick of the label logit reads the padded logits, not a copy
+                # ReLU6's gradient select after a depthwise input gradient: done by that kernel
+                *([SelectInDepthwiseDgrad()] if enabled("depthwise_select") else []),
                 # casts and centrings read by several kernels: recomputed in each, not stored in float32
                 RecomputeElementwise(statistics=enabled("recompute_statistics"), sigmoid=enabled("recompute_sigmoid")),
                 # a layer norm's dgamma and dbeta: one pass over its output gradient and input

@@ -62,7 +62,7 @@ from .conv_op import Geometry, family_call, operand_shapes, result_type
 FPROP, DGRAD, WGRAD = ("tvm_evt.depthwise_conv2d", "tvm_evt.depthwise_conv2d_dgrad",
                        "tvm_evt.depthwise_conv2d_wgrad")
 OPS = {FPROP: "fprop", DGRAD: "dgrad", WGRAD: "wgrad"}
-DEPTHWISE_ATTR = "tvm_evt.depthwise"  # {"op", "x", "w", "geometry", "dtype"[, "groups", "lines"]}
+DEPTHWISE_ATTR = "tvm_evt.depthwise"  # {"op", "x", "w", "geometry", "dtype"[, "groups", "lines", "select"]}
 F32 = "float32"
 THREADS = 256  # threads a block of the fprop / dgrad kernels
 TX, TY = 32, 4  # wgrad's first stage: channels and row groups a block
@@ -159,6 +159,20 @@ def _padded(t: te.Tensor, top: int, left: int, rows: int, cols: int, name: str) 
         tirx.all(y >= top, y < h + top, xx >= left, xx < wd + left), t[b, y - top, xx - left, ch], zero), name=name)
 
 
+COMPARE = {"greater": lambda a, b: a > b, "less": lambda a, b: a < b,
+           "greater_equal": lambda a, b: a >= b, "less_equal": lambda a, b: a <= b}
+JOIN = {"logical_and": tirx.all, "logical_or": tirx.any}
+
+
+def mask_value(tree, v, dtype: str):
+    """The condition a select ``tree`` makes of one element ``v`` (of `dtype`) of its tensor:
+    ``[comparison, constant]`` (``COMPARE``: ``v > constant``, ...) or ``[connective, tree, tree]``
+    (``JOIN``)."""
+    if tree[0] in JOIN:
+        return JOIN[tree[0]](*(mask_value(t, v, dtype) for t in tree[1:]))
+    return COMPARE[tree[0]](v, tirx.const(tree[1], dtype))
+
+
 def _tensors(spec: dict) -> list[te.Tensor]:
     """The TE placeholders and computes of `spec`'s kernel: inputs, then outputs (module docstring)."""
     (n, h, wd, c), (k, r, s, _) = spec["x"], spec["w"]
@@ -172,7 +186,13 @@ def _tensors(spec: dict) -> list[te.Tensor]:
     w = te.placeholder(_shape64((k, r, s, 1)), dtype, name="w")
     dy = te.placeholder(_shape64((n, p, q, k)), dtype, name="dy")
 
+    select = spec.get("select")  # a dgrad's result kept where a mask of a tensor of its shape holds, else 0
+    sel = te.placeholder(_shape64((n, h, wd, c)), select["dtype"], name="sel") if select else None
+
     def rounded(acc: te.Tensor) -> te.Tensor:
+        if select:
+            return te.compute(acc.shape, lambda *i: tirx.Select(
+                mask_value(select["mask"], sel(*i), select["dtype"]), acc(*i).astype(dtype), zero), name="out")
         return te.compute(acc.shape, lambda *i: acc(*i).astype(dtype), name="out")
 
     def padded_x() -> te.Tensor:
@@ -244,7 +264,8 @@ def _tensors(spec: dict) -> list[te.Tensor]:
                 wv = tirx.if_then_else(tirx.all(ri < r, si < s), w[o, ri, si, 0], zero)
                 return te.sum(f32(v) * f32(wv), axis=[*jj, rr, ss])
 
-        return [dy, w, rounded(te.compute(_shape64((n, h, wd, c)), value, name="acc"))]
+        out = rounded(te.compute(_shape64((n, h, wd, c)), value, name="acc"))
+        return [dy, w, sel, out] if select else [dy, w, out]
 
     groups, lines, strip = spec["groups"], spec["lines"], spec["strip"]
     xpad = padded_x()
@@ -416,6 +437,18 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     if dtype != F32:
         dw = bb.emit(R.astype(dw, dtype))
     return R.reshape(dw, list(w))
+
+
+def selected_dgrad(bb: relax.BlockBuilder, call: relax.Call, sel: relax.Expr, mask) -> relax.Var:
+    """``where(mask(sel), call, 0)`` for a `call` of ``depthwise_conv2d_dgrad`` as one kernel: the
+    dgrad's result rounded, then kept where the ``mask_value`` tree `mask` of `sel` (a tensor of
+    its shape) holds, else 0."""
+    x, w, _, g = depthwise_shapes(call)
+    dtype = str(call.args[0].ty.dtype)
+    spec = {**_spec("dgrad", x, w, g, dtype), "select": {"dtype": str(sel.ty.dtype), "mask": mask}}
+    gv = bb.add_func(primfunc(spec), "depthwise_conv2d_dgrad_select")
+    (out,) = emit_call_tir(bb, gv, [*call.args[:2], sel], [relax.TensorType(x, dtype)])
+    return out
 
 
 def depthwise_grad(orig_var, orig_call, output_grad, ctx):
