@@ -108,36 +108,16 @@ def test_casts_feeding_only_an_epilogue_move_into_the_partition():
                and int(p.ty.shape.values[-2]) == 16 for gv in absorbed for p in parts[gv].params)
 
 
-def test_relu_masks_feeding_only_an_epilogue_move_into_the_partition():
-    """ResNet-50's stage (quick shapes): the ReLU gradient's greater(y, 0) masks are computed by the backward
-    epilogues from y, not written as bool tensors by kernels of their own."""
-    compare = tvm.ir.Op.get("relax.greater")
-    without, with_ = _front(_graph(model="resnet50"), absorb=False), _front(_graph(model="resnet50"))
-    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == compare for _, vals in calls for v in vals)  # noqa: E731
+def _masks_move_into_partitions(model: str, op: str) -> None:
+    """Partition calls of `model` take masks made by `op` as arguments without the absorption, and
+    none with it; the partitions computing them are legal."""
+    op = tvm.ir.Op.get(op)
+    without, with_ = _front(_graph(model=model), absorb=False), _front(_graph(model=model))
+    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == op for _, vals in calls for v in vals)  # noqa: E731
     assert masks(_partition_args(without)[1]) > 0
     parts, calls = _partition_args(with_)
     assert masks(calls) == 0
-    def compares(func):
-        found = []
-        relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call)
-                                        and e.op == compare else None)
-        return found
-
-    absorbed = [f for f in parts.values() if compares(f)]
-    assert absorbed and all(legality(f).ok for f in absorbed)
-
-
-def test_clamp_masks_feeding_only_an_epilogue_move_into_the_partition():
-    """ReLU6's gradient selects by logical_and(greater(y, 0), less(y, 6)): where only the
-    projection's input-gradient epilogue reads that mask, the epilogue computes it from y."""
-    connective = tvm.ir.Op.get("relax.logical_and")
-    without, with_ = _front(_graph(model="inverted_residual"), absorb=False), _front(_graph(model="inverted_residual"))
-    masks = lambda calls: sum(isinstance(v, relax.Call) and v.op == connective for _, vals in calls for v in vals)  # noqa: E731
-    assert masks(_partition_args(without)[1]) > 0
-    parts, calls = _partition_args(with_)
-    assert masks(calls) == 0
-    absorbed = [f for f in parts.values() if any(isinstance(e, relax.Call) and e.op == connective
-                                                 for e in _calls(f))]
+    absorbed = [f for f in parts.values() if any(e.op == op for e in _calls(f))]
     assert absorbed and all(legality(f).ok for f in absorbed)
 
 
@@ -145,6 +125,18 @@ def _calls(func):
     found = []
     relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
     return found
+
+
+def test_relu_masks_feeding_only_an_epilogue_move_into_the_partition():
+    """ResNet-50's stage (quick shapes): the ReLU gradient's greater(y, 0) masks are computed by the backward
+    epilogues from y, not written as bool tensors by kernels of their own."""
+    _masks_move_into_partitions("resnet50", "relax.greater")
+
+
+def test_clamp_masks_feeding_only_an_epilogue_move_into_the_partition():
+    """ReLU6's gradient selects by logical_and(greater(y, 0), less(y, 6)): where only the
+    projection's input-gradient epilogue reads that mask, the epilogue computes it from y."""
+    _masks_move_into_partitions("inverted_residual", "relax.logical_and")
 
 
 def test_calls_absorbing_other_constants_get_their_own_partition():

@@ -14,6 +14,8 @@ depthwise input gradient that rounds each sum and keeps it where the mask holds
 ``dx`` is never stored.  The mask is a tree over one tensor ``y`` of ``dx``'s shape:
 comparisons with one-element constants of ``y``'s dtype, joined by ``logical_and`` /
 ``logical_or``.  The numbers are the same: the select is applied to the rounded sum, as before.
+On an H200, MobileNetV2's seven depthwise shapes at batch 128 (bf16) take 0.616 ms as one kernel
+each against 1.035 as the two, with equal results (``docs/bench/h200-2026-12-01d/depthwise-select/``).
 
 CUDA route, before ``LegalizeOps`` (which would legalize the depthwise call by itself).
 """
