@@ -42,25 +42,21 @@ def _scalar(expr: relax.Expr, dtype: str) -> float | None:
     return None
 
 
-def mask_tree(expr: relax.Expr, bound: dict, source: relax.Var | None = None):
+def mask_tree(expr: relax.Expr, bound: dict):
     """(the tensor ``y``, the ``depthwise_conv_op.mask_value`` tree) of a mask `expr` computed by
     comparisons of one ``y`` with one-element constants of its dtype and connectives of them
     (seen through `bound`: var -> bound value), else None."""
     call = bound.get(expr)
-    if not isinstance(call, relax.Call):
+    if not isinstance(call, relax.Call) or len(call.args) != 2:
         return None
-    if call.op in CONNECTIVES and len(call.args) == 2:
-        left = mask_tree(call.args[0], bound, source)
-        right = mask_tree(call.args[1], bound, left[0] if left else source)
+    if call.op in CONNECTIVES:
+        left, right = (mask_tree(a, bound) for a in call.args)
         if left is None or right is None or not left[0].same_as(right[0]):
             return None
         return left[0], [CONNECTIVES[call.op], left[1], right[1]]
-    if call.op in COMPARISONS and len(call.args) == 2 and isinstance(call.args[0], relax.Var):
-        y = call.args[0]
-        value = _scalar(call.args[1], str(y.ty.dtype))
-        if value is None or (source is not None and not y.same_as(source)):
-            return None
-        return y, [COMPARISONS[call.op], value]
+    if call.op in COMPARISONS and isinstance(call.args[0], relax.Var):
+        value = _scalar(call.args[1], str(call.args[0].ty.dtype))
+        return None if value is None else (call.args[0], [COMPARISONS[call.op], value])
     return None
 
 
