@@ -141,7 +141,8 @@ class TorchOps:
                  "minimum": torch.minimum, "neg": torch.neg, "exp": torch.exp, "log": torch.log, "tanh": torch.tanh,
                  "erf": torch.erf, "sigmoid": torch.sigmoid, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
                  "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gt": torch.gt, "ge": torch.ge,
-                 "lt": torch.lt, "le": torch.le, "eq": torch.eq, "ne": torch.ne}
+                 "lt": torch.lt, "le": torch.le, "eq": torch.eq, "ne": torch.ne,
+                 "logical_and": torch.logical_and, "logical_or": torch.logical_or}
         fn = table[name]
         return lambda *args: self._round(fn(*args))
 
@@ -230,6 +231,12 @@ def _select(ops, y, c):
             ops.where(ops.ne(r, ops.const(0.0)), y, c)]
 
 
+def _connectives(ops, y, c):  # ReLU6's gradient mask (two comparisons of one tensor joined), and its complement
+    inside = ops.logical_and(ops.gt(c, ops.const(-0.5)), ops.lt(c, ops.const(0.5)))
+    outside = ops.logical_or(ops.le(y, ops.const(-0.25)), ops.ge(y, ops.const(0.75)))
+    return [ops.where(inside, y, ops.const(0.0)), ops.where(outside, c, y)]
+
+
 def _casts(ops, y, bias):
     h = ops.add(y, bias)
     return [ops.cast(h, "float32"), ops.cast(ops.cast(ops.gelu(h), "float16"), "bfloat16")]
@@ -257,6 +264,7 @@ CASES = (
        Case("activation_grads", _activation_grads, layout="NT"),
        Case("backward", _backward, layout="NN", extras=("c",)),
        Case("select", _select, extras=("c",)),
+       Case("connectives", _connectives, layout="NN", extras=("c",)),
        Case("casts", _casts, extras=("bias",)),
        Case("sums", _sums, extras=("bias",)),
        Case("sums", _sums, dtype="float16", layout="TN", extras=("bias",)),
