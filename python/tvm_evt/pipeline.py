@@ -73,6 +73,9 @@ What ``phases(target)`` runs after the training phase, in order:
     SinkRecomputedValues  (after FuseTIR, budgeted functions only) recomputed copies FuseOps moved up
                        the backward go down to their first reader again, and readers that free more
                        than they allocate move up to their operands
+    MergeSmallKernels  the small elementwise kernels FuseOps leaves apart (a batch norm's per-channel
+                       statistics, running statistics and dgamma/dbeta views; step counters) as one
+                       kernel per group that can run as one
     lowering/finalize  TVM's CUDA dataflow lowering and finalisation passes (inside ``graph_capture()``,
                        as ``compile_training(..., cuda_graph=True)`` builds, train_step's static regions
                        are lifted into CUDA graphs: ``CaptureStepGraphs``)
@@ -110,6 +113,7 @@ from .relax_passes.lower.select_in_depthwise_dgrad import SelectInDepthwiseDgrad
 from .relax_passes.lower.legalize_ops import legalize_ops
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
+from .relax_passes.lower.merge_small_kernels import MergeSmallKernels
 from .relax_passes.lower.non_finite_bf16_as_bits import NonFiniteBF16AsBits
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
 from .relax_passes.lower.pack_memory_arena import PackMemoryArena
@@ -163,14 +167,15 @@ PHASES = (
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "SelectInDepthwiseDgrad",
            "RecomputeElementwise",
            "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "SinkRecomputedValues",
-           "ScheduleTIRForGPU", "NonFiniteBF16AsBits", "PackMemoryArena", "CaptureStepGraphs")),
+           "MergeSmallKernels", "ScheduleTIRForGPU", "NonFiniteBF16AsBits", "PackMemoryArena", "CaptureStepGraphs")),
 )
 
 # Rewrites a process can switch on or off, to bisect a problem or to measure what each gives:
 # ``TVM_EVT_DISABLE=layer_norm,vectorize`` and ``TVM_EVT_ENABLE=pad_keys`` (comma-separated
 # names, or ``all``; a name in both is off).  Those on by default passed the whole-step GPU check
 # (tests/test_gpu_training.py) alone and together, except ``depthwise_select``, whose kernels were
-# checked on a GPU on their own (its description says); one off by default has not been run on a GPU.
+# checked on a GPU on their own, and ``merge_small``, whose kernels were checked serially on the CPU
+# and built for sm_90a (their descriptions say); one off by default has not been run on a GPU.
 DISABLE_ENV = "TVM_EVT_DISABLE"
 ENABLE_ENV = "TVM_EVT_ENABLE"
 
@@ -261,6 +266,11 @@ OPTIONAL = {
                                     "statistics) recomputed in each reader where that takes their kernel away "
                                     "(ResNet-50 conv3_x: 247 -> 208 kernels a step; not yet timed on a GPU)",
                                     default=False),
+    "merge_small": Rewrite("MergeSmallKernels: the small elementwise kernels FuseOps leaves one an op (a batch "
+                           "norm's per-channel statistics, running statistics, dgamma/dbeta copies; step counters) "
+                           "merged into one kernel per group that can run as one (a MobileNetV2 replica's step: "
+                           "1039 -> 580 kernels; the merged kernels checked on the CPU and built by nvcc for "
+                           "sm_90a, not yet run on a GPU)"),
     "partition_row_kernels": Rewrite("PartitionEVT(row_kernels=True): the ops a layer norm gradient's row kernel "
                                      "(FuseLayerNormBackward, after the partitioner) computes in passing cost no "
                                      "kernel of their own, so no GEMM epilogue takes one only to store it "
@@ -435,6 +445,8 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 BoundedFuseOps(),  # <= 64 ops per kernel: DLight's rules stall on hundreds
                 relax.transform.FuseTIR(),
                 SinkRecomputedValues(),  # copies FuseOps moved up the backward: down to their readers again
+                # per-channel statistics and counters: one kernel a group, not one an op
+                *([MergeSmallKernels()] if enabled("merge_small") else []),
                 ScheduleTIRForGPU(vectorize=enabled("vectorize")),
                 NonFiniteBF16AsBits(),  # bfloat16 infinities the CUDA codegen would print as "inff"
             ]

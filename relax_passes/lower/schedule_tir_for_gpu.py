@@ -43,7 +43,7 @@ from tvm import s_tir, tirx
 from .._rewrite import replace_functions
 from ..ops import depthwise_conv_op, max_pool_op
 from ..training import optimizer_update, philox, write_back
-from . import column_sums
+from . import column_sums, merge_small_kernels
 
 # Kernels that bring their own GPU form: (the attribute that marks the functions, the hook that
 # builds their GPU form from them; the function keeps its symbol).
@@ -52,7 +52,8 @@ OWN_GPU_FORMS = ((philox.KEEP_RATE_ATTR, philox.gpu_variant),
                  (column_sums.SUMS_ATTR, column_sums.gpu_variant),
                  (write_back.WRITE_BACK_ATTR, write_back.gpu_variant),
                  (depthwise_conv_op.DEPTHWISE_ATTR, depthwise_conv_op.gpu_variant),
-                 (max_pool_op.GATHER_ATTR, max_pool_op.gpu_variant))
+                 (max_pool_op.GATHER_ATTR, max_pool_op.gpu_variant),
+                 (merge_small_kernels.MERGED_ATTR, merge_small_kernels.gpu_variant))
 
 
 def _own_gpu_form_hook(func):
