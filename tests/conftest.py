@@ -14,16 +14,20 @@ def _has_cuda() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without CUDA)")
-    config.addinivalue_line("markers", "slow: long-running (nvcc builds, large graphs)")
+    config.addinivalue_line("markers", "slow: minutes of nvcc or CPU; the CPU tier runs them with -m slow "
+                            "(the GPU tier's slow tests run with -m gpu)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
-        return
-    skip = pytest.mark.skip(reason="no CUDA device")
+    slow = "slow" in (config.option.markexpr or "")
+    cuda = _has_cuda()
+    skip_slow = pytest.mark.skip(reason="minutes of nvcc or CPU: run with -m slow")
+    skip_gpu = pytest.mark.skip(reason="no CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+        elif "slow" in item.keywords and "gpu" not in item.keywords and not slow:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(autouse=True)

@@ -40,14 +40,34 @@ def _inverted_residual():
     return models.ZooEntry(model, make, F.cross_entropy, "MobileNetV2 block", num_targets=1)
 
 
+def _bottleneck():
+    """ResNet-50's bottleneck (1x1, 3x3, 1x1 with batch norms, ReLUs, the identity shortcut),
+    channels-last, under a classifier."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(models.Bottleneck(64, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+    def make():
+        return (torch.randn(4, 64, 8, 8).contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (4,)))
+
+    return models.ZooEntry(model.to(memory_format=torch.channels_last), make, F.cross_entropy, "ResNet bottleneck",
+                           num_targets=1)
+
+
 def _graph(precision="bf16", model="bert_layer"):
-    """bert_layer (small), a MobileNetV2 block, or a scripts/bench.py model at its quick shapes."""
+    """bert_layer (small), a ResNet or MobileNetV2 block, or a scripts/bench.py model at its quick
+    shapes."""
     from tvm_evt import bench_e2e
 
     if model == "bert_layer":
         entry = models.ZOO["bert_layer"](batch=2, seq=16, hidden=64, heads=4)
     elif model == "inverted_residual":
         entry = _inverted_residual()
+    elif model == "bottleneck":
+        entry = _bottleneck()
     else:
         entry = bench_e2e.build_entry(model, True)
     return tuning.training_graph(entry, precision)[1].mod
@@ -128,9 +148,9 @@ def _calls(func):
 
 
 def test_relu_masks_feeding_only_an_epilogue_move_into_the_partition():
-    """ResNet-50's stage (quick shapes): the ReLU gradient's greater(y, 0) masks are computed by the backward
+    """A ResNet bottleneck: the ReLU gradient's greater(y, 0) masks are computed by the backward
     epilogues from y, not written as bool tensors by kernels of their own."""
-    _masks_move_into_partitions("resnet50", "relax.greater")
+    _masks_move_into_partitions("bottleneck", "relax.greater")
 
 
 def test_clamp_masks_feeding_only_an_epilogue_move_into_the_partition():
@@ -185,7 +205,7 @@ def test_calls_absorbing_other_constants_get_their_own_partition():
 
 
 @pytest.mark.parametrize("precision, model", [("bf16", "bert_layer"), ("fp32", "bert_layer"),
-                                              ("bf16", "resnet50"), ("bf16", "inverted_residual")])
+                                              ("bf16", "bottleneck"), ("bf16", "inverted_residual")])
 def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision, model):
     from tvm_evt.pipeline import InlineEVTPartitions
 

@@ -121,9 +121,7 @@ def test_evt_codegen_remembers_which_partition_each_kernel_runs(monkeypatch, tmp
 
 
 @pytest.mark.slow
-def test_nvcc_builds_emitted_kernels(cache_home, request):
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("minutes of nvcc: run with -m slow")
+def test_nvcc_builds_emitted_kernels(cache_home):
     if toolchain.find_nvcc() is None or shutil.which("ld") is None:
         pytest.skip("nvcc absent")
     sources = {p.symbol: emit(p) for p in (dropout_kernel(), batched_kernel(), square_kernel())}
@@ -167,10 +165,8 @@ def test_nvcc_builds_emitted_kernels(cache_home, request):
 
 
 @pytest.mark.slow
-def test_nvcc_builds_every_shape_heuristic_configuration(cache_home, request):
+def test_nvcc_builds_every_shape_heuristic_configuration(cache_home):
     """Each configuration ``select.heuristic_config`` hands untuned builds compiles (no fallback)."""
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("minutes of nvcc: run with -m slow")
     if toolchain.find_nvcc() is None:
         pytest.skip("nvcc absent")
     import dataclasses

@@ -186,16 +186,14 @@ def test_build_retries_with_the_conservative_config(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------- nvcc
-def _need_nvcc(request):
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("minutes of nvcc: run with -m slow")
+def _need_nvcc():
     if toolchain.find_nvcc() is None:
         pytest.skip("nvcc absent")
 
 
 @pytest.mark.slow
-def test_nvcc_builds_the_failing_partition_with_the_chosen_config(cache_home, request):
-    _need_nvcc(request)
+def test_nvcc_builds_the_failing_partition_with_the_chosen_config(cache_home):
+    _need_nvcc()
     p = adamw_partition()
     cfg = relax_ext._config({}, p)
     start = time.monotonic()
@@ -205,9 +203,9 @@ def test_nvcc_builds_the_failing_partition_with_the_chosen_config(cache_home, re
 
 
 @pytest.mark.slow
-def test_model_matches_sizeof_printed_by_nvcc(tmp_path, request):
+def test_model_matches_sizeof_printed_by_nvcc(tmp_path):
     """Compile the kernels' type declarations (no device code) and print CUTLASS's own numbers."""
-    _need_nvcc(request)
+    _need_nvcc()
     from test_codegen_build import batched_kernel, dropout_kernel
 
     jobs = [

@@ -136,11 +136,9 @@ def test_a_unit_of_one_kernel_is_the_kernel_as_before():
 
 
 @pytest.mark.slow
-def test_nvcc_builds_a_unit_whose_entries_each_check_their_arguments(tmp_path, monkeypatch, request):
+def test_nvcc_builds_a_unit_whose_entries_each_check_their_arguments(tmp_path, monkeypatch):
     """A minute or two of nvcc, no GPU: two convolutions of one type are one object (one CUTLASS
     kernel), linked and exported with both entries, each checking its own shapes."""
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("minutes of nvcc: run with -m slow")
     import shutil
     import subprocess
 

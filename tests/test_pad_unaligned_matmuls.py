@@ -369,14 +369,12 @@ def test_an_mlp_of_unaligned_widths_runs_every_matmul_on_cutlass(monkeypatch, tm
 
 
 @pytest.mark.slow
-def test_nvcc_builds_a_padded_lm_head_partition(monkeypatch, tmp_path, request):
+def test_nvcc_builds_a_padded_lm_head_partition(monkeypatch, tmp_path):
     from tvm_evt.codegen import relax_ext
     from tvm_evt.codegen.build import cache, kernel_entries, toolchain
     from tvm_evt.report import partitioned
     from tvm_evt.training import hopper_target
 
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("a minute of nvcc: run with -m slow")
     if toolchain.find_nvcc() is None or shutil.which("ld") is None:
         pytest.skip("nvcc absent")
     graph, _ = _report(_gpt2(), monkeypatch, tmp_path)

@@ -221,8 +221,11 @@ def test_batchnorm_running_stats_follow_torch():
         assert rel_err(ours[n], b) <= 1e-4, n
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["mlp", "bert_layer"])
+@pytest.mark.parametrize("name, precision", [
+    ("mlp", "bf16"), ("mlp", "fp16"), ("bert_layer", "bf16"),
+    # LLVM takes minutes to generate x86 code for the layer's float16 kernels (the VM's load: 131 s
+    # of the test's 300)
+    pytest.param("bert_layer", "fp16", marks=pytest.mark.slow)])
 def test_mixed_precision_agrees_with_fp32(name, precision):
     torch.manual_seed(0)  # bf16 noise sits near the bound: a fixed draw keeps the verdict stable
     entry = models.ZOO[name]()

@@ -419,21 +419,12 @@ def test_bert_layer_builds_the_zoo_layers_kernels():
     assert ours == kernels(zoo)
 
 
-def test_llama_decoder_layers_kernels_pass_legality_and_build_for_sm90a(tmp_path, monkeypatch):
-    """#39: a LlamaDecoderLayer with grouped-query attention once reached nvcc with a partition
-    whose operand had a zero stride (rotary embeddings' K = 1 outer product), which nvcc rejected.
-    Its bf16 step for sm_90a, through the CUDA pipeline up to the kernel build: every evt partition
-    passes ``codegen.legality``, attention runs as the grouped kernels (4 query heads over 2), and
-    nvcc builds every kernel of the step into an empty cache."""
+def _llama_layer_before_builds(tmp_path, monkeypatch):
+    """A LlamaDecoderLayer's bf16 step for sm_90a through the CUDA pipeline up to the kernel build."""
     from tvm_evt import optim, pipeline
-    from tvm_evt.codegen import relax_ext
-    from tvm_evt.codegen.build import toolchain
-    from tvm_evt.codegen.legality import legality
     from tvm_evt.frontend import from_torch
     from tvm_evt.training import build_training_module, hopper_target
 
-    if toolchain.find_nvcc() is None:
-        pytest.skip("needs nvcc to build the kernels")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     torch.manual_seed(0)
     x, t = torch.randn(2, 64, 256), torch.randn(2, 64, 256)
@@ -445,6 +436,18 @@ def test_llama_decoder_layers_kernels_pass_legality_and_build_for_sm90a(tmp_path
             if p.info.name == "PrebuildKernels":
                 break
             mod = p(mod)
+    return mod
+
+
+def test_llama_decoder_layers_kernels_pass_legality(tmp_path, monkeypatch):
+    """#39: a LlamaDecoderLayer with grouped-query attention once reached nvcc with a partition
+    whose operand had a zero stride (rotary embeddings' K = 1 outer product), which nvcc rejected.
+    Every evt partition of its bf16 step for sm_90a passes ``codegen.legality`` and has a kernel
+    source, and attention runs as the grouped kernels (4 query heads over 2)."""
+    from tvm_evt.codegen import relax_ext
+    from tvm_evt.codegen.legality import legality
+
+    mod = _llama_layer_before_builds(tmp_path, monkeypatch)
     partitions = {gv.name_hint: f for gv, f in mod.functions_items()
                   if isinstance(f, tvm.relax.Function) and f.attrs and f.attrs.get("Codegen") == "evt"}
     assert len(partitions) >= 7  # q, k, v, o, gate, up, down projections at least
@@ -454,6 +457,19 @@ def test_llama_decoder_layers_kernels_pass_legality_and_build_for_sm90a(tmp_path
     assert set(partitions) <= set(sources)
     attention = [s for s in sources.values() if " H=4 Hkv=2 " in s.splitlines()[1]]
     assert len(attention) == 2  # the forward and the backward, over 2 key/value heads
+
+
+@pytest.mark.slow
+def test_llama_decoder_layers_kernels_build_for_sm90a(tmp_path, monkeypatch):
+    """#39, continued: nvcc builds every kernel of that step into an empty cache (ten minutes on
+    two cores)."""
+    from tvm_evt.codegen import relax_ext
+    from tvm_evt.codegen.build import toolchain
+
+    if toolchain.find_nvcc() is None:
+        pytest.skip("needs nvcc to build the kernels")
+    mod = _llama_layer_before_builds(tmp_path, monkeypatch)
+    sources = relax_ext.kernel_sources(mod)
     built = relax_ext.prebuild(mod)
     failed = {name: str(r).splitlines()[0] for name, r in built.items() if not isinstance(r, Path)}
     assert not failed and set(built) == set(sources)
