@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Callable, Sequence
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..codegen.frontend.relax_partition import BINARY_OPS, UNARY_OPS
@@ -18,6 +19,11 @@ OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the
 VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # results that share their operand's memory
 # the code generator's elementwise ops (an epilogue can compute them) and where
 POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
+# a gradient mask's ops (ReLU's y > 0; ReLU6's, hardtanh's and a clamp's (y > lo) & (y < hi)):
+# comparisons of a tensor with a constant, and connectives of them, each as what it computes on
+# values (TIR expressions) where a kernel of ours applies the mask itself
+MASK_COMPARISONS = {"greater": operator.gt, "less": operator.lt, "greater_equal": operator.ge, "less_equal": operator.le}
+MASK_CONNECTIVES = {"logical_and": lambda a, b: tirx.all(a, b), "logical_or": lambda a, b: tirx.any(a, b)}
 # the name of a forward value's copy recomputed in the backward ends so (Rematerialize and
 # RecomputeActivationsInBackward make them, PartitionEVT keeps them out of forward epilogues,
 # SinkRecomputedValues finds them)

@@ -55,7 +55,7 @@ from tvm import relax, s_tir, te, tirx
 from tvm.relax import op as R
 from tvm.relax.op.grad import no_grad
 
-from .._rewrite import OPAQUE, emit_call_tir
+from .._rewrite import MASK_COMPARISONS, MASK_CONNECTIVES, OPAQUE, emit_call_tir
 from ..training.gradient_rules import register_op
 from .conv_op import Geometry, family_call, operand_shapes, result_type
 
@@ -159,9 +159,7 @@ def _padded(t: te.Tensor, top: int, left: int, rows: int, cols: int, name: str) 
         tirx.all(y >= top, y < h + top, xx >= left, xx < wd + left), t[b, y - top, xx - left, ch], zero), name=name)
 
 
-COMPARE = {"greater": lambda a, b: a > b, "less": lambda a, b: a < b,
-           "greater_equal": lambda a, b: a >= b, "less_equal": lambda a, b: a <= b}
-JOIN = {"logical_and": tirx.all, "logical_or": tirx.any}
+COMPARE, JOIN = MASK_COMPARISONS, MASK_CONNECTIVES
 
 
 def mask_value(tree, v, dtype: str):

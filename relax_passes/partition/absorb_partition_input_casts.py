@@ -30,11 +30,12 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .._rewrite import binding_uses, drop_uncalled, flat_bindings, local_composite, op_name, sub_expressions, substitute
+from .._rewrite import (MASK_COMPARISONS, MASK_CONNECTIVES, binding_uses, drop_uncalled, flat_bindings, local_composite,
+                        op_name, sub_expressions, substitute)
 
 ASTYPE = tvm.ir.Op.get("relax.astype")
-MASKS = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("less", "greater", "less_equal", "greater_equal"))
-CONNECTIVES = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in ("logical_and", "logical_or"))
+MASKS = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in MASK_COMPARISONS)
+CONNECTIVES = frozenset(tvm.ir.Op.get(f"relax.{n}") for n in MASK_CONNECTIVES)
 CODEGEN = "evt"
 # inner ops that read the GEMM's operands or move data: a cast feeding them stays outside
 NOT_EPILOGUE = frozenset({"relax.matmul", "relax.permute_dims", "relax.reshape"})
