@@ -156,6 +156,11 @@ def test_batch_norm_statistics_are_two_kernels_a_norm():
     for c in {n.num_features for n in norms}:
         with_c = sum(1 for n in norms if n.num_features == c)
         assert p[c] == 7 * with_c and m[c] == 2 * with_c, (c, p[c], m[c])
+    # the norms of one width share their merged kernels (one PrimFunc a group shape)
+    calls = [b.value.args[0] for b in merged["train_step"].body.blocks[0].bindings if isinstance(b.value, relax.Call)
+             and b.value.args and isinstance(b.value.args[0], tvm.ir.GlobalVar)
+             and b.value.args[0].name_hint.startswith("merged_")]
+    assert len(set(calls)) < len(calls)
 
 
 def test_merged_gpu_kernels_compute_what_their_members_do():

@@ -305,6 +305,7 @@ class MergeSmallKernels:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates, builder = {}, relax.BlockBuilder(mod)
+        made: dict = {}  # a group's shape (`_merge`) -> its merged PrimFunc's global var, or None
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr) or (
                     func.attrs and any(k in func.attrs for k in PARTITION_ATTRS)):
@@ -316,7 +317,7 @@ class MergeSmallKernels:
                     continue
                 replace = {}
                 for indices in _Grouping(mod, block).groups:
-                    new = self._merge(mod, readers, bi, block, indices, builder)
+                    new = self._merge(mod, readers, bi, block, indices, builder, made)
                     if new is not None:
                         replace[indices[0]] = (indices, new)
                 if replace:
@@ -333,27 +334,44 @@ class MergeSmallKernels:
         return relax.transform.Normalize()(out)
 
     @staticmethod
-    def _merge(mod, readers, bi, block, indices, builder) -> list | None:
+    def _merge(mod, readers, bi, block, indices, builder, made) -> list | None:
+        """The bindings that replace the group of `block`'s bindings at `indices`, or None.  Groups
+        of one shape (the same member PrimFuncs wired the same way, the same outputs: a network's
+        repeated blocks) share one merged PrimFunc, made once (`made`)."""
         members = [block.bindings[i] for i in indices]
-        mine = {b.var for b in members}
-        params = []
+        position = {b.var: k for k, b in enumerate(members)}
+        params: list = []
+        wiring = []
         for b in members:
+            wires = []
             for a in b.value.args[1].fields:
-                if a not in mine and not any(a.same_as(p) for p in params):
+                if a in position:
+                    wires.append(("member", position[a]))
+                    continue
+                at = next((j for j, p in enumerate(params) if a.same_as(p)), None)
+                if at is None:
+                    at = len(params)
                     params.append(a)
+                wires.append(("param", at))
+            wiring.append((b.value.args[0], tuple(wires)))
         inside = {(bi, i) for i in indices}
         outputs = [b.var for b in members
                    if readers.get(b.var, set()) - inside or not isinstance(b.var, relax.DataflowVar)]
         if not outputs:
             return None
-        try:
-            fused = _merged_func(mod, members, params, outputs)
-        except Exception:  # noqa: BLE001 - a group FuseTIR does not take stays as it was
+        shape = (tuple(wiring), tuple(position[v] for v in outputs))
+        if shape not in made:
+            made[shape] = None
+            try:
+                fused = _merged_func(mod, members, params, outputs)
+            except Exception:  # noqa: BLE001 - a group FuseTIR does not take stays as it was
+                fused = None
+            prim = None if fused is None else merge_loops(fused, len(outputs), elements(members[0].var))
+            if prim is not None:
+                made[shape] = builder.add_func(prim, f"merged_{members[0].value.args[0].name_hint}")
+        gv = made[shape]
+        if gv is None:
             return None
-        prim = merge_loops(fused, len(outputs), elements(members[0].var))
-        if prim is None:
-            return None
-        gv = builder.add_func(prim, f"merged_{members[0].value.args[0].name_hint}")
         types = [v.ty for v in outputs]
         if len(outputs) == 1:
             return [relax.VarBinding(outputs[0], relax.call_tir(gv, params, types[0]))]
