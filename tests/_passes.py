@@ -18,3 +18,15 @@ def affine_free_layer_norms(func: relax.Function) -> int:
     return sum(1 for block in func.body.blocks for b in block.bindings
                if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.nn.layer_norm"
                and not b.value.attrs.scale and not b.value.attrs.center)
+
+
+def flat_numpy(out) -> list:
+    """A VM function's result (a tensor, or nested tuples of them) as a flat list of numpy arrays."""
+    flat, stack = [], [out]
+    while stack:
+        x = stack.pop(0)
+        if hasattr(x, "numpy"):
+            flat.append(x.numpy())
+        else:
+            stack = list(x) + stack
+    return flat

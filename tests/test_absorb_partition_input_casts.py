@@ -9,6 +9,8 @@ from tvm_evt.codegen.legality import legality
 from tvm_evt.relax_passes.partition.absorb_partition_input_casts import AbsorbPartitionInputCasts
 from tvm_evt.relax_passes.graph.save_softmax_low_precision import SaveSoftmaxLowPrecision, low_precision_copies
 
+from _passes import flat_numpy
+
 ASTYPE = tvm.ir.Op.get("relax.astype")
 
 
@@ -223,14 +225,7 @@ def test_cpu_route_numbers_are_unchanged_by_the_absorption(precision, model):
     def run(m):
         ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(m), target="llvm")
         out = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
-        flat, stack = [], [out]
-        while stack:
-            x = stack.pop(0)
-            if hasattr(x, "numpy"):
-                flat.append(x.numpy().astype("float32"))
-            else:
-                stack = list(x) + stack
-        return flat
+        return [a.astype("float32") for a in flat_numpy(out)]
 
     for w, g in zip(run(ref), run(got)):
         np.testing.assert_array_equal(g, w)  # the same ops in the same order

@@ -7,6 +7,8 @@ from tvm import relax
 
 from tvm_evt.relax_passes.lower.fuse_layer_norm import FuseLayerNorm, find_chains, layer_norm_primfunc
 
+from _passes import flat_numpy
+
 CUDA = {"kind": "cuda", "arch": "sm_90a"}
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
@@ -190,14 +192,7 @@ def _run_adjoint(mod, args) -> list:
     """`mod`'s ``main_adjoint`` on `args` (numpy) on the CPU: its results, flattened, as numpy."""
     ex = tvm.compile(relax.transform.DeadCodeElimination(entry_functions=["main_adjoint"])(mod), target="llvm")
     out = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*[tvm.runtime.tensor(a) for a in args])
-    flat, stack = [], [out]
-    while stack:
-        x = stack.pop(0)
-        if hasattr(x, "numpy"):
-            flat.append(x.numpy())
-        else:
-            stack = list(x) + stack
-    return flat
+    return flat_numpy(out)
 
 
 @pytest.mark.parametrize("model,precision,dropout,epilogue", [

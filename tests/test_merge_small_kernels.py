@@ -8,7 +8,6 @@ serially on llvm against the kernels they replace, and a whole CPU-route step wi
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 import tvm
@@ -19,6 +18,7 @@ from tvm_evt.relax_passes.lower import merge_small_kernels as msk
 from tvm_evt.relax_passes.lower.merge_small_kernels import MergeSmallKernels
 from tvm_evt.training import build_training_module, cpu_target, from_torch, hopper_target
 
+from _passes import flat_numpy
 from _te_kernels import run_on_llvm, serial
 from test_cnn_layers import MODELS
 
@@ -216,14 +216,7 @@ def test_cpu_route_step_is_unchanged_by_merging(name="mobilenet_v2_blocks"):
         merged = sum(1 for gv, _ in mod.functions_items() if gv.name_hint.startswith("merged_"))
         ex = tvm.compile(mod, target=target, relax_pipeline=tvm.transform.Sequential(passes[at:]))
         out = relax.VirtualMachine(ex, tvm.cpu())["train_step"](*[tvm.runtime.tensor(a) for a in args])
-        flat, stack = [], [out]
-        while stack:
-            x = stack.pop(0)
-            if hasattr(x, "numpy"):
-                flat.append(x.numpy())
-            else:
-                stack = list(x) + stack
-        return merged, flat
+        return merged, flat_numpy(out)
 
     (none, want), (merged, got) = run([]), run([MergeSmallKernels()])
     assert none == 0 and merged >= 3
