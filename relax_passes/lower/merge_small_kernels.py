@@ -12,8 +12,9 @@ batch 128, torchvision's MobileNetV2 ran 788 kernels under 4 us a step, 1.09 ms,
 torch.compile ran 419).  Merged, the replica's step runs 580 (``tuning.kernel_traffic``: 932 TVM
 kernels -> 473, 107 GEMM partitions), moving the same bytes.
 
-A kernel is *small* when it is a ``call_tir`` of an unscheduled PrimFunc whose blocks are all
-spatial (elementwise, broadcast, injective), whose output and operands have at most
+A kernel is *small* when it is a ``call_tir`` of an unscheduled PrimFunc of TVM's legalisation (not
+one of ours: opaque to FuseOps or tagged ``tvm_evt.*``) whose blocks are all spatial (elementwise,
+broadcast, injective), whose output and operands have at most
 ``MAX_ELEMENTS`` elements each and static shapes.  A pure reshape bound to a dataflow var is left
 alone (it becomes a view).  In binding order, a small kernel joins a group of kernels with as many
 output elements
@@ -32,7 +33,8 @@ element count each, and those loops merged into one (``Schedule.merge``), tagged
 ``ScheduleTIRForGPU`` binds that loop to ``THREADS`` threads a block (``gpu_variant``).  A member
 that reads another's result must read, in each iteration, the element that iteration wrote (a
 row-major reshape or an elementwise op does; a transpose does not): ``_reads_what_it_wrote``
-checks it on the merged loop, and a group that fails any step is left as it was.  The block is then
+checks it on the merged loop, and a group that fails any step is left as it was.  Groups of one
+shape (a network's repeated blocks) share one merged PrimFunc.  The block is then
 reordered (Kahn's algorithm, by first binding) so that the merged call comes after its last operand
 and before its first reader.
 
