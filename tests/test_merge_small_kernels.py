@@ -174,12 +174,7 @@ def test_merged_gpu_kernels_compute_what_their_members_do():
         if not isinstance(block, relax.DataflowBlock):
             continue
         for indices in msk._Grouping(mod, block).groups:
-            members = [block.bindings[i] for i in indices]
-            mine = {b.var for b in members}
-            params = list(dict.fromkeys(a for b in members for a in b.value.args[1].fields if a not in mine))
-            inside = {(bi, i) for i in indices}
-            outputs = [b.var for b in members if readers.get(b.var, set()) - inside
-                       or not isinstance(b.var, relax.DataflowVar)]
+            members, params, outputs, _ = msk.group_signature(readers, bi, block, indices)
             fused = msk._merged_func(mod, members, params, outputs)
             merged = msk.merge_loops(fused, len(outputs), msk.elements(members[0].var))
             if merged is None:

@@ -60,8 +60,11 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 def _spatial(func: tirx.PrimFunc) -> bool:
     """Is `func` TVM's legalisation of ops (not one of our kernels: opaque to FuseOps, or with a GPU
     form of its own), unscheduled, without launches, and are all its blocks (but the root) spatial?"""
+    # (ScheduleTIRForGPU imports this module for gpu_variant: its checks are imported here, late)
+    from .schedule_tir_for_gpu import _scheduled, launches_threads
+
     attrs = func.attrs or {}
-    if ("tirx.is_scheduled" in attrs and int(attrs["tirx.is_scheduled"])) or int(attrs.get("op_pattern", 0)) == OPAQUE \
+    if _scheduled(func) or launches_threads(func) or int(attrs.get("op_pattern", 0)) == OPAQUE \
             or any(str(k).startswith("tvm_evt.") for k in attrs.keys()):  # (ours carry such a tag)
         return False
     ok = True
@@ -70,25 +73,27 @@ def _spatial(func: tirx.PrimFunc) -> bool:
         nonlocal ok
         ok = ok and all(int(iv.iter_type) == tirx.IterVar.DataPar for iv in b.iter_vars)
 
-    def attr(a) -> None:
-        nonlocal ok
-        ok = ok and a.attr_key != "thread_extent"
-
-    tvm_ffi.structural_walk(func.body, [(s_tir.SBlock, block), (tirx.AttrStmt, attr)], order="post")
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, block), order="post")
     return ok
 
 
-def small_kernel(mod: tvm.IRModule, binding) -> int | None:
-    """The element count of `binding`'s output if it is a small kernel (module docstring), else None."""
+def small_kernel(mod: tvm.IRModule, binding, spatial: dict | None = None) -> int | None:
+    """The element count of `binding`'s output if it is a small kernel (module docstring), else None;
+    `spatial` keeps ``_spatial``'s answer per PrimFunc across calls."""
     if not isinstance(binding, relax.VarBinding):
         return None
     call = binding.value
     if not (isinstance(call, relax.Call) and call.op == _CALL_TIR and len(call.args) == 2
             and isinstance(call.args[0], tvm.ir.GlobalVar) and isinstance(call.args[1], relax.Tuple)):
         return None
-    func = mod[call.args[0]]
+    gv = call.args[0]
     n = elements(binding.var)
-    if n is None or n > MAX_ELEMENTS or not isinstance(func, tirx.PrimFunc) or not _spatial(func):
+    if n is None or n > MAX_ELEMENTS or not isinstance(mod[gv], tirx.PrimFunc):
+        return None
+    spatial = {} if spatial is None else spatial
+    if gv not in spatial:
+        spatial[gv] = _spatial(mod[gv])
+    if not spatial[gv]:
         return None
     for arg in call.args[1].fields:
         if not isinstance(arg, (relax.Var, tvm.ir.expr.Constant)):
@@ -96,7 +101,7 @@ def small_kernel(mod: tvm.IRModule, binding) -> int | None:
         m = elements(arg)
         if m is None or m > MAX_ELEMENTS:
             return None
-    if isinstance(binding.var, relax.DataflowVar) and relax.analysis.has_reshape_pattern(func):
+    if isinstance(binding.var, relax.DataflowVar) and relax.analysis.has_reshape_pattern(mod[gv]):
         return None  # RewriteDataflowReshape makes it a view
     return n
 
@@ -105,7 +110,7 @@ class _Grouping:
     """Groups of small kernels of one dataflow block (module docstring): ``groups`` lists the
     binding indices of each, in order."""
 
-    def __init__(self, mod: tvm.IRModule, block: relax.DataflowBlock):
+    def __init__(self, mod: tvm.IRModule, block: relax.DataflowBlock, spatial: dict | None = None):
         self.groups: list[list[int]] = []
         counts: list[int] = []  # each group's element count
         member_of: dict = {}  # var -> group whose member binds it
@@ -115,9 +120,9 @@ class _Grouping:
         sources = {b.var: (b.value.tuple_value if isinstance(b.value, relax.TupleGetItem) else b.var)
                    for b in block.bindings if isinstance(b, relax.VarBinding)}  # (the vars bound here)
         for i, b in enumerate(block.bindings):
-            operands = [v for v in relax.analysis.free_vars(b.value)]
+            operands = list(relax.analysis.free_vars(b.value))
             through = frozenset().union(*(reach.get(v, frozenset()) for v in operands))
-            n = small_kernel(mod, b)
+            n = small_kernel(mod, b, spatial)
             if n is None:
                 reach[b.var] = through | {member_of[v] for v in operands if v in member_of}
                 continue
@@ -288,6 +293,32 @@ def _topological(bindings: list, replace: dict) -> list:
     return order
 
 
+def group_signature(readers: dict, bi: int, block: relax.DataflowBlock, indices: list) -> tuple:
+    """(members, params, outputs, shape) of the group of `block` (index `bi`) at binding `indices`:
+    its bindings; the operands it reads from outside, once each; the member vars read outside it
+    (`readers`: ``_readers``) or bound as block outputs; and its shape, the member PrimFuncs with
+    what each reads (a member's result, or a param by position) and which members are outputs."""
+    members = [block.bindings[i] for i in indices]
+    position = {b.var: k for k, b in enumerate(members)}
+    params: list = []
+    wiring = []
+    for b in members:
+        wires = []
+        for a in b.value.args[1].fields:
+            if a in position:
+                wires.append(("member", position[a]))
+                continue
+            at = next((j for j, p in enumerate(params) if a.same_as(p)), None)
+            if at is None:
+                at = len(params)
+                params.append(a)
+            wires.append(("param", at))
+        wiring.append((b.value.args[0], tuple(wires)))
+    inside = {(bi, i) for i in indices}
+    outputs = [b.var for b in members if readers.get(b.var, set()) - inside or not isinstance(b.var, relax.DataflowVar)]
+    return members, params, outputs, (tuple(wiring), tuple(position[v] for v in outputs))
+
+
 def _readers(func: relax.Function) -> dict:
     """var -> the places that read it: (block index, binding index), or None for the result."""
     readers: dict = {}
@@ -307,7 +338,8 @@ class MergeSmallKernels:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates, builder = {}, relax.BlockBuilder(mod)
-        made: dict = {}  # a group's shape (`_merge`) -> its merged PrimFunc's global var, or None
+        made: dict = {}  # a group's shape (`group_signature`) -> its merged PrimFunc's global var, or None
+        spatial: dict = {}  # PrimFunc global var -> `_spatial`
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr) or (
                     func.attrs and any(k in func.attrs for k in PARTITION_ATTRS)):
@@ -318,7 +350,7 @@ class MergeSmallKernels:
                 if not isinstance(block, relax.DataflowBlock):
                     continue
                 replace = {}
-                for indices in _Grouping(mod, block).groups:
+                for indices in _Grouping(mod, block, spatial).groups:
                     new = self._merge(mod, readers, bi, block, indices, builder, made)
                     if new is not None:
                         replace[indices[0]] = (indices, new)
@@ -338,30 +370,11 @@ class MergeSmallKernels:
     @staticmethod
     def _merge(mod, readers, bi, block, indices, builder, made) -> list | None:
         """The bindings that replace the group of `block`'s bindings at `indices`, or None.  Groups
-        of one shape (the same member PrimFuncs wired the same way, the same outputs: a network's
-        repeated blocks) share one merged PrimFunc, made once (`made`)."""
-        members = [block.bindings[i] for i in indices]
-        position = {b.var: k for k, b in enumerate(members)}
-        params: list = []
-        wiring = []
-        for b in members:
-            wires = []
-            for a in b.value.args[1].fields:
-                if a in position:
-                    wires.append(("member", position[a]))
-                    continue
-                at = next((j for j, p in enumerate(params) if a.same_as(p)), None)
-                if at is None:
-                    at = len(params)
-                    params.append(a)
-                wires.append(("param", at))
-            wiring.append((b.value.args[0], tuple(wires)))
-        inside = {(bi, i) for i in indices}
-        outputs = [b.var for b in members
-                   if readers.get(b.var, set()) - inside or not isinstance(b.var, relax.DataflowVar)]
+        of one shape (``group_signature``: a network's repeated blocks) share one merged PrimFunc,
+        made once (`made`)."""
+        members, params, outputs, shape = group_signature(readers, bi, block, indices)
         if not outputs:
             return None
-        shape = (tuple(wiring), tuple(position[v] for v in outputs))
         if shape not in made:
             made[shape] = None
             try:

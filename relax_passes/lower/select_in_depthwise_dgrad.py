@@ -27,12 +27,13 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ops import depthwise_conv_op
-from .._rewrite import bind_as, binding_uses, flat_bindings, mutate_step_functions, static_shape
+from .._rewrite import (MASK_COMPARISONS, MASK_CONNECTIVES, bind_as, binding_uses, flat_bindings, mutate_step_functions,
+                        static_shape)
 
 WHERE = tvm.ir.Op.get("relax.where")
 DGRAD = tvm.ir.Op.get(depthwise_conv_op.DGRAD)
-COMPARISONS = {tvm.ir.Op.get(f"relax.{name}"): name for name in depthwise_conv_op.COMPARE}
-CONNECTIVES = {tvm.ir.Op.get(f"relax.{name}"): name for name in depthwise_conv_op.JOIN}
+COMPARISONS = {tvm.ir.Op.get(f"relax.{name}"): name for name in MASK_COMPARISONS}
+CONNECTIVES = {tvm.ir.Op.get(f"relax.{name}"): name for name in MASK_CONNECTIVES}
 
 
 def _scalar(expr: relax.Expr, dtype: str) -> float | None:

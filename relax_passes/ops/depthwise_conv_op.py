@@ -159,16 +159,13 @@ def _padded(t: te.Tensor, top: int, left: int, rows: int, cols: int, name: str) 
         tirx.all(y >= top, y < h + top, xx >= left, xx < wd + left), t[b, y - top, xx - left, ch], zero), name=name)
 
 
-COMPARE, JOIN = MASK_COMPARISONS, MASK_CONNECTIVES
-
-
 def mask_value(tree, v, dtype: str):
     """The condition a select ``tree`` makes of one element ``v`` (of `dtype`) of its tensor:
-    ``[comparison, constant]`` (``COMPARE``: ``v > constant``, ...) or ``[connective, tree, tree]``
-    (``JOIN``)."""
-    if tree[0] in JOIN:
-        return JOIN[tree[0]](*(mask_value(t, v, dtype) for t in tree[1:]))
-    return COMPARE[tree[0]](v, tirx.const(tree[1], dtype))
+    ``[comparison, constant]`` (``MASK_COMPARISONS``: ``v > constant``, ...) or ``[connective, tree,
+    tree]`` (``MASK_CONNECTIVES``)."""
+    if tree[0] in MASK_CONNECTIVES:
+        return MASK_CONNECTIVES[tree[0]](*(mask_value(t, v, dtype) for t in tree[1:]))
+    return MASK_COMPARISONS[tree[0]](v, tirx.const(tree[1], dtype))
 
 
 def _tensors(spec: dict) -> list[te.Tensor]:
