@@ -269,7 +269,7 @@ OPTIONAL = {
     "merge_small": Rewrite("MergeSmallKernels: the small elementwise kernels FuseOps leaves one an op (a batch "
                            "norm's per-channel statistics, running statistics, dgamma/dbeta copies; step counters) "
                            "merged into one kernel per group that can run as one (a MobileNetV2 replica's step: "
-                           "1039 -> 580 kernels; the merged kernels checked on the CPU and built by nvcc for "
+                           "1039 -> 581 kernels; the merged kernels checked on the CPU and built by nvcc for "
                            "sm_90a, not yet run on a GPU)"),
     "partition_row_kernels": Rewrite("PartitionEVT(row_kernels=True): the ops a layer norm gradient's row kernel "
                                      "(FuseLayerNormBackward, after the partitioner) computes in passing cost no "
