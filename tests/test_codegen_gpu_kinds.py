@@ -275,13 +275,16 @@ CASES = (
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    """symbol -> (lowered partition, FFI function): every case generated, built in parallel, linked once."""
+def kernels(request):
+    """symbol -> (lowered partition, FFI function): the cases this session runs (``-k`` narrows
+    them; each nvcc build takes tens of seconds) generated, built in parallel, linked once."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the evt kernels need an SM90 GPU")
-    generated = generate_kernels([case.relax_function() for case in CASES])
+    selected = {item.callspec.params["case"].symbol for item in request.session.items
+                if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
+    generated = generate_kernels([case.relax_function() for case in CASES if case.symbol in selected])
     library = load_library(build_kernels(generated))
     return {symbol: (generated[symbol][0], library[symbol]) for symbol in generated}
 
