@@ -26,7 +26,9 @@ load), so every load of a warp is one contiguous row of channels:
   The window of the padded input the strip reads (R rows of strip + (S-1)·dilation pixels: the
   ``pad`` stage, whose loads are the only guarded ones) and the filter's taps are loaded into
   registers once: for a 3x3, 30 loads for 8 pixels where each pixel's 9 taps were 9 loads, for
-  EfficientNet's 5x5 55 for 7 pixels.
+  EfficientNet's 5x5 55 for 7 pixels. A window of more than ``WINDOW`` values a channel (the 5x5,
+  a stride-2 3x3's 3 rows of 15) is held a filter row at a time, the row loop outside the strip's
+  pixels: the same loads, 48 registers a thread where the whole window took 95-162 (ptxas, sm_90a).
 * a strided ``dgrad`` (dilation 1) visits only the taps whose output position the stride reaches
   (for a 3x3/2, 4 of 9 a pixel at most): input row a sees taps (a + pad) % stride + t·stride. Where
   a strip of whole stride periods divides the width it runs in strips too, its window of dy (padded
@@ -70,6 +72,7 @@ TARGET_THREADS = 132 * 1024  # wgrad's first stage: threads in all (half an H100
 MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 WGRAD_LANES = 2  # channels a wgrad thread (a bf16 pair: one 4-byte load)
 STRIP = 8  # pixels of a row a thread of any of the kernels sums at once, their input window in registers
+WINDOW = 32  # values a channel of a strip's input window held in registers at once; a larger window a filter row at a time
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -330,26 +333,34 @@ def _schedule_direct(sch: s_tir.Schedule, lanes: int) -> None:
         sch.unroll(loop)
 
 
-def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int, phases: bool = False) -> None:
+def _schedule_strips(sch: s_tir.Schedule, lanes: int, strip: int, phases: bool = False,
+                     by_rows: bool = False) -> None:
     """fprop / dgrad: a thread per `strip` output pixels of a row and `lanes` channels; the window of
     the padded input they read (``pad``: R rows of strip + (S-1)·dilation pixels; a strided
     dgrad's, `phases`, R / stride rows of strip / stride + S / stride) and the filter's taps in
-    registers, loaded once, and strip·lanes float32 sums (the grid: ``_row_grid``)."""
+    registers, loaded once, and strip·lanes float32 sums (the grid: ``_row_grid``). `by_rows`:
+    the window and the taps one filter row at a time, the row loop outside the strip's pixels
+    (each row of the window is read by one filter row only, so nothing is loaded twice)."""
     out, acc, pad = sch.get_sblock("out"), sch.get_sblock("acc"), sch.get_sblock("pad")
     tx, ji, lane = _row_grid(sch, out, lanes, strip)
     sch.compute_at(acc, tx)
     sch.set_scope(acc, 0, "local")
-    sch.compute_at(pad, tx)
+    at, outer = tx, 3
+    if by_rows:  # under the thread: the strip's pixels, the lanes[, the channel multiplier], r, s
+        *pixels, row, _ = sch.get_loops(acc)[3:]
+        sch.reorder(row, *pixels)
+        at, outer = row, 4
+    sch.compute_at(pad, at)
     sch.set_scope(pad, 0, "local")
-    _unroll_window(sch, pad, 3, lanes)
+    _unroll_window(sch, pad, outer, lanes)
     if phases:  # the filter padded to whole stride periods: a stage of its own
         weights = sch.get_sblock("wpad")
-        sch.compute_at(weights, tx)
+        sch.compute_at(weights, at)
         sch.set_scope(weights, 0, "local")
-    else:  # the lanes' R·S taps, read once a strip
+    else:  # the lanes' R·S taps (or a row's S), read once a strip
         weights = sch.cache_read(acc, 1, "local")
-        sch.compute_at(weights, tx)
-    for loop in sch.get_loops(weights)[3:]:
+        sch.compute_at(weights, at)
+    for loop in sch.get_loops(weights)[outer:]:
         sch.unroll(loop)
     for loop in sch.get_loops(acc)[3:]:
         sch.unroll(loop)
@@ -395,6 +406,17 @@ def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
         sch.unroll(loop)
 
 
+def _window_values(spec: dict) -> int:
+    """Values a channel of the input window a strip of fprop or of a stride-1 dgrad reads (R rows of
+    the strip's reach); 0 for the other kernels (a strided dgrad's phases, wgrad)."""
+    if "strip" not in spec or spec["op"] == "wgrad":
+        return 0
+    (r, s), strip = spec["w"][1:3], spec["strip"]
+    (sh, sw), (dh, dw) = spec["geometry"][4:6], spec["geometry"][6:]
+    reach = (strip - 1) * (sw if spec["op"] == "fprop" else 1) + (s - 1) * dw + 1
+    return r * reach
+
+
 def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     """`spec`'s kernel scheduled for CUDA (the module docstring); `lanes`: channels a thread of
     fprop / dgrad, by default ``_vector_lanes``."""
@@ -403,7 +425,7 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
         _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1))
     elif "strip" in spec or "phase_strip" in spec:
         _schedule_strips(sch, lanes or _vector_lanes(spec), spec.get("strip") or spec["phase_strip"],
-                         phases="phase_strip" in spec)
+                         phases="phase_strip" in spec, by_rows=_window_values(spec) > WINDOW)
     else:
         _schedule_direct(sch, lanes or _vector_lanes(spec))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
