@@ -42,7 +42,9 @@ load), so every load of a warp is one contiguous row of channels:
   pixels at a time: the strip's dy and the input window it reads (R rows of (strip-1)·stride + S
   pixels, the padding as zeros: the ``pad`` stage) go to registers once, where reading x for each
   of a pixel's R·S taps took 9 loads a pixel for a 3x3 (MobileNetV2 at batch 128 on H200: the
-  weight gradients 3.2 ms a step against cuDNN's 0.87).
+  weight gradients 3.2 ms a step against cuDNN's 0.87). A window of more than ``WINDOW`` values a
+  channel goes to registers a filter row at a time here too (EfficientNet's 5x5: 96-128 -> 80-96
+  registers; the R·S·lanes sums stay).
 
 Each kernel's portable form is a TE compute, which any target builds (the CPU reference path);
 the PrimFunc is tagged ``DEPTHWISE_ATTR`` with its spec, opaque to ``FuseOps``, and on CUDA
@@ -380,16 +382,17 @@ def _unroll_window(sch: s_tir.Schedule, block, outer: int, lanes: int) -> None:
         sch.unroll(channels)
 
 
-def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
+def _schedule_wgrad(sch: s_tir.Schedule, lanes: int, by_rows: bool = False) -> None:
     """wgrad's first stage: a block (line groups of TY, channel groups of TX), a thread `lanes`
     channels of a group's lines, walked a strip of output pixels at a time: the strip's input
-    window (``pad``) and its dy in registers, R·S·lanes float32 sums."""
+    window (``pad``) and its dy in registers, R·S·lanes float32 sums. `by_rows`: the window one
+    filter row at a time (as ``_schedule_strips``)."""
     part, xpad = sch.get_sblock("partial"), sch.get_sblock("pad")
     o, ri, si, gi, u, jo, ji = sch.get_loops(part)
     o, lane = sch.split(o, [None, lanes])
     bo, tx = sch.split(o, [None, TX])
     bg, ty = sch.split(gi, [None, TY])
-    sch.reorder(bg, bo, ty, tx, u, jo, ji, ri, si, lane)
+    sch.reorder(bg, bo, ty, tx, u, jo, *((ri, ji) if by_rows else (ji, ri)), si, lane)
     sch.bind(sch.fuse(bg, bo), "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
@@ -397,23 +400,23 @@ def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
     sch.reverse_compute_at(sums, tx)
     dy = sch.cache_read(part, 1, "local")
     sch.compute_at(dy, jo)
-    sch.compute_at(xpad, jo)
+    sch.compute_at(xpad, ri if by_rows else jo)
     sch.set_scope(xpad, 0, "local")
     sch.decompose_reduction(part, u)
-    for block in (dy, xpad):  # under (block, ty, tx, u, jo)
-        _unroll_window(sch, block, 5, lanes)
+    _unroll_window(sch, dy, 5, lanes)  # under (block, ty, tx, u, jo)
+    _unroll_window(sch, xpad, 6 if by_rows else 5, lanes)  # [under ri]
     for loop in (ji, ri, si, lane):
         sch.unroll(loop)
 
 
 def _window_values(spec: dict) -> int:
-    """Values a channel of the input window a strip of fprop or of a stride-1 dgrad reads (R rows of
-    the strip's reach); 0 for the other kernels (a strided dgrad's phases, wgrad)."""
-    if "strip" not in spec or spec["op"] == "wgrad":
+    """Values a channel of the input window a strip of output pixels reads (R rows of the strip's
+    reach) in fprop, wgrad or a stride-1 dgrad; 0 for a strided dgrad's phases."""
+    if "strip" not in spec:
         return 0
     (r, s), strip = spec["w"][1:3], spec["strip"]
-    (sh, sw), (dh, dw) = spec["geometry"][4:6], spec["geometry"][6:]
-    reach = (strip - 1) * (sw if spec["op"] == "fprop" else 1) + (s - 1) * dw + 1
+    sw, dw = spec["geometry"][5], spec["geometry"][7]
+    reach = (strip - 1) * (1 if spec["op"] == "dgrad" else sw) + (s - 1) * dw + 1
     return r * reach
 
 
@@ -422,7 +425,8 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     fprop / dgrad, by default ``_vector_lanes``."""
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
     if spec["op"] == "wgrad":
-        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1))
+        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1),
+                        by_rows=_window_values(spec) > WINDOW)
     elif "strip" in spec or "phase_strip" in spec:
         _schedule_strips(sch, lanes or _vector_lanes(spec), spec.get("strip") or spec["phase_strip"],
                          phases="phase_strip" in spec, by_rows=_window_values(spec) > WINDOW)
