@@ -81,6 +81,30 @@ _TABLE: tuple[tuple[str, KernelConfig], ...] = (
 CANDIDATES: tuple[KernelConfig, ...] = tuple(cfg for _, cfg in _TABLE)
 
 
+# Tiles fitted to a narrow problem (N < 128 or a 16-bit K <= 32: MobileNet's and EfficientNet's
+# first stages, 16-96 channels over 0.4-1.6 M pixels), added to every space's candidates: with the
+# table's N = 64-128 and K = 64 most of such a tile's MMAs, shared memory and epilogue work is on
+# padding, and each tile has one K step (H200, torchvision MobileNetV2: 1605632x96x16 0.211 ms as
+# a plain GEMM on 128x128x64 against cuBLAS's 0.117, 1605632x16x96 0.269 on 256x64x64 against
+# 0.103; ``docs/bench/h200-2026-12-01e/partitions/``).  Not timed yet: ``scripts/bench_partitions.py
+# --sweep quick`` on such partitions is the measurement that would make them a heuristic's rule.
+NARROW_N = (16, 32, 48, 64, 96)  # tile widths a narrow problem's N rounds up to
+NARROW_K = 32  # the tile K of a 16-bit K at most this long (64 bytes: CUTLASS's 64-byte swizzle)
+
+
+def narrow_configs(m: int, n: int, k: int, dtype_a: str = "bfloat16") -> list[KernelConfig]:
+    """Tiles fitted to an N under 128 (the smallest of ``NARROW_N`` that holds it) and to a 16-bit
+    K of at most ``NARROW_K``: 128 and 256 rows cooperative, 128 rows ping-pong; none for a problem
+    the table's tiles already fit."""
+    bits16 = dtype_a != "float32"
+    tn = next((w for w in NARROW_N if n <= w), None)
+    tk = NARROW_K if bits16 and k <= NARROW_K else (64 if bits16 else 32)
+    if tn is None and tk == (64 if bits16 else 32):
+        return []
+    tn = tn or 128
+    return [_cfg((128, tn, tk)), _cfg((256, tn, tk)), _cfg((128, tn, tk), schedule=PP)]
+
+
 def space_table(space: str) -> list[KernelConfig]:
     """The table rows a search space profiles (before pruning)."""
     return [cfg for s, cfg in _TABLE if SPACES[s] <= SPACES[space]]
@@ -126,8 +150,8 @@ def prune(configs: Iterable[KernelConfig], m: int, n: int, k: int, dtype_a: str 
     out = []
     for cfg in configs:
         tm, tn, tk = cfg.tile
-        if dtype_a == "float32" and tk != 32 or dtype_a != "float32" and tk != 64:
-            continue  # K tile is 128 bytes of operand
+        if dtype_a == "float32" and tk != 32 or dtype_a != "float32" and tk != 64 and not (tk == NARROW_K >= k):
+            continue  # K tile is 128 bytes of operand (64 for a 16-bit K that short: ``narrow_configs``)
         split = cfg.decomposition is not Decomposition.DATA_PARALLEL
         padded = tm > max(64, _round_up(m, 64)) and not (split and is_thin(m, n, k, num_sms))
         if padded or tn > max(64, _round_up(n, 64)):
@@ -156,6 +180,7 @@ def candidates(partition: Partition, space: str = "default", num_sms: int = H100
     table = space_table(space)
     if g.dtype_a == "float32":
         table = [dataclasses.replace(c, tile=(c.tile[0], c.tile[1], 32)) for c in table]
+    table += [c for c in narrow_configs(g.m, g.n, g.k, g.dtype_a) if c not in table]
     found = prune(table, g.m, g.n, g.k, g.dtype_a, num_sms)
     return found or [default_config(g.dtype_a)]
 

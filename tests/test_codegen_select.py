@@ -85,6 +85,27 @@ def test_candidates_per_space_and_tf32_k_tile():
     assert tf32.problem.m == 4096
 
 
+def test_narrow_problems_get_tiles_fitted_to_their_n_and_k():
+    """MobileNet's first stages (N or K of 16-96 over a million pixels) are offered tiles as wide
+    as their N and, for a 16-bit K of at most 32, as deep as K; wide problems are offered none."""
+    names = lambda m, n, k: [c.name for c in select.narrow_configs(m, n, k)]  # noqa: E731
+    assert names(1605632, 96, 16) == ["coop_128x96x32_c1x1", "coop_256x96x32_c1x1", "pp_128x96x32_c1x1"]
+    assert names(1605632, 16, 96) == ["coop_128x16x64_c1x1", "coop_256x16x64_c1x1", "pp_128x16x64_c1x1"]
+    assert names(401408, 144, 24)[0] == "coop_128x128x32_c1x1"  # a short K alone
+    assert names(401408, 40, 240)[0] == "coop_128x48x64_c1x1"
+    assert names(4096, 4096, 256) == [] and names(16384, 128, 64) == []
+    assert all(c.tile[2] == 32 for c in select.narrow_configs(1605632, 16, 32, "float32"))  # tf32's K tile as ever
+    # candidates add them to every space, once, and prune keeps the 32-deep K tile only where K fits it
+    p = case(m=1605632, n=32, k=16)
+    quick = select.candidates(p, "quick")
+    assert {"coop_128x32x32_c1x1", "coop_256x32x32_c1x1", "pp_128x32x32_c1x1"} <= {c.name for c in quick}
+    assert len({c.name for c in quick}) == len(quick)
+    assert not select.prune(select.narrow_configs(1605632, 96, 16), 1605632, 96, 64)
+    for cfg in quick:
+        src = emit(dataclasses.replace(p, symbol="evt_t"), cfg)
+        assert f"Shape<_{cfg.tile[0]}, _{cfg.tile[1]}, _{cfg.tile[2]}>" in src
+
+
 def test_every_candidate_emits_for_every_bench_case():
     for c in bench.bert_cases(quick=True):
         for cfg in select.candidates(c.partition, "full"):
