@@ -112,3 +112,50 @@ def test_transposes_around_ops_without_a_layout_rule_cancel():
     after = mutate_relax_functions(_SimplifyPermutes(Before), Before)
     after = relax.transform.CanonicalizeBindings()(after)
     tvm.ir.assert_structural_equal(after, Expected)
+
+
+def test_reductions_over_permuted_axes_read_the_unpermuted_value():
+    """The global average pool of an NHWC value ConvertLayout wrote NCHW (through ReLU6's clip, which
+    it keeps NCHW): the pool reads the NHWC value over its H and W (no transpose; the result, with
+    keepdims, reshaped: only unit axes move). A reduction whose kept axes would change order stays."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(a: R.Tensor((2, 4, 4, 8), "float32"), b: R.Tensor((2, 3, 5), "float32")):
+            with R.dataflow():
+                an = R.permute_dims(a, axes=[0, 3, 1, 2])
+                clipped = R.clip(an, R.prim_value(0.0), R.prim_value(6.0))
+                pooled = R.mean(clipped, axis=[2, 3], keepdims=True)
+                channels = R.sum(an, axis=[1])
+                bt = R.permute_dims(b, axes=[0, 2, 1])
+                kept = R.sum(bt, axis=[0])  # [5, 3]: b's kept axes swapped
+                out = (pooled, channels, kept)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((2, 4, 4, 8), "float32"), b: R.Tensor((2, 3, 5), "float32")):
+            with R.dataflow():
+                an = R.permute_dims(a, axes=[0, 3, 1, 2])
+                clipped = R.clip(an, R.prim_value(0.0), R.prim_value(6.0))
+                clipped_nhwc = R.clip(a, R.prim_value(0.0), R.prim_value(6.0))
+                pooled_nhwc = R.mean(clipped_nhwc, axis=[1, 2], keepdims=True)
+                pooled = R.reshape(pooled_nhwc, R.shape([2, 8, 1, 1]))
+                channels = R.sum(a, axis=[3])
+                bt = R.permute_dims(b, axes=[0, 2, 1])
+                kept = R.sum(bt, axis=[0])
+                out = (pooled, channels, kept)
+                R.output(out)
+            return out
+
+    from tvm_evt.relax_passes._rewrite import mutate_relax_functions
+    from tvm_evt.relax_passes.training.convert_conv_layout import _SimplifyPermutes
+
+    after = mutate_relax_functions(_SimplifyPermutes(Before), Before)
+    after = relax.transform.CanonicalizeBindings()(after)
+    tvm.ir.assert_structural_equal(after, Expected)

@@ -12,7 +12,10 @@ permutes are dropped; and the per-channel vectors of batch norm, ``[1, C, 1, 1]`
 ``[1, 1, 1, C]``, are permuted where only unit axes move: those become reshapes, which move no
 data and fuse with their neighbours; and a loss reduced over every axis of an NHWC value
 (ResNet's MSE against an NCHW target) was transposed back to NCHW first (0.36 ms for 411 MB on
-H100): a reduction over every axis reads the untransposed value; and an op ConvertLayout has no
+H100): a reduction over every axis reads the untransposed value, and so does one over some axes
+where the axes it keeps stay in order (the global average pool over H and W, which ConvertLayout
+wrote NCHW for: MobileNetV2's last clip stored a transposed float32 copy that a pool kernel of a
+block per channel and image read, 0.05 + 0.10 ms a step on H200); and an op ConvertLayout has no
 layout rule for (ReLU6's ``clip``) it keeps in NCHW between two transposes: the second transpose
 is moved back through such elementwise ops, to cancel the first (``_undo``).  The pass runs only
 where there is a convolution to convert, so other models keep their graph untouched.  Where
@@ -35,8 +38,8 @@ PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 # a transposed convolution keeps NCHW/IOHW: TVM's layout inference otherwise hands it an NHWC input
 # from the convolution before, which neither its gradient rule nor its legalization takes
 LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
-# reductions whose result over every axis does not depend on the operand's layout
-FULL_REDUCTIONS = tuple(tvm.ir.Op.get(f"relax.{name}") for name in ("sum", "mean", "max", "min", "prod"))
+# reductions, which read a permuted operand as well unpermuted over the permuted axes (``_reduce_unpermuted``)
+REDUCTIONS = {tvm.ir.Op.get(f"relax.{name}"): getattr(relax.op, name) for name in ("sum", "mean", "max", "min", "prod")}
 # elementwise ops a permute moves through (their other operands: scalars, or tensors of the same shape)
 ELEMENTWISE = POINTWISE | {"relax.clip", "relax.astype", "tvm_evt.hardtanh"}
 MAX_SINK = 16  # elementwise ops a permute is moved back through at most
@@ -50,7 +53,7 @@ class _SimplifyPermutes(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if call.op in FULL_REDUCTIONS:
+        if call.op in REDUCTIONS:
             return self._reduce_unpermuted(call)
         if call.op != PERMUTE:
             return call
@@ -105,13 +108,44 @@ class _SimplifyPermutes(PyExprMutator):
         return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
 
     def _reduce_unpermuted(self, call: relax.Call) -> relax.Expr:
-        """A reduction over every axis reads its operand in any order: skip a transpose before it."""
-        permute = producer(self, call.args[0], PERMUTE)
-        ndim = call.args[0].ty.ndim
-        axes = call.attrs.axis
-        if permute is None or (axes is not None and sorted(int(a) % ndim for a in axes) != list(range(ndim))):
+        """A reduction over axes A of ``permute_dims(x, p)``, or of elementwise ops of such permutes
+        (``_undo``), is one over the axes ``p[a]`` of the unpermuted value, where the axes it keeps
+        stay in x's order; then it reads that value, and no transpose is made for it: a reduction
+        over every axis, or the global average pool ``mean(·, [2, 3])`` of an NHWC value, which
+        ConvertLayout wrote NCHW (after ReLU6's clip, which it keeps NCHW) for the pool to read.
+        With ``keepdims``, a reshape of the result, which moves only unit axes."""
+        operand, shape = call.args[0], static_shape(call)
+        p = self._permutation(operand, [MAX_SINK])
+        if p is None or (call.attrs.keepdims and shape is None):
             return call
-        return relax.Call(call.op, [permute.args[0], *call.args[1:]], call.attrs, call.ty_args)
+        ndim = len(p)
+        reduced = list(range(ndim)) if call.attrs.axis is None else sorted(int(a) % ndim for a in call.attrs.axis)
+        kept = [p[i] for i in range(ndim) if i not in reduced]
+        if kept != sorted(kept):
+            return call
+        unpermuted = self._undo(operand, [p.index(i) for i in range(ndim)], [MAX_SINK])
+        if unpermuted is None:
+            return call
+        axes = None if call.attrs.axis is None else sorted(p[a] for a in reduced)
+        result = REDUCTIONS[call.op](unpermuted, axes, bool(call.attrs.keepdims))
+        return relax.op.reshape(self.builder_.emit(result), shape) if call.attrs.keepdims else result
+
+    def _permutation(self, expr: relax.Expr, budget: list[int]) -> list[int] | None:
+        """The axes of the first permute found under `expr` through elementwise ops, or None."""
+        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+        if not isinstance(value, relax.Call) or budget[0] <= 0:
+            return None
+        budget[0] -= 1
+        if value.op == PERMUTE:
+            return permute_axes(value)
+        if op_name(value) not in ELEMENTWISE:
+            return None
+        for arg in value.args:
+            if isinstance(arg.ty, relax.TensorType) and arg.ty.ndim == expr.ty.ndim:
+                found = self._permutation(arg, budget)
+                if found is not None:
+                    return found
+        return None
 
 
 @tvm.transform.module_pass(opt_level=0, name="ConvertConvLayout")
