@@ -1,5 +1,6 @@
 """MeanAsScaledSum (relax_passes/lower/mean_as_scaled_sum.py): a float32 mean of an elementwise
-op's result becomes sum / n, which FuseOps fuses with that op; other means stay."""
+op's result, or over axes that keep the innermost one (a column mean), becomes sum / n; other
+means stay."""
 import numpy as np
 import tvm
 from tvm import relax
@@ -19,8 +20,9 @@ class RMSStatistic:  # RMSNorm's rsqrt(mean(x * x) + eps), and means the pass le
             r = R.rsqrt(R.add(m, R.const(1e-6, "float32")))
             plain = R.mean(x, axis=[1, 2])  # the operand is a parameter, not an elementwise result
             low = R.mean(R.multiply(h, h), axis=[-1], keepdims=True)  # bfloat16
-            R.output(r, plain, low)
-        return (r, plain, low)
+            pool = R.mean(x, axis=[0, 1], keepdims=True)  # a column mean: the innermost axis kept
+            R.output(r, plain, low, pool)
+        return (r, plain, low, pool)
 
 
 def test_mean_of_an_elementwise_result_becomes_a_sum_over_n():
@@ -35,8 +37,10 @@ def test_mean_of_an_elementwise_result_becomes_a_sum_over_n():
                 r = R.rsqrt(R.add(m, R.const(1e-6, "float32")))
                 plain = R.mean(x, axis=[1, 2])
                 low = R.mean(R.multiply(h, h), axis=[-1], keepdims=True)
-                R.output(r, plain, low)
-            return (r, plain, low)
+                pool_sum = R.sum(x, axis=[0, 1], keepdims=True)
+                pool = R.divide(pool_sum, R.const(64.0, "float32"))
+                R.output(r, plain, low, pool)
+            return (r, plain, low, pool)
 
     tvm.ir.assert_structural_equal(MeanAsScaledSum()(RMSStatistic), Expected)
 

@@ -66,8 +66,10 @@ What ``phases(target)`` runs after the training phase, in order:
     FuseColumnMoments  (the graph phase's pass, again) a layer norm's dgamma and dbeta in one pass
     FuseColumnSums     column sums recomputing the same values in one pass
     SplitReduction     long few-output reductions (loss mean, bias gradients) in two float32 stages
-    MeanAsScaledSum    a float32 mean of an elementwise result (RMSNorm's mean(x * x)) as sum / n, which
-                       FuseOps fuses with that op (TVM's mean takes no producer)
+    MeanAsScaledSum    a float32 mean of an elementwise result (RMSNorm's mean(x * x)), or one keeping the
+                       innermost axis (a pool), as sum / n: FuseOps fuses the sum with that op, a column rule takes it
+    MergeReducedAxes   a reduction over adjacent axes (a pool's H and W) over one merged axis of a reshape,
+                       which the column and row reduction rules take
     LegalizeOps ...    TVM's CUDA legalisation: FuseOps (at most 64 ops a kernel), FuseTIR, then DLight's default GPU
                        schedules per function and rule (ScheduleTIRForGPU)
     SinkRecomputedValues  (after FuseTIR, budgeted functions only) recomputed copies FuseOps moved up
@@ -113,6 +115,7 @@ from .relax_passes.lower.select_in_depthwise_dgrad import SelectInDepthwiseDgrad
 from .relax_passes.lower.legalize_ops import legalize_ops
 from .relax_passes.lower.lower_take_backward import LowerTakeBackward
 from .relax_passes.lower.mean_as_scaled_sum import MeanAsScaledSum
+from .relax_passes.lower.merge_reduced_axes import MergeReducedAxes
 from .relax_passes.lower.merge_small_kernels import MergeSmallKernels
 from .relax_passes.lower.non_finite_bf16_as_bits import NonFiniteBF16AsBits
 from .relax_passes.lower.recompute_elementwise import RecomputeElementwise
@@ -166,7 +169,7 @@ PHASES = (
           ("OffloadAttention", "OffloadConv", "PrebuildKernels", "LowerTakeBackward", "SplitToSlices",
            "FuseSoftmaxDropout", "FuseLayerNorm", "FuseLayerNormBackward", "GatherBeforeSlice", "SelectInDepthwiseDgrad",
            "RecomputeElementwise",
-           "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "BoundedFuseOps", "SinkRecomputedValues",
+           "FuseColumnSums", "SplitReduction", "MeanAsScaledSum", "MergeReducedAxes", "BoundedFuseOps", "SinkRecomputedValues",
            "MergeSmallKernels", "ScheduleTIRForGPU", "NonFiniteBF16AsBits", "PackMemoryArena", "CaptureStepGraphs")),
 )
 
@@ -440,6 +443,7 @@ def phases(target: tvm.target.Target, time_limit: float = DEFAULT_TIME_LIMIT,
                 # a float32 mean of an elementwise result (RMSNorm's mean(x * x)) as sum / n, which FuseOps
                 # fuses with that op (it fuses no producer into TVM's mean)
                 MeanAsScaledSum(),
+                MergeReducedAxes(),  # a reduction over H and W over one axis: the column rule's
                 legalize_ops(),  # TVM's, with an arange a kernel FuseOps fuses into its readers and two-pass group norms
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),

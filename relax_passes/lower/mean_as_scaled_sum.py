@@ -12,8 +12,14 @@ mean's readers.
   ->
     m = divide(sum(multiply(x, x), axis=[-1], keepdims=True), 4096.0)
 
-float32 means only (``n`` and the quotient as exact as TVM's own divide); a mean whose operand is
-not an elementwise op's result stays.  On the CUDA route, last before ``LegalizeOps``: the passes
+A float32 mean over axes that keep the innermost one (a column mean: a global average pool's
+``[N, H, W, C]`` over H and W) becomes ``sum / n`` whatever its operand: as one PrimFunc (the sum,
+then the divide) no column rule takes it (``ColumnReduction`` takes one reduction block), and
+DLight's ``Reduction`` read one element a thread (MobileNetV2's pool, 16 MB: 0.10 ms on H200,
+``docs/bench/h200-2026-12-01e/``); the sum alone is a column sum.
+
+float32 means only (``n`` and the quotient as exact as TVM's own divide); a mean over the innermost
+axis whose operand is not an elementwise op's result stays.  On the CUDA route, last before ``LegalizeOps``: the passes
 that match a ``mean`` (FuseLayerNorm, SplitReduction, ...) have run by then.
 """
 from __future__ import annotations
@@ -38,9 +44,11 @@ class _Rewriter(PyExprMutator):
         x = call.args[0]
         shape = static_shape(x)
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
-        if shape is None or op_name(bound) not in POINTWISE:
+        if shape is None:
             return call
         axes = range(len(shape)) if call.attrs.axis is None else [int(a) % len(shape) for a in call.attrs.axis]
+        if op_name(bound) not in POINTWISE and (not shape or len(shape) - 1 in axes):
+            return call
         n = math.prod(shape[a] for a in axes)
         total = self.builder_.emit(relax.op.sum(x, call.attrs.axis, bool(call.attrs.keepdims)))
         return relax.op.divide(total, relax.const(float(n), "float32"))
