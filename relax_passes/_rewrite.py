@@ -19,6 +19,8 @@ OPAQUE = 8  # tvm::relax::OpPatternKind::kOpaque: FuseOps fuses nothing into the
 VIEWS = frozenset({"relax.reshape", "relax.memory.view"})  # results that share their operand's memory
 # the code generator's elementwise ops (an epilogue can compute them) and where
 POINTWISE = frozenset(BINARY_OPS) | frozenset(UNARY_OPS) | {"relax.where"}
+# the reductions over given axes, each op with the builder of a call of it: (x, axis, keepdims)
+REDUCTIONS = {tvm.ir.Op.get(f"relax.{name}"): getattr(relax.op, name) for name in ("sum", "mean", "max", "min", "prod")}
 # a gradient mask's ops (ReLU's y > 0; ReLU6's, hardtanh's and a clamp's (y > lo) & (y < hi)):
 # comparisons of a tensor with a constant, and connectives of them, each as what it computes on
 # values (TIR expressions) where a kernel of ours applies the mask itself

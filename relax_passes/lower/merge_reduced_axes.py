@@ -24,10 +24,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import mutate_relax_functions, static_shape
+from .._rewrite import REDUCTIONS, mutate_relax_functions, static_shape
 
-REDUCTIONS = {tvm.ir.Op.get(f"relax.{name}"): getattr(relax.op, name)
-              for name in ("sum", "mean", "max", "min", "prod")}
 
 
 @mutator

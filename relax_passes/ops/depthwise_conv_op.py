@@ -74,7 +74,7 @@ TARGET_THREADS = 132 * 1024  # wgrad's first stage: threads in all (half an H100
 MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 WGRAD_LANES = 2  # channels a wgrad thread (a bf16 pair: one 4-byte load)
 STRIP = 8  # pixels of a row a thread of any of the kernels sums at once, their input window in registers
-WINDOW = 32  # values a channel of a strip's input window held in registers at once; a larger window a filter row at a time
+WINDOW = 32  # values a channel of a strip's input window in registers at once (a larger one: a filter row at a time)
 
 
 # ------------------------------------------------------------------------------ shapes

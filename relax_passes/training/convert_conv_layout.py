@@ -31,15 +31,14 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._rewrite import POINTWISE, has_call, mutate_relax_functions, op_name, permute_axes, producer, static_shape
+from .._rewrite import (POINTWISE, REDUCTIONS, has_call, mutate_relax_functions, op_name, permute_axes,
+                        static_shape)
 
 CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 # a transposed convolution keeps NCHW/IOHW: TVM's layout inference otherwise hands it an NHWC input
 # from the convolution before, which neither its gradient rule nor its legalization takes
 LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
-# reductions, which read a permuted operand as well unpermuted over the permuted axes (``_reduce_unpermuted``)
-REDUCTIONS = {tvm.ir.Op.get(f"relax.{name}"): getattr(relax.op, name) for name in ("sum", "mean", "max", "min", "prod")}
 # elementwise ops a permute moves through (their other operands: scalars, or tensors of the same shape)
 ELEMENTWISE = POINTWISE | {"relax.clip", "relax.astype", "tvm_evt.hardtanh"}
 MAX_SINK = 16  # elementwise ops a permute is moved back through at most
