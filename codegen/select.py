@@ -97,9 +97,10 @@ def narrow_configs(m: int, n: int, k: int, dtype_a: str = "bfloat16") -> list[Ke
     K of at most ``NARROW_K``: 128 and 256 rows cooperative, 128 rows ping-pong; none for a problem
     the table's tiles already fit."""
     bits16 = dtype_a != "float32"
+    table_k = 64 if bits16 else 32  # the table's K tile: 128 bytes
     tn = next((w for w in NARROW_N if n <= w), None)
-    tk = NARROW_K if bits16 and k <= NARROW_K else (64 if bits16 else 32)
-    if tn is None and tk == (64 if bits16 else 32):
+    tk = NARROW_K if bits16 and k <= NARROW_K else table_k
+    if tn is None and tk == table_k:
         return []
     tn = tn or 128
     return [_cfg((128, tn, tk)), _cfg((256, tn, tk)), _cfg((128, tn, tk), schedule=PP)]

@@ -39,9 +39,9 @@ class _Merger(PyExprMutator):
         if shape is None or result is None:
             return call
         axes = sorted(int(a) % len(shape) for a in call.attrs.axis)
-        first, last = axes[0], axes[-1]
-        if len(axes) < 2 or axes != list(range(first, last + 1)):
+        if len(axes) < 2 or axes != list(range(axes[0], axes[-1] + 1)):
             return call
+        first, last = axes[0], axes[-1]
         merged = [*shape[:first], math.prod(shape[first:last + 1]), *shape[last + 1:]]
         keep = bool(call.attrs.keepdims)
         flat = self.builder_.emit(relax.op.reshape(x, merged))

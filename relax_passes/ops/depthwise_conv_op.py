@@ -424,12 +424,12 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     """`spec`'s kernel scheduled for CUDA (the module docstring); `lanes`: channels a thread of
     fprop / dgrad, by default ``_vector_lanes``."""
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
+    by_rows = _window_values(spec) > WINDOW
     if spec["op"] == "wgrad":
-        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1),
-                        by_rows=_window_values(spec) > WINDOW)
+        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1), by_rows)
     elif "strip" in spec or "phase_strip" in spec:
         _schedule_strips(sch, lanes or _vector_lanes(spec), spec.get("strip") or spec["phase_strip"],
-                         phases="phase_strip" in spec, by_rows=_window_values(spec) > WINDOW)
+                         phases="phase_strip" in spec, by_rows=by_rows)
     else:
         _schedule_direct(sch, lanes or _vector_lanes(spec))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
