@@ -12,7 +12,8 @@ for a compile, since the optional rewrites change the partitions.
 times the chosen partitions under every configuration of a search space (``select.candidates``,
 with narrow-epilogue variants) next to their plain GEMM and torch.matmul (cuBLAS) on the same
 shape and layouts: what an epilogue costs, whether a configuration hides it, and how far the main
-loop is from the library's; ``--configs pp_128x128x64_c1x1_e64x16,...`` times only those, and
+loop is from the library's; ``--only 1605632x96x16,...`` takes the partitions of those problems,
+``--configs pp_128x128x64_c1x1_e64x16,'*x32_c1x1'`` times only those configurations, and
 ``--sweep heuristic`` only what an untuned build runs (each partition beside its plain GEMM and
 cuBLAS, two builds a partition).
 """
@@ -28,12 +29,14 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--quick", action="store_true", help="the model's small shapes")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
-    ap.add_argument("--only", default=None, help="comma-separated partition symbols (default: all)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated partition symbols or MxNxK problems (default: all partitions)")
     ap.add_argument("--sweep", default=None, choices=["heuristic", "quick", "default", "full"],
                     help="time every configuration of this search space and the plain GEMM instead "
                     "(heuristic: only what an untuned build runs)")
     ap.add_argument("--configs", default=None,
-                    help="with --sweep: only these comma-separated configuration names (as the sweep prints them)")
+                    help="with --sweep: only these comma-separated configuration names (as the sweep prints them) "
+                    "or shell patterns of them, e.g. '*x32_c1x1'")
     args = ap.parse_args(argv)
 
     from tvm_evt import bench_e2e, tuning
@@ -45,10 +48,11 @@ def main(argv=None) -> int:
     parts, skipped = tuning.cutlass_partitions(tuning.partitioned(graph.mod, cuda))
     if args.only:
         wanted = set(args.only.split(","))
-        unknown = wanted - {p.symbol for p in parts}
+        keys = {p.symbol: {p.symbol, "x".join(map(str, (p.gemm.m, p.gemm.n, p.gemm.k)))} for p in parts}
+        unknown = wanted - set().union(*keys.values())
         if unknown:
             ap.error(f"no partition {sorted(unknown)}; the model has {sorted(p.symbol for p in parts)}")
-        parts = [p for p in parts if p.symbol in wanted]
+        parts = [p for p in parts if keys[p.symbol] & wanted]
     if args.sweep:
         only = set(args.configs.split(",")) if args.configs else None
         rows = tuning.sweep_configs(parts, args.sweep, only=only)

@@ -212,6 +212,10 @@ def test_sweep_times_only_the_configurations_asked_for(small_bert_partitions):
     assert all("_plain__" in n or n.rsplit("__", 1)[1] in keep for n in asked[1])
     with pytest.raises(ValueError, match="none of"):
         tuning.sweep_configs(parts, "quick", measure, only=["no_such_config"])
+    by_pattern = tuning.sweep_configs(parts, "quick", measure, only=["pp_*"])  # shell patterns of names
+    for r in by_pattern:
+        full_row = next(f for f in full if f["symbol"] == r["symbol"])
+        assert set(r["ms"]) == {n for n in full_row["ms"] if n.startswith("pp_")} != set()
 
 
 def test_sweep_rows_carry_the_librarys_time_where_the_measure_has_one(small_bert_partitions):
@@ -256,8 +260,9 @@ def test_compare_configs_times_each_partition_under_default_and_heuristic(small_
     assert [r["heuristic_ms"] for r in rows] == sorted((r["heuristic_ms"] for r in rows), reverse=True)
 
 
-def test_bench_partitions_names_the_partitions_it_does_not_know(capsys):
-    """``--only`` with a symbol the model lacks stops before any GPU work and lists the real ones."""
+def test_bench_partitions_names_the_partitions_it_does_not_know(capsys, monkeypatch):
+    """``--only`` with a symbol the model lacks stops before any GPU work and lists the real ones;
+    ``--only MxNxK`` takes every partition of that problem."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_partitions", ROOT / "scripts" / "bench_partitions.py")
@@ -268,6 +273,14 @@ def test_bench_partitions_names_the_partitions_it_does_not_know(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "no partition ['no_such_partition']" in err and "main_adjoint_evt0_" in err
+
+    swept = []
+    monkeypatch.setattr(tuning, "sweep_configs", lambda parts, *a, **k: swept.append(parts) or [])
+    script.main(["xml_cnn", "--quick", "--sweep", "quick"])
+    problem = lambda p: "x".join(map(str, (p.gemm.m, p.gemm.n, p.gemm.k)))  # noqa: E731
+    chosen = problem(swept[0][0])
+    script.main(["xml_cnn", "--quick", "--only", chosen, "--sweep", "quick"])
+    assert [p.symbol for p in swept[1]] == [p.symbol for p in swept[0] if problem(p) == chosen] != []
 
 
 def test_bert_large_layer_norms_write_no_float32_element_values():

@@ -20,6 +20,7 @@ tuning_dir=...)`` calls).  This module is a driver: it uses the library (``train
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import importlib
 import importlib.util
 import json
@@ -320,7 +321,7 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
     does), next to its plain GEMM (same operands, only the D store) under the default
     configuration: what the epilogue costs, and whether some configuration hides it.  The
     shape heuristic's choice (``select.heuristic_config``, what an untuned build runs) is timed
-    too.  ``only`` keeps the configurations of those names (after fitting).  One row per partition:
+    too.  ``only`` keeps the configurations of those names or shell patterns (after fitting).  One row per partition:
     ``plain_ms``, ``ms`` {configuration: ms}, ``best``, ``heuristic`` (its name), ``errors``, and
     ``library_ms``: the plain GEMM by ``measure.matmul_ms`` (cuBLAS through torch on a GPU), None
     where the measure has none.  ``space="heuristic"`` times only the heuristic's choice: where
@@ -338,7 +339,7 @@ def sweep_configs(partitions: list, space: str = "quick", measure: Callable | No
         names = []
         fitted = list(dict.fromkeys(fitting_config(p, c) for c in configs))
         for cfg in fitted:
-            if only is not None and cfg.name not in only:
+            if only is not None and not any(fnmatch.fnmatchcase(cfg.name, pattern) for pattern in only):
                 continue
             name = f"{p.symbol}__{cfg.name}"
             jobs[name] = (dataclasses.replace(p, symbol=name), cfg)
