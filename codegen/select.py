@@ -86,8 +86,8 @@ CANDIDATES: tuple[KernelConfig, ...] = tuple(cfg for _, cfg in _TABLE)
 # table's N = 64-128 and K = 64 most of such a tile's MMAs, shared memory and epilogue work is on
 # padding, and each tile has one K step (H200, torchvision MobileNetV2: 1605632x96x16 0.211 ms as
 # a plain GEMM on 128x128x64 against cuBLAS's 0.117, 1605632x16x96 0.269 on 256x64x64 against
-# 0.103; ``docs/bench/h200-2026-12-01e/partitions/``).  Not timed yet: ``scripts/bench_partitions.py
-# --sweep quick`` on such partitions is the measurement that would make them a heuristic's rule.
+# 0.103; ``docs/bench/h200-2026-12-01e/partitions/``).  ``heuristic_config`` runs their 256-row
+# cooperative tile on many rows (measured: its docstring).
 NARROW_N = (16, 32, 48, 64, 96)  # tile widths a narrow problem's N rounds up to
 NARROW_K = 32  # the tile K of a 16-bit K at most this long (64 bytes: CUTLASS's 64-byte swizzle)
 
@@ -192,6 +192,18 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
 
     * a batch of K slices at least ``MIN_SLICE`` long within one wave (``k_slices``' weight
       gradients): ``slice_tile``;
+    * one GEMM whose N is under 128 or whose K is at most 32 (``narrow_configs``), over many rows:
+      a tile as wide as N (16-96) and as deep as K (32 for K <= 32), 256 rows where those fill two
+      waves, else 128.  MobileNetV2's first stages (H200, 2026-12-02, ``bench_partitions.py
+      --sweep``, ``docs/bench/h200-2026-12-02/``; ms cooperative 256 rows / 128 rows / ping-pong
+      128 rows, then the rule before's tile in an earlier run, ``docs/bench/h200-2026-12-01e/``):
+      1605632x96x16 0.144 / 0.187 / 0.184, 0.200 on 128x128x64; 1605632x32x16 with a ReLU6 mask
+      0.109 / 0.154 / 0.124, 0.183 on 256x64x64; 1605632x16x96 0.144 / 0.174 / 0.169, 0.166;
+      401408x144x24 0.096 / 0.136 / 0.133, 0.129 on 128x128x64; three of 401408x24x144 0.041-0.073
+      / 0.049-0.097 / 0.047-0.096, 0.049-0.093 on 256x64x64; 401408x96x24 0.075 / 0.079 / 0.111,
+      0.095.  The 256-row tile won on eight of the nine partitions and tied on the ninth
+      (401408x144x24 storing two outputs: 0.177 / 0.174 / 0.291, 0.178; its plain GEMM 0.086: the
+      epilogue's cost, not the tile's).  64 wide with K > 32 it is the next rule's tile;
     * N <= 64 (attention's P·V and dQ/dK, head dim 64): 128x64 tiles (0.146 / 0.156), and 256x64
       where those fill two waves in one GEMM (half the tiles of one 128 rows taller at the same
       padding: no MMA work on the absent columns of a 128x128 tile).  ResNet-50's 64-channel
@@ -299,6 +311,9 @@ def heuristic_config(partition: Partition, num_sms: int = H100_SMS) -> KernelCon
     long_k = g.batch == 1 and k >= 4096 and k >= 4 * max(m, n)  # a weight gradient's reduction
     if g.batch > 1 and k >= MIN_SLICE and tiles(*slice_tile(m, n)[:2]) <= num_sms:
         cfg = _cfg(slice_tile(m, n))  # a batch of K slices (``k_slices``)
+    elif g.batch == 1 and m >= 128 and not long_k and (narrow := narrow_configs(m, n, k, g.dtype_a)):
+        _, tn, tk = narrow[0].tile
+        cfg = _cfg((256 if tiles(256, tn) >= 2 * num_sms else 128, tn, tk))
     elif n <= 64 and m >= 128 and not long_k:
         cfg = _cfg((256, 64, 64) if g.batch == 1 and tiles(256, 64) >= 2 * num_sms else (128, 64, 64))
     elif g.batch == 1 and is_thin(m, n, k, num_sms) and k <= 4 * THIN_SLICE:

@@ -32,10 +32,11 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 
 # operand shapes of the main loop, by layout: y = A·B with A stored (M, K) or (K, M), B (K, N) or (N, K)
 #   NT: y = a @ bᵀ (forward x·Wᵀ)   NN: y = a @ b (dX = dY·W)   TN: y = aᵀ @ b (dW = dYᵀ·X)
-LAYOUTS = {"NT": ((M, K), (N, K)), "NN": ((M, K), (K, N)), "TN": ((K, M), (K, N))}
+LAYOUTS = {"NT": lambda m, n, k: ((m, k), (n, k)), "NN": lambda m, n, k: ((m, k), (k, n)),
+           "TN": lambda m, n, k: ((k, m), (k, n))}
 # extra inputs a case may name: row-major M×N aux, column-major aux (an N×M tensor, transposed),
 # row broadcast (N), column broadcast (M, 1)
-EXTRAS = {"c": (M, N), "ct": (N, M), "bias": (N,), "col": (M, 1)}
+EXTRAS = {"c": lambda m, n: (m, n), "ct": lambda m, n: (n, m), "bias": lambda m, n: (n,), "col": lambda m, n: (m, 1)}
 
 
 class RelaxOps:
@@ -155,16 +156,19 @@ class Case:
     layout: str = "NT"
     batched: bool = False
     extras: tuple = field(default=())
+    mnk: tuple = (M, N, K)
+    config: tuple = ()  # explicit kernel options as (key, value) pairs; else the shape heuristic's
 
     @property
     def symbol(self) -> str:
-        return f"evt_gpu_kinds_{self.name}_{self.dtype}_{self.layout}" + ("_batched" if self.batched else "")
+        shape = "" if self.mnk == (M, N, K) else "_" + "x".join(map(str, self.mnk))
+        return f"evt_gpu_kinds_{self.name}_{self.dtype}_{self.layout}" + ("_batched" if self.batched else "") + shape
 
     def shapes(self) -> list[tuple]:
-        a, b = LAYOUTS[self.layout]
+        a, b = LAYOUTS[self.layout](*self.mnk)
         if self.batched:
             a, b = (BATCH,) + a, (BATCH,) + b
-        return [a, b] + [EXTRAS[e] for e in self.extras]
+        return [a, b] + [EXTRAS[e](*self.mnk[:2]) for e in self.extras]
 
     def main_loop(self, ops, a, b):
         if self.layout == "TN":
@@ -271,6 +275,15 @@ CASES = (
        Case("maxes", _maxes, layout="NN"),
        Case("arith", _arith, dtype="float32", extras=("c",)),
        Case("sums", _sums, dtype="float32", extras=("bias",))]
+    # tiles fitted to a narrow N and a K of at most 32 (``select.narrow_configs``: MobileNet's first
+    # stages), with partial tiles in M (2112 rows) and in K (16, 24 under a 32-deep K tile)
+    + [Case("narrow", _layouts, mnk=(2112, 96, 16), config=(("tile", (256, 96, 32)),)),
+       Case("narrow", _connectives, layout="NN", extras=("c",), mnk=(2112, 48, 24),
+            config=(("tile", (128, 48, 32)),)),
+       Case("narrow", _backward, layout="NN", extras=("c",), mnk=(2112, 32, 16),
+            config=(("tile", (128, 32, 32)), ("schedule", "pingpong"))),
+       Case("narrow", _layouts, layout="NN", mnk=(2112, 16, 96), config=(("tile", (256, 16, 64)),)),
+       Case("narrow", _casts, extras=("bias",), mnk=(2112, 144, 24), config=(("tile", (256, 128, 32)),))]
 )
 
 
@@ -284,7 +297,10 @@ def kernels(request):
         pytest.skip("the evt kernels need an SM90 GPU")
     selected = {item.callspec.params["case"].symbol for item in request.session.items
                 if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
-    generated = generate_kernels([case.relax_function() for case in CASES if case.symbol in selected])
+    generated = {}
+    for case in CASES:
+        if case.symbol in selected:
+            generated.update(generate_kernels([case.relax_function()], dict(case.config)))
     library = load_library(build_kernels(generated))
     return {symbol: (generated[symbol][0], library[symbol]) for symbol in generated}
 
@@ -293,7 +309,7 @@ def _inputs(case: Case, gen: torch.Generator) -> list:
     dt = TORCH_DTYPES[case.dtype]
     out = []
     for i, shape in enumerate(case.shapes()):
-        scale = K ** -0.5 if i == 1 else 1.0  # y = O(1)
+        scale = case.mnk[2] ** -0.5 if i == 1 else 1.0  # y = O(1)
         out.append((torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(dt))
     return out
 
@@ -330,7 +346,12 @@ def test_kernel_matches_float64_torch(kernels, case):
 
 def test_every_case_emits():
     """CPU tier: every GPU case is one the codegen takes (emits a kernel source with its FFI entry)."""
-    generated = generate_kernels([case.relax_function() for case in CASES])
+    generated = {}
+    for case in CASES:
+        generated.update(generate_kernels([case.relax_function()], dict(case.config)))
+        partition, config, source = generated[case.symbol]
+        assert tuple(config.tile) == dict(case.config).get("tile", config.tile)  # as asked, not refitted
+        assert (partition.gemm.m, partition.gemm.n, partition.gemm.k) == case.mnk
     assert sorted(generated) == sorted(case.symbol for case in CASES)
     for symbol, (_, _, source) in generated.items():
         assert f"__tvm_ffi_{symbol}" in source

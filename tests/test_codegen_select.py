@@ -276,6 +276,15 @@ def test_relax_ext_uses_persisted_choice(cache_home, monkeypatch):
     ("gemm", "fwd", (1605632, 64, 152), "coop_256x64x64_c1x1"),  # a 7x7 stem's im2col GEMM
     ("gemm", "fwd", (401408, 64, 256), "coop_256x64x64_c1x1"),
     ("relu_bwd", "dgrad", (401408, 64, 256), "coop_256x64x64_c1x1"),
+    # N under 128 or K at most 32 over many rows: tiles as wide as N and as deep as K, 256 rows
+    # (MobileNetV2's first stages)
+    ("gemm", "fwd", (1605632, 96, 16), "coop_256x96x32_c1x1"),
+    ("relu_bwd", "dgrad", (1605632, 32, 16), "coop_256x32x32_c1x1"),
+    ("gemm", "fwd", (1605632, 16, 96), "coop_256x16x64_c1x1"),
+    ("relu_bwd", "dgrad", (401408, 24, 144), "coop_256x32x64_c1x1"),
+    ("gemm", "fwd", (401408, 144, 24), "coop_256x128x32_c1x1"),  # a short K alone
+    ("gemm", "fwd", (401408, 64, 24), "coop_256x64x32_c1x1"),
+    ("gemm", "fwd", (8192, 96, 16), "coop_128x96x32_c1x1"),  # under two waves of 256-row tiles
     ("gemm", "fwd", (100352, 512, 128), "pp_128x128x64_c1x1"),  # K 128, nothing loaded: ping-pong
     ("relu_bwd", "dgrad", (100352, 512, 128), "coop_128x128x64_c1x1"),  # ... one M x N load needs K 256
     ("relu_bwd", "dgrad", (100352, 512, 256), "pp_128x128x64_c1x1"),
