@@ -28,7 +28,10 @@ load), so every load of a warp is one contiguous row of channels:
   registers once: for a 3x3, 30 loads for 8 pixels where each pixel's 9 taps were 9 loads, for
   EfficientNet's 5x5 55 for 7 pixels. A window of more than ``WINDOW`` values a channel (the 5x5,
   a stride-2 3x3's 3 rows of 15) is held a filter row at a time, the row loop outside the strip's
-  pixels: the same loads, 48 registers a thread where the whole window took 95-162 (ptxas, sm_90a).
+  pixels: the same loads, 48 registers a thread where the whole window took 95-162 (ptxas, sm_90a),
+  and faster than cuDNN where the whole window had been slower (H200, ms whole / by rows / cuDNN:
+  112²x96 3x3/2 0.148 / 0.107 / 0.140, 56²x144 5x5/2 0.159 / 0.082 / 0.110, 28²x240 5x5 0.127 /
+  0.098 / 0.102, its stride-1 dgrad 0.128 / 0.098; ``docs/bench/h200-2026-12-02/``).
 * a strided ``dgrad`` (dilation 1) visits only the taps whose output position the stride reaches
   (for a 3x3/2, 4 of 9 a pixel at most): input row a sees taps (a + pad) % stride + t·stride. Where
   a strip of whole stride periods divides the width it runs in strips too, its window of dy (padded
@@ -42,9 +45,10 @@ load), so every load of a warp is one contiguous row of channels:
   pixels at a time: the strip's dy and the input window it reads (R rows of (strip-1)·stride + S
   pixels, the padding as zeros: the ``pad`` stage) go to registers once, where reading x for each
   of a pixel's R·S taps took 9 loads a pixel for a 3x3 (MobileNetV2 at batch 128 on H200: the
-  weight gradients 3.2 ms a step against cuDNN's 0.87). A window of more than ``WINDOW`` values a
-  channel goes to registers a filter row at a time here too (EfficientNet's 5x5: 96-128 -> 80-96
-  registers; the R·S·lanes sums stay).
+  weight gradients 3.2 ms a step against cuDNN's 0.87). The window stays whole however large:
+  loaded a filter row at a time (96-128 -> 80-96 registers for the 5x5, its R·S·lanes sums
+  staying) the weight gradients got slower on H200 (ms whole / by rows: 28²x240 5x5 0.158 /
+  0.218, 56²x144 3x3/2 0.080 / 0.092, 112²x96 3x3/2 0.166 / 0.180; ``docs/bench/h200-2026-12-02/``).
 
 Each kernel's portable form is a TE compute, which any target builds (the CPU reference path);
 the PrimFunc is tagged ``DEPTHWISE_ATTR`` with its spec, opaque to ``FuseOps``, and on CUDA
@@ -74,7 +78,7 @@ TARGET_THREADS = 132 * 1024  # wgrad's first stage: threads in all (half an H100
 MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 WGRAD_LANES = 2  # channels a wgrad thread (a bf16 pair: one 4-byte load)
 STRIP = 8  # pixels of a row a thread of any of the kernels sums at once, their input window in registers
-WINDOW = 32  # values a channel of a strip's input window in registers at once (a larger one: a filter row at a time)
+WINDOW = 32  # values a channel of an fprop / dgrad strip's input window in registers at once (more: a filter row at a time)
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -382,17 +386,16 @@ def _unroll_window(sch: s_tir.Schedule, block, outer: int, lanes: int) -> None:
         sch.unroll(channels)
 
 
-def _schedule_wgrad(sch: s_tir.Schedule, lanes: int, by_rows: bool = False) -> None:
+def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
     """wgrad's first stage: a block (line groups of TY, channel groups of TX), a thread `lanes`
     channels of a group's lines, walked a strip of output pixels at a time: the strip's input
-    window (``pad``) and its dy in registers, R·S·lanes float32 sums. `by_rows`: the window one
-    filter row at a time (as ``_schedule_strips``)."""
+    window (``pad``) and its dy in registers, R·S·lanes float32 sums."""
     part, xpad = sch.get_sblock("partial"), sch.get_sblock("pad")
     o, ri, si, gi, u, jo, ji = sch.get_loops(part)
     o, lane = sch.split(o, [None, lanes])
     bo, tx = sch.split(o, [None, TX])
     bg, ty = sch.split(gi, [None, TY])
-    sch.reorder(bg, bo, ty, tx, u, jo, *((ri, ji) if by_rows else (ji, ri)), si, lane)
+    sch.reorder(bg, bo, ty, tx, u, jo, ji, ri, si, lane)
     sch.bind(sch.fuse(bg, bo), "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
@@ -400,11 +403,11 @@ def _schedule_wgrad(sch: s_tir.Schedule, lanes: int, by_rows: bool = False) -> N
     sch.reverse_compute_at(sums, tx)
     dy = sch.cache_read(part, 1, "local")
     sch.compute_at(dy, jo)
-    sch.compute_at(xpad, ri if by_rows else jo)
+    sch.compute_at(xpad, jo)
     sch.set_scope(xpad, 0, "local")
     sch.decompose_reduction(part, u)
     _unroll_window(sch, dy, 5, lanes)  # under (block, ty, tx, u, jo)
-    _unroll_window(sch, xpad, 6 if by_rows else 5, lanes)  # [under ri]
+    _unroll_window(sch, xpad, 5, lanes)
     for loop in (ji, ri, si, lane):
         sch.unroll(loop)
 
@@ -424,12 +427,11 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     """`spec`'s kernel scheduled for CUDA (the module docstring); `lanes`: channels a thread of
     fprop / dgrad, by default ``_vector_lanes``."""
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
-    by_rows = _window_values(spec) > WINDOW
     if spec["op"] == "wgrad":
-        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1), by_rows)
+        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1))
     elif "strip" in spec or "phase_strip" in spec:
         _schedule_strips(sch, lanes or _vector_lanes(spec), spec.get("strip") or spec["phase_strip"],
-                         phases="phase_strip" in spec, by_rows=by_rows)
+                         phases="phase_strip" in spec, by_rows=_window_values(spec) > WINDOW)
     else:
         _schedule_direct(sch, lanes or _vector_lanes(spec))
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
