@@ -47,3 +47,26 @@ def test_norm_blocks_variants_regroup_the_norm_gradient_rows():
     assert kernels["blocks=32"] and all("_sum_dy_xhat_g16" in name for name in kernels["blocks=32"])
     assert _thread_loops(next(iter(kernels["blocks=32"].values())))["blockIdx.x"] == 32
     assert _row_kernel.GROUP_BLOCKS is None
+
+
+def test_wgrad_threads_variants_cut_the_depthwise_weight_gradient_into_fewer_groups():
+    """``bench_tir.py --wgrad-threads``: a 5x5 depthwise convolution's weight gradient, its first
+    stage cut for the default thread target (groups of 4 of the 8 x 14 output lines: 28 groups) and
+    for 224 threads in all (2 channel pairs' 32 threads a warp: groups of 16 lines, 7 groups); each
+    stage's partial sums as many as its groups.  The knob is back at its default after."""
+    import torch
+    from torch import nn
+
+    from tvm_evt import models
+    from tvm_evt.relax_passes.ops import depthwise_conv_op as dwc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 64, 5, padding=2, groups=64, bias=False), nn.Flatten(), nn.Linear(64 * 14 * 14, 10))
+    x = torch.randn(8, 64, 14, 14).contiguous(memory_format=torch.channels_last)
+    entry = models.ZooEntry(model.to(memory_format=torch.channels_last), lambda: (x, torch.randint(0, 10, (8,))),
+                            nn.functional.cross_entropy, "depthwise 5x5", num_targets=1)
+    default = dwc.TARGET_THREADS
+    kernels = bench_tir.scheduled_kernels("", match="depthwise_conv2d_wgrad", entry=entry, wgrad_threads=[224])
+    groups = {variant: [int(f.params[-1].shape[-1]) for f in funcs.values()] for variant, funcs in kernels.items()}
+    assert groups == {None: [28], "wgrad_threads=224": [7]}
+    assert dwc.TARGET_THREADS == default

@@ -13,6 +13,13 @@ our rules do not take would get, e.g. a cross-entropy's max over the vocabulary 
     python scripts/bench_tir.py bert_large --match sum --column-rows 2,4,8
     python scripts/bench_tir.py hf_llama --match max --dlight
     python scripts/bench_tir.py hf_llama --match rms_norm_grad --norm-blocks 264,1056,2112,100000
+    python scripts/bench_tir.py timm_effnet_b0 --match "wgrad|sum" --wgrad-threads 67584,33792
+
+``--wgrad-threads``: the depthwise weight gradients' first stage (``depthwise_conv_op.wgrad_grid``)
+cut for about that many threads in all (by default ``TARGET_THREADS``): fewer line groups, each
+walking more lines, and fewer float32 partial sums for the second stage to add.  A thread stores
+R·S·2 partial sums, a channel's R·S taps at a stride of R·S·G floats: for a 5x5 filter 100
+scattered 4-byte stores, against the few tens of loads a strip of 7 pixels takes.
 """
 
 from __future__ import annotations
@@ -32,18 +39,21 @@ DLIGHT = "dlight"  # the variant scheduled by DLight's rules alone
 
 def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int | None] = (None,),
                       match: str = "", dlight: bool = False, quick: bool = False,
-                      norm_blocks: list[int] = ()) -> dict:
+                      norm_blocks: list[int] = (), wgrad_threads: list[int] = (), entry=None) -> dict:
     """``{variant: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match `match`
     (at --quick's size with `quick`), scheduled with each ``ColumnReduction`` row-group count
     (variant: the count, None for its default) and, with `dlight`, by DLight's rules alone
     (variant ``DLIGHT``).  Each of `norm_blocks` (the norm gradient kernels' least thread blocks,
     ``_row_kernel.GROUP_BLOCKS``, by default one full residency of the GPU: the more, the fewer rows a
-    block walks; a large one, no weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default."""
+    block walks; a large one, no weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default,
+    and each of `wgrad_threads` (the depthwise weight gradients' first-stage thread target, ``TARGET_THREADS``) the
+    variant ``f"wgrad_threads={value}"``.  `entry`: a ZooEntry to take instead of the bench model's."""
     from . import bench_e2e, optim, tuning
     from .relax_passes.lower import _row_kernel
     from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
+    from .relax_passes.ops import depthwise_conv_op
 
-    entry = bench_e2e.build_entry(model, quick)
+    entry = entry or bench_e2e.build_entry(model, quick)
     target = hopper_target()
     _, graph = tuning.training_graph(entry, precision, optim.AdamW(lr=1e-4), target)  # as scripts/bench.py
     before, schedule = tuning.until_scheduling(target)
@@ -56,13 +66,15 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     with target:
         fused = tvm.transform.Sequential(before)(graph.mod)
         out = {variant: pick(scheduler(fused)) for variant, scheduler in variants.items()}
-        default = _row_kernel.GROUP_BLOCKS
-        try:
-            for blocks in norm_blocks:
-                _row_kernel.GROUP_BLOCKS = blocks
-                out[f"blocks={blocks}"] = pick(variants[column_rows[0]](tvm.transform.Sequential(before)(graph.mod)))
-        finally:
-            _row_kernel.GROUP_BLOCKS = default
+        knobs = [(f"blocks={value}", _row_kernel, "GROUP_BLOCKS", value) for value in norm_blocks]
+        knobs += [(f"wgrad_threads={value}", depthwise_conv_op, "TARGET_THREADS", value) for value in wgrad_threads]
+        for variant, module, name, value in knobs:  # set while the graph is legalized and scheduled again
+            default = getattr(module, name)
+            try:
+                setattr(module, name, value)
+                out[variant] = pick(variants[column_rows[0]](tvm.transform.Sequential(before)(graph.mod)))
+            finally:
+                setattr(module, name, default)
     return out
 
 
@@ -104,6 +116,9 @@ def main(argv=None) -> int:
                     help="comma-separated thread-block targets of the norm gradient kernels with weight-gradient "
                          "partials to compare (_row_kernel.GROUP_BLOCKS; by default one full residency of the GPU; "
                          "a large one: no partials)")
+    ap.add_argument("--wgrad-threads", default="",
+                    help="comma-separated first-stage thread targets of the depthwise weight gradients to compare "
+                         "(depthwise_conv_op.TARGET_THREADS; fewer: fewer line groups and partial sums)")
     args = ap.parse_args(argv)
     import torch
 
@@ -112,7 +127,8 @@ def main(argv=None) -> int:
     rows = [int(r) for r in args.column_rows.split(",") if r] or [None]
     target = hopper_target()
     blocks = [int(b) for b in args.norm_blocks.split(",") if b]
-    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick, blocks)
+    threads = [int(t) for t in args.wgrad_threads.split(",") if t]
+    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick, blocks, threads)
     print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
     for name in sorted(set().union(*kernels.values())):
         cells = []
