@@ -53,7 +53,8 @@ def test_wgrad_threads_variants_cut_the_depthwise_weight_gradient_into_fewer_gro
     """``bench_tir.py --wgrad-threads``: a 5x5 depthwise convolution's weight gradient, its first
     stage cut for the default thread target (groups of 4 of the 8 x 14 output lines: 28 groups) and
     for 224 threads in all (2 channel pairs' 32 threads a warp: groups of 16 lines, 7 groups); each
-    stage's partial sums as many as its groups.  The knob is back at its default after."""
+    stage's partial sums as many as its groups; with ``--wgrad-columns 0`` laid out [G, R, S, K].
+    The knobs are back at their defaults after."""
     import torch
     from torch import nn
 
@@ -65,8 +66,9 @@ def test_wgrad_threads_variants_cut_the_depthwise_weight_gradient_into_fewer_gro
     x = torch.randn(8, 64, 14, 14).contiguous(memory_format=torch.channels_last)
     entry = models.ZooEntry(model.to(memory_format=torch.channels_last), lambda: (x, torch.randint(0, 10, (8,))),
                             nn.functional.cross_entropy, "depthwise 5x5", num_targets=1)
-    default = dwc.TARGET_THREADS
-    kernels = bench_tir.scheduled_kernels("", match="depthwise_conv2d_wgrad", entry=entry, wgrad_threads=[224])
-    groups = {variant: [int(f.params[-1].shape[-1]) for f in funcs.values()] for variant, funcs in kernels.items()}
-    assert groups == {None: [28], "wgrad_threads=224": [7]}
-    assert dwc.TARGET_THREADS == default
+    default = dwc.TARGET_THREADS, dwc.COLUMN_PARTIALS
+    kernels = bench_tir.scheduled_kernels("", match="depthwise_conv2d_wgrad", entry=entry, wgrad_threads=[224],
+                                          wgrad_columns=[0])
+    shapes = {variant: [[int(d) for d in f.params[-1].shape] for f in funcs.values()] for variant, funcs in kernels.items()}
+    assert shapes == {None: [[64, 5, 5, 28]], "wgrad_threads=224": [[64, 5, 5, 7]], "wgrad_columns=0": [[28, 5, 5, 64]]}
+    assert (dwc.TARGET_THREADS, dwc.COLUMN_PARTIALS) == default

@@ -84,6 +84,29 @@ def test_depthwise_op_and_its_gradient_match_torch(geometry):
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES[:3], ids=_ids)
+def test_column_partials_give_the_same_weight_gradient(geometry, monkeypatch):
+    """With ``COLUMN_PARTIALS`` met, the weight gradient's partial sums are laid out [G, R, S, K]
+    and the second stage sums columns, then puts the taps back in [K, R, S, 1]: the same gradient
+    on llvm against float64 torch."""
+    monkeypatch.setattr(dwc, "COLUMN_PARTIALS", 1)
+    n, h, w, c, m, r, s, pad, stride, dilation = geometry
+    mod = _step(*geometry)
+    (partial,) = [f for gv, f in tvm.relax.transform.LegalizeOps()(mod).functions_items()
+                  if gv.name_hint.startswith("depthwise_conv2d_wgrad")]
+    groups = json.loads(str(partial.attrs[dwc.DEPTHWISE_ATTR]))["groups"]
+    assert [int(d) for d in partial.params[-1].shape] == [groups, r, s, c * m]
+    vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+    rng = np.random.default_rng(0)
+    p, q = conv_op.Geometry(pad, stride, dilation).out((h, w), (r, s))
+    xn, wn = rng.standard_normal((n, h, w, c), "float32"), rng.standard_normal((c * m, r, s, 1), "float32")
+    dyn = rng.standard_normal((n, p, q, c * m), "float32")
+    _, (_, dw) = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in (xn, wn, dyn)))
+    want_dw = _torch_reference(xn, wn, dyn, c, pad, stride, dilation)[2]
+    assert dw.numpy().shape == want_dw.shape
+    assert np.abs(dw.numpy() - want_dw).max() <= 1e-5 * max(1.0, np.abs(want_dw).max())
+
+
 def test_conv2d_to_matmul_makes_nhwc_depthwise_convolutions_the_op():
     """An NHWC/OHWI conv2d with groups = its channels becomes the op; with depthwise off (and for
     a grouped convolution) it stays a conv2d, between the NCHW transposes TVM's gradient takes."""
@@ -181,13 +204,16 @@ CUDA_FORM_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("op, lanes", [("fprop", 1), ("fprop", 2), ("dgrad", 1), ("dgrad", 2), ("wgrad", 1), ("wgrad", 2)])
-def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
+@pytest.mark.parametrize("op, lanes, columns", [("fprop", 1, False), ("fprop", 2, False), ("dgrad", 1, False),
+                                               ("dgrad", 2, False), ("wgrad", 1, False), ("wgrad", 2, False),
+                                               ("wgrad", 1, True), ("wgrad", 2, True)])
+def test_cuda_forms_compute_what_torch_does(op, lanes, columns, monkeypatch):
     """The CUDA forms' index arithmetic, checked without a GPU: each schedule built with its thread
     bindings left as serial loops, lowered by the same TIR passes for llvm, against float64 torch.
     (TVM's index simplification once broke the 14x14x576 stride-2 dgrad here, with every CPU test
-    of the portable forms passing.)"""
+    of the portable forms passing.)  `columns`: wgrad's partial sums laid out [G, R, S, K]."""
     monkeypatch.setattr(tvm.s_tir.Schedule, "bind", lambda self, loop, thread: None)
+    monkeypatch.setattr(dwc, "COLUMN_PARTIALS", 0 if columns else None)
     rng = np.random.default_rng(0)
     for h, c, r, stride, m, dilation in (shape + (1, 1)[len(shape) - 4:] for shape in CUDA_FORM_SHAPES):
         g = conv_op.Geometry((r // 2 * dilation,) * 4, (stride, stride), (dilation, dilation))
@@ -199,10 +225,15 @@ def test_cuda_forms_compute_what_torch_does(op, lanes, monkeypatch):
         dy = rng.standard_normal((2, p, p, c * m), "float32")
         want = dict(zip(("fprop", "dgrad", "wgrad"), _torch_reference(x, w, dy, c, g.pad, g.stride, g.dilation)))[op]
         operands = {"fprop": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}[op]
-        out = tvm.runtime.tensor(np.zeros(want.shape[:3] + (spec.get("groups", 1),) if op == "wgrad"
-                                          else want.shape, "float32"))
+        assert spec.get("columns", False) == columns
+        shape = want.shape
+        if op == "wgrad":
+            shape = (spec["groups"], r, r, c * m) if columns else want.shape[:3] + (spec["groups"],)
+        out = tvm.runtime.tensor(np.zeros(shape, "float32"))
         kernel(*(tvm.runtime.tensor(a) for a in operands), out)
-        got = out.numpy().sum(-1, keepdims=True) if op == "wgrad" else out.numpy()
+        got = out.numpy()
+        if op == "wgrad":
+            got = got.sum(0).transpose(2, 0, 1)[..., None] if columns else got.sum(-1, keepdims=True)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err <= 1e-5, f"{op} {(h, c, r, stride, m, dilation)}: {err:.2e}"
 

@@ -13,13 +13,16 @@ our rules do not take would get, e.g. a cross-entropy's max over the vocabulary 
     python scripts/bench_tir.py bert_large --match sum --column-rows 2,4,8
     python scripts/bench_tir.py hf_llama --match max --dlight
     python scripts/bench_tir.py hf_llama --match rms_norm_grad --norm-blocks 264,1056,2112,100000
-    python scripts/bench_tir.py timm_effnet_b0 --match "wgrad|sum" --wgrad-threads 67584,33792
+    python scripts/bench_tir.py timm_effnet_b0 --match "wgrad|sum|transpose|permute" --wgrad-threads 67584 --wgrad-columns 0
 
 ``--wgrad-threads``: the depthwise weight gradients' first stage (``depthwise_conv_op.wgrad_grid``)
 cut for about that many threads in all (by default ``TARGET_THREADS``): fewer line groups, each
 walking more lines, and fewer float32 partial sums for the second stage to add.  A thread stores
 R·S·2 partial sums, a channel's R·S taps at a stride of R·S·G floats: for a 5x5 filter 100
 scattered 4-byte stores, against the few tens of loads a strip of 7 pixels takes.
+``--wgrad-columns``: those partial sums laid out [G, R, S, K] where R·S·K is at least the value
+(``depthwise_conv_op.COLUMN_PARTIALS``; 0: every weight gradient), a warp's stores of a tap
+contiguous, the second stage a column sum and a transpose of the taps.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ DLIGHT = "dlight"  # the variant scheduled by DLight's rules alone
 
 def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int | None] = (None,),
                       match: str = "", dlight: bool = False, quick: bool = False,
-                      norm_blocks: list[int] = (), wgrad_threads: list[int] = (), entry=None) -> dict:
+                      norm_blocks: list[int] = (), wgrad_threads: list[int] = (), wgrad_columns: list[int] = (),
+                      entry=None) -> dict:
     """``{variant: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match `match`
     (at --quick's size with `quick`), scheduled with each ``ColumnReduction`` row-group count
     (variant: the count, None for its default) and, with `dlight`, by DLight's rules alone
@@ -47,7 +51,8 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     ``_row_kernel.GROUP_BLOCKS``, by default one full residency of the GPU: the more, the fewer rows a
     block walks; a large one, no weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default,
     and each of `wgrad_threads` (the depthwise weight gradients' first-stage thread target, ``TARGET_THREADS``) the
-    variant ``f"wgrad_threads={value}"``.  `entry`: a ZooEntry to take instead of the bench model's."""
+    variant ``f"wgrad_threads={value}"``, each of `wgrad_columns` (``COLUMN_PARTIALS``) ``f"wgrad_columns={value}"``.
+    `entry`: a ZooEntry to take instead of the bench model's."""
     from . import bench_e2e, optim, tuning
     from .relax_passes.lower import _row_kernel
     from .relax_passes.lower.schedule_tir_for_gpu import ScheduleTIRForGPU
@@ -68,6 +73,7 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
         out = {variant: pick(scheduler(fused)) for variant, scheduler in variants.items()}
         knobs = [(f"blocks={value}", _row_kernel, "GROUP_BLOCKS", value) for value in norm_blocks]
         knobs += [(f"wgrad_threads={value}", depthwise_conv_op, "TARGET_THREADS", value) for value in wgrad_threads]
+        knobs += [(f"wgrad_columns={value}", depthwise_conv_op, "COLUMN_PARTIALS", value) for value in wgrad_columns]
         for variant, module, name, value in knobs:  # set while the graph is legalized and scheduled again
             default = getattr(module, name)
             try:
@@ -119,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wgrad-threads", default="",
                     help="comma-separated first-stage thread targets of the depthwise weight gradients to compare "
                          "(depthwise_conv_op.TARGET_THREADS; fewer: fewer line groups and partial sums)")
+    ap.add_argument("--wgrad-columns", default="",
+                    help="comma-separated least R·S·K for the depthwise weight gradients' partial sums laid out "
+                         "[G, R, S, K] (depthwise_conv_op.COLUMN_PARTIALS; 0: all)")
     args = ap.parse_args(argv)
     import torch
 
@@ -128,7 +137,9 @@ def main(argv=None) -> int:
     target = hopper_target()
     blocks = [int(b) for b in args.norm_blocks.split(",") if b]
     threads = [int(t) for t in args.wgrad_threads.split(",") if t]
-    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick, blocks, threads)
+    columns = [int(c) for c in args.wgrad_columns.split(",") if c]
+    kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick, blocks, threads,
+                                columns)
     print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
     for name in sorted(set().union(*kernels.values())):
         cells = []

@@ -79,6 +79,13 @@ MIN_PIXELS = 32  # output pixels a wgrad line group walks at least
 WGRAD_LANES = 2  # channels a wgrad thread (a bf16 pair: one 4-byte load)
 STRIP = 8  # pixels of a row a thread of any of the kernels sums at once, their input window in registers
 WINDOW = 32  # values a channel of an fprop / dgrad strip's input window in registers at once (more: a filter row at a time)
+# wgrad's partial sums laid out [G, R, S, K] (a warp's stores of one tap contiguous across its
+# channels) where R·S·K is at least this; else [K, R, S, G] (a thread's R·S·lanes sums at a stride
+# of R·S·G floats each: 100 scattered 4-byte stores a thread for a 5x5).  None: never (untimed;
+# ``scripts/bench_tir.py --wgrad-columns`` compares the two).  The second stage is then a column sum
+# over G, which ``ColumnReduction`` takes only where K is a multiple of 128 (4-float vectors in
+# 32-thread blocks); other K (EfficientNet's 240, 480, 672) get DLight's one thread a column.
+COLUMN_PARTIALS: int | None = None
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -142,6 +149,8 @@ def _spec(op: str, x, w, g: Geometry, dtype: str) -> dict:
     if op == "wgrad":
         spec["groups"], spec["lines"] = wgrad_grid(n * p, q, k)
         spec["strip"] = strip_width(q)
+        if COLUMN_PARTIALS is not None and r * s * k >= COLUMN_PARTIALS:
+            spec["columns"] = True  # partial sums [G, R, S, K]
     elif op == "fprop":
         spec["strip"] = strip_width(q)
     elif _flipped_pads(g, r, s) is not None:  # a stride-1 dgrad: the convolution of padded dy
@@ -282,6 +291,9 @@ def _tensors(spec: dict) -> list[te.Tensor]:
         prod = f32(xpad[b, i * sh + ri * dh, j * sw + si * dw, o // m if m > 1 else o]) * f32(dy[b, i, j, o])
         return te.sum(prod, axis=[u, jo, ji])
 
+    if spec.get("columns"):
+        return [x, dy, te.compute(_shape64((groups, r, s, k)), lambda gi, ri, si, o: part(o, ri, si, gi),
+                                  name="partial")]
     return [x, dy, te.compute(_shape64((k, r, s, groups)), part, name="partial")]
 
 
@@ -386,12 +398,14 @@ def _unroll_window(sch: s_tir.Schedule, block, outer: int, lanes: int) -> None:
         sch.unroll(channels)
 
 
-def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
+def _schedule_wgrad(sch: s_tir.Schedule, lanes: int, columns: bool = False) -> None:
     """wgrad's first stage: a block (line groups of TY, channel groups of TX), a thread `lanes`
     channels of a group's lines, walked a strip of output pixels at a time: the strip's input
-    window (``pad``) and its dy in registers, R·S·lanes float32 sums."""
+    window (``pad``) and its dy in registers, R·S·lanes float32 sums.  `columns`: the sums laid
+    out [G, R, S, K], a thread's `lanes` of a tap stored as one vector."""
     part, xpad = sch.get_sblock("partial"), sch.get_sblock("pad")
-    o, ri, si, gi, u, jo, ji = sch.get_loops(part)
+    loops = sch.get_loops(part)
+    gi, ri, si, o, u, jo, ji = loops if columns else (loops[3], *loops[1:3], loops[0], *loops[4:])
     o, lane = sch.split(o, [None, lanes])
     bo, tx = sch.split(o, [None, TX])
     bg, ty = sch.split(gi, [None, TY])
@@ -401,6 +415,8 @@ def _schedule_wgrad(sch: s_tir.Schedule, lanes: int) -> None:
     sch.bind(tx, "threadIdx.x")
     sums = sch.cache_write(part, 0, "local")
     sch.reverse_compute_at(sums, tx)
+    if columns and lanes > 1:
+        sch.vectorize(sch.get_loops(sums)[-1])  # the thread's lanes of one tap, adjacent
     dy = sch.cache_read(part, 1, "local")
     sch.compute_at(dy, jo)
     sch.compute_at(xpad, jo)
@@ -428,7 +444,7 @@ def gpu_primfunc(spec: dict, lanes: int | None = None) -> tirx.PrimFunc:
     fprop / dgrad, by default ``_vector_lanes``."""
     sch = s_tir.Schedule(te.create_prim_func(_tensors(spec)))
     if spec["op"] == "wgrad":
-        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1))
+        _schedule_wgrad(sch, lanes or (WGRAD_LANES if spec["w"][0] % WGRAD_LANES == 0 else 1), spec.get("columns", False))
     elif "strip" in spec or "phase_strip" in spec:
         _schedule_strips(sch, lanes or _vector_lanes(spec), spec.get("strip") or spec["phase_strip"],
                          phases="phase_strip" in spec, by_rows=_window_values(spec) > WINDOW)
@@ -455,6 +471,12 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         (out,) = emit_call_tir(bb, gv, list(call.args[:2]), [relax.TensorType(y if op == "fprop" else x, dtype)])
         return out
     (k, r, s, _) = w
+    if spec.get("columns"):  # [G, R, S, K]: a column sum over G, then [R, S, K] -> [K, R, S, 1]
+        (part,) = emit_call_tir(bb, gv, list(call.args[:2]), [relax.TensorType((spec["groups"], r, s, k), F32)])
+        dw = bb.emit(R.sum(part, axis=[0]))
+        if dtype != F32:
+            dw = bb.emit(R.astype(dw, dtype))
+        return R.reshape(bb.emit(R.permute_dims(dw, [2, 0, 1])), list(w))
     (part,) = emit_call_tir(bb, gv, list(call.args[:2]), [relax.TensorType((k, r, s, spec["groups"]), F32)])
     dw = bb.emit(R.sum(part, axis=[3]))
     if dtype != F32:
