@@ -66,12 +66,9 @@ def _torch_reference(xn, wn, dyn, c, pad, stride, dilation):
     return tuple(t.permute(0, 2, 3, 1).numpy() for t in (y.detach(), xt.grad, wt.grad))
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=_ids)
-def test_depthwise_op_and_its_gradient_match_torch(geometry):
-    """The three ops' portable (TE) kernels on llvm against float64 torch: both gradients of
-    sum(y * dy)."""
+def _check_gradients_on_llvm(geometry, mod) -> None:
+    """Both gradients of sum(y * dy) by `mod` (``_step`` of `geometry`) on llvm against float64 torch."""
     n, h, w, c, m, r, s, pad, stride, dilation = geometry
-    mod = _step(*geometry)
     vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
     rng = np.random.default_rng(0)
     p, q = conv_op.Geometry(pad, stride, dilation).out((h, w), (r, s))
@@ -84,27 +81,26 @@ def test_depthwise_op_and_its_gradient_match_torch(geometry):
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=_ids)
+def test_depthwise_op_and_its_gradient_match_torch(geometry):
+    """The three ops' portable (TE) kernels on llvm against float64 torch: both gradients of
+    sum(y * dy)."""
+    _check_gradients_on_llvm(geometry, _step(*geometry))
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES[:3], ids=_ids)
 def test_column_partials_give_the_same_weight_gradient(geometry, monkeypatch):
     """With ``COLUMN_PARTIALS`` met, the weight gradient's partial sums are laid out [G, R, S, K]
-    and the second stage sums columns, then puts the taps back in [K, R, S, 1]: the same gradient
+    and the second stage sums columns, then puts the taps back in [K, R, S, 1]: the same gradients
     on llvm against float64 torch."""
     monkeypatch.setattr(dwc, "COLUMN_PARTIALS", 1)
-    n, h, w, c, m, r, s, pad, stride, dilation = geometry
+    _, _, _, c, m, r, s, *_ = geometry
     mod = _step(*geometry)
     (partial,) = [f for gv, f in tvm.relax.transform.LegalizeOps()(mod).functions_items()
                   if gv.name_hint.startswith("depthwise_conv2d_wgrad")]
     groups = json.loads(str(partial.attrs[dwc.DEPTHWISE_ATTR]))["groups"]
     assert [int(d) for d in partial.params[-1].shape] == [groups, r, s, c * m]
-    vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
-    rng = np.random.default_rng(0)
-    p, q = conv_op.Geometry(pad, stride, dilation).out((h, w), (r, s))
-    xn, wn = rng.standard_normal((n, h, w, c), "float32"), rng.standard_normal((c * m, r, s, 1), "float32")
-    dyn = rng.standard_normal((n, p, q, c * m), "float32")
-    _, (_, dw) = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in (xn, wn, dyn)))
-    want_dw = _torch_reference(xn, wn, dyn, c, pad, stride, dilation)[2]
-    assert dw.numpy().shape == want_dw.shape
-    assert np.abs(dw.numpy() - want_dw).max() <= 1e-5 * max(1.0, np.abs(want_dw).max())
+    _check_gradients_on_llvm(geometry, mod)
 
 
 def test_conv2d_to_matmul_makes_nhwc_depthwise_convolutions_the_op():
