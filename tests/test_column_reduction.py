@@ -7,7 +7,7 @@ import tvm
 from tvm import te
 from tvm.support import nvcc
 
-from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule
+from _te_kernels import CUDA, assert_matches_llvm_on_gpu, schedule, serial
 
 from tvm_evt.relax_passes.lower.column_reduction import THREADS, ColumnReduction
 
@@ -25,6 +25,8 @@ def _kernels():
     kv = te.placeholder((2, 8, 4, 1024, 128), "bfloat16", name="kv")  # 2 x 8 x 1024 x 128 / 4: 2^19 threads
     kg = te.reduce_axis((0, 4), "g")
     x33 = te.placeholder((33, 16, 65536), "bfloat16", name="x33")
+    xp, kp = te.placeholder((448, 5, 5, 480), "float32", name="xp"), te.reduce_axis((0, 448), "k")
+    xq, kq = te.placeholder((128, 196, 96), "bfloat16", name="xq"), te.reduce_axis((0, 196), "k")
     k33 = te.reduce_axis((0, 33), "k")
     return {
         # grouped-query attention's key gradient: the 4 query heads of a key/value head summed
@@ -54,8 +56,15 @@ def _kernels():
         "column_min": ([xf, te.compute((16384,), lambda n: te.min(xf[k64, n], axis=k64), name="y")], 4),
         # DLight's Reduction takes no max: one thread block is better than Fallback's thread a column
         "few_columns_max": ([xl, te.compute((128,), lambda n: te.max(xl[kl, n], axis=kl), name="y")], 4),
+        # 96 columns: no 32 vectors divide them, one partial block of 4-column vectors
         "transposed_max": ([x2, te.compute((96,), lambda m: te.max(x2[k96, m].astype("float32"), axis=k96),
-                                           name="y")], 0),
+                                           name="y")], 4),
+        # 480 columns over 25 x 4 blocks, the last of each four partial (a depthwise 5x5 weight
+        # gradient's [G, R, S, K] partial sums); 96 channels of 128 images' 196 pixels (a pool)
+        "partial_block": ([xp, te.compute((5, 5, 480), lambda a, b, c: te.sum(xp[kp, a, b, c], axis=kp),
+                                          name="y")], 4),
+        "pool_96": ([xq, te.compute((128, 96), lambda b, c: te.sum(xq[b, kq, c].astype("float32"), axis=kq),
+                                    name="y")], 4),
     }
 
 
@@ -93,8 +102,27 @@ def test_short_reductions_are_one_thread_a_column_vector(name, short):
     assert ("rf" in script) != short
 
 
+@pytest.mark.parametrize("name", ["partial_block", "pool_96", "bias_grad"])
+def test_partial_blocks_sum_every_column_on_the_cpu(name):
+    """The schedule's index arithmetic, a partial last block's predicates too, on llvm (thread
+    bindings as serial loops) against the unscheduled kernel, outputs poisoned with NaN first."""
+    import torch
+
+    tensors, _ = _kernels()[name]
+    func = serial(_schedule(tensors)["main"])
+    ref = tvm.compile(tvm.IRModule({"main": te.create_prim_func(tensors)}), target="llvm")
+    got_kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    x = torch.randn([int(d) for d in tensors[0].shape], dtype=dtypes[str(tensors[0].dtype)])
+    got, want = (torch.full([int(d) for d in tensors[-1].shape], float("nan")) for _ in range(2))
+    got_kernel["main"](tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(got))
+    ref["main"](tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(want))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build CUDA code")
-@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "column_max", "column_min", "gqa_heads"])
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "column_max", "column_min", "gqa_heads",
+                                  "partial_block", "pool_96"])
 def test_column_reductions_compile_with_nvcc(name):
     tensors, _ = _kernels()[name]
     src = tvm.compile(_schedule(tensors), target=tvm.target.Target(CUDA)).mod.imports[0].inspect_source()
@@ -104,7 +132,7 @@ def test_column_reductions_compile_with_nvcc(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "gqa_heads", "rows_33"])
+@pytest.mark.parametrize("name", ["batch_norm", "bias_grad", "fp32", "gqa_heads", "rows_33", "partial_block", "pool_96"])
 def test_column_sums_on_gpu_match_llvm(name):
     tensors, _ = _kernels()[name]
     assert_matches_llvm_on_gpu(_schedule(tensors), tensors, rtol=1e-5)

@@ -18,6 +18,12 @@ This rule gives each thread ``v`` consecutive columns (16 bytes of the widest ty
 A max, min or product takes the same schedule, its partial results starting from the reducer's
 identity (``REDUCERS``).
 
+``v`` is the widest vector of which ``TX`` divide ``N``; where none does (``N`` not a multiple of
+64 bf16 or 32 float32 columns: EfficientNet's 96-672 channels, a depthwise weight gradient's
+``[G, R, S, K]`` partial sums) the widest vector that divides ``N``, the last thread block of
+each row of blocks partial (its threads past ``N`` idle), where such sums went to DLight's
+``Reduction`` (not timed against it yet).
+
 A *short* reduction, at most ``SHORT_ROWS`` rows under at least ``SHORT_MIN_THREADS`` column
 vectors, is one thread's work instead: each of ``THREADS`` threads a block keeps its ``v`` columns
 in float registers over all the rows and writes them once, with no partial results to combine.
@@ -101,7 +107,9 @@ def fit_lanes(widest_bits: int, extent, threads: int) -> int:
 
 
 def column_lanes(block) -> int:
-    """The columns a thread takes in `block`, a `single_reduction_block` (1: the rule does not apply)."""
+    """The columns a thread takes in `block`, a `single_reduction_block` (1: the rule does not apply):
+    16 bytes of the widest type where ``TX`` such vectors divide the columns, else as few as do;
+    where none does, the widest vector that divides them, the last thread block partial."""
     if len(block.iter_vars) < 2:
         return 1
     n, r = block.iter_vars[-2].var, block.iter_vars[-1].var
@@ -119,7 +127,8 @@ def column_lanes(block) -> int:
             if not idx[-1].same_as(n):
                 return 1
             widest = max(widest, tvm.DataType(str(buf.dtype)).bits)
-    return fit_lanes(widest, block.iter_vars[-2].dom.extent, TX)
+    extent = block.iter_vars[-2].dom.extent
+    return fit_lanes(widest, extent, TX) if fit_lanes(widest, extent, TX) > 1 else fit_lanes(widest, extent, 1)
 
 
 class ColumnReduction(GPUScheduleRule):
@@ -140,12 +149,16 @@ class ColumnReduction(GPUScheduleRule):
         extents = [int(sch.get(lp).extent) for lp in loops]
         if extents[-1] <= SHORT_ROWS and math.prod(extents[:-1]) // lanes >= SHORT_MIN_THREADS:
             return self._short(sch, block_rv, loops, lanes)
-        blocks = math.prod(extents[:-1]) // (TX * lanes)
+        blocks = math.prod(extents[:-2]) * -(-extents[-2] // (TX * lanes))
         if blocks < MIN_BLOCKS and isinstance(sch.get(block_rv).body.value, tirx.Add):
             return None  # too few blocks: DLight's rule spreads a few columns' rows over more
         *outer, n, r = loops
         ro, ry = sch.split(r, [None, self.row_groups])
-        nb, nx, nv = sch.split(n, [None, TX, lanes])
+        if extents[-2] % (TX * lanes):  # a partial last block: its threads past the columns idle
+            nq, nv = sch.split(n, [None, lanes])
+            nb, nx = sch.split(nq, [None, TX])
+        else:
+            nb, nx, nv = sch.split(n, [None, TX, lanes])
         sch.reorder(*outer, nb, nx, ry, ro, nv)
         rf = sch.rfactor(ry, 0)  # [TY, ..., N] partial results, each over its rows ro
         *rf_outer, rf_nb, rf_nx, rf_ry, rf_ro, rf_nv = sch.get_loops(rf)

@@ -83,8 +83,8 @@ WINDOW = 32  # values a channel of an fprop / dgrad strip's input window in regi
 # channels) where R·S·K is at least this; else [K, R, S, G] (a thread's R·S·lanes sums at a stride
 # of R·S·G floats each: 100 scattered 4-byte stores a thread for a 5x5).  None: never (untimed;
 # ``scripts/bench_tir.py --wgrad-columns`` compares the two).  The second stage is then a column sum
-# over G, which ``ColumnReduction`` takes only where K is a multiple of 128 (4-float vectors in
-# 32-thread blocks); other K (EfficientNet's 240, 480, 672) get DLight's one thread a column.
+# over G, which ``ColumnReduction`` takes where it has 66 blocks of 32 4-float vectors (R·S·⌈K/128⌉:
+# EfficientNet's 5x5 at K = 480, 672, 1152, not 240), the last of each K partial.
 COLUMN_PARTIALS: int | None = None
 
 
