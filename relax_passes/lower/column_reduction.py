@@ -128,7 +128,8 @@ def column_lanes(block) -> int:
                 return 1
             widest = max(widest, tvm.DataType(str(buf.dtype)).bits)
     extent = block.iter_vars[-2].dom.extent
-    return fit_lanes(widest, extent, TX) if fit_lanes(widest, extent, TX) > 1 else fit_lanes(widest, extent, 1)
+    full = fit_lanes(widest, extent, TX)
+    return full if full > 1 else fit_lanes(widest, extent, 1)
 
 
 class ColumnReduction(GPUScheduleRule):

@@ -404,8 +404,10 @@ def _schedule_wgrad(sch: s_tir.Schedule, lanes: int, columns: bool = False) -> N
     window (``pad``) and its dy in registers, R·S·lanes float32 sums.  `columns`: the sums laid
     out [G, R, S, K], a thread's `lanes` of a tap stored as one vector."""
     part, xpad = sch.get_sblock("partial"), sch.get_sblock("pad")
-    loops = sch.get_loops(part)
-    gi, ri, si, o, u, jo, ji = loops if columns else (loops[3], *loops[1:3], loops[0], *loops[4:])
+    if columns:
+        gi, ri, si, o, u, jo, ji = sch.get_loops(part)
+    else:
+        o, ri, si, gi, u, jo, ji = sch.get_loops(part)
     o, lane = sch.split(o, [None, lanes])
     bo, tx = sch.split(o, [None, TX])
     bg, ty = sch.split(gi, [None, TY])
