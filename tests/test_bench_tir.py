@@ -67,8 +67,28 @@ def test_wgrad_threads_variants_cut_the_depthwise_weight_gradient_into_fewer_gro
     entry = models.ZooEntry(model.to(memory_format=torch.channels_last), lambda: (x, torch.randint(0, 10, (8,))),
                             nn.functional.cross_entropy, "depthwise 5x5", num_targets=1)
     default = dwc.TARGET_THREADS, dwc.COLUMN_PARTIALS
+    both = "depthwise_conv_op.TARGET_THREADS=224 depthwise_conv_op.COLUMN_PARTIALS=0"
     kernels = bench_tir.scheduled_kernels("", match="depthwise_conv2d_wgrad", entry=entry, wgrad_threads=[224],
-                                          wgrad_columns=[0])
+                                          wgrad_columns=[0], settings=[both])
     shapes = {variant: [[int(d) for d in f.params[-1].shape] for f in funcs.values()] for variant, funcs in kernels.items()}
-    assert shapes == {None: [[64, 5, 5, 28]], "wgrad_threads=224": [[64, 5, 5, 7]], "wgrad_columns=0": [[28, 5, 5, 64]]}
+    assert shapes == {None: [[64, 5, 5, 28]], "wgrad_threads=224": [[64, 5, 5, 7]], "wgrad_columns=0": [[28, 5, 5, 64]],
+                      both: [[7, 5, 5, 64]]}
     assert (dwc.TARGET_THREADS, dwc.COLUMN_PARTIALS) == default
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("depthwise_conv_op.TARGET_THREADS", "is not module.NAME=value"),
+    ("no_such_module.X=1", "names 0 modules"),
+    ("depthwise_conv_op.NO_SUCH=1", "has no NO_SUCH"),
+])
+def test_settings_that_name_nothing_are_refused(setting, error):
+    with pytest.raises(ValueError, match=error):
+        bench_tir.parse_setting(setting)
+
+
+def test_settings_parse_python_literals():
+    from tvm_evt.relax_passes.lower import _row_kernel
+    from tvm_evt.relax_passes.ops import depthwise_conv_op
+
+    assert bench_tir.parse_setting("depthwise_conv_op.COLUMN_PARTIALS=None _row_kernel.GROUP_BLOCKS=264") == [
+        (depthwise_conv_op, "COLUMN_PARTIALS", None), (_row_kernel, "GROUP_BLOCKS", 264)]

@@ -23,6 +23,9 @@ scattered 4-byte stores, against the few tens of loads a strip of 7 pixels takes
 ``--wgrad-columns``: those partial sums laid out [G, R, S, K] where R·S·K is at least the value
 (``depthwise_conv_op.COLUMN_PARTIALS``; 0: every weight gradient), a warp's stores of a tap
 contiguous, the second stage a column sum and a transpose of the taps.
+``--set 'module.NAME=value ...'`` (repeatable): a variant with any module constants of the
+``relax_passes`` stages set together, e.g. both of the above:
+``--set 'depthwise_conv_op.TARGET_THREADS=67584 depthwise_conv_op.COLUMN_PARTIALS=0'``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ DLIGHT = "dlight"  # the variant scheduled by DLight's rules alone
 def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int | None] = (None,),
                       match: str = "", dlight: bool = False, quick: bool = False,
                       norm_blocks: list[int] = (), wgrad_threads: list[int] = (), wgrad_columns: list[int] = (),
-                      entry=None) -> dict:
+                      settings: list[str] = (), entry=None) -> dict:
     """``{variant: {kernel name: PrimFunc}}``: the model's TIR kernels whose names match `match`
     (at --quick's size with `quick`), scheduled with each ``ColumnReduction`` row-group count
     (variant: the count, None for its default) and, with `dlight`, by DLight's rules alone
@@ -51,7 +54,8 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     ``_row_kernel.GROUP_BLOCKS``, by default one full residency of the GPU: the more, the fewer rows a
     block walks; a large one, no weight-gradient partials) adds the variant ``f"blocks={value}"``, scheduled as by default,
     and each of `wgrad_threads` (the depthwise weight gradients' first-stage thread target, ``TARGET_THREADS``) the
-    variant ``f"wgrad_threads={value}"``, each of `wgrad_columns` (``COLUMN_PARTIALS``) ``f"wgrad_columns={value}"``.
+    variant ``f"wgrad_threads={value}"``, each of `wgrad_columns` (``COLUMN_PARTIALS``) ``f"wgrad_columns={value}"``,
+    and each of `settings` (``"module.NAME=value ..."``, ``parse_setting``) the variant named by it.
     `entry`: a ZooEntry to take instead of the bench model's."""
     from . import bench_e2e, optim, tuning
     from .relax_passes.lower import _row_kernel
@@ -71,17 +75,54 @@ def scheduled_kernels(model: str, precision: str = "bf16", column_rows: list[int
     with target:
         fused = tvm.transform.Sequential(before)(graph.mod)
         out = {variant: pick(scheduler(fused)) for variant, scheduler in variants.items()}
-        knobs = [(f"blocks={value}", _row_kernel, "GROUP_BLOCKS", value) for value in norm_blocks]
-        knobs += [(f"wgrad_threads={value}", depthwise_conv_op, "TARGET_THREADS", value) for value in wgrad_threads]
-        knobs += [(f"wgrad_columns={value}", depthwise_conv_op, "COLUMN_PARTIALS", value) for value in wgrad_columns]
-        for variant, module, name, value in knobs:  # set while the graph is legalized and scheduled again
-            default = getattr(module, name)
+        knobs = [(f"blocks={value}", [(_row_kernel, "GROUP_BLOCKS", value)]) for value in norm_blocks]
+        knobs += [(f"wgrad_threads={value}", [(depthwise_conv_op, "TARGET_THREADS", value)]) for value in wgrad_threads]
+        knobs += [(f"wgrad_columns={value}", [(depthwise_conv_op, "COLUMN_PARTIALS", value)]) for value in wgrad_columns]
+        knobs += [(setting, parse_setting(setting)) for setting in settings]
+        for variant, assignments in knobs:  # set while the graph is legalized and scheduled again
+            defaults = [(module, name, getattr(module, name)) for module, name, _ in assignments]
             try:
-                setattr(module, name, value)
+                for module, name, value in assignments:
+                    setattr(module, name, value)
                 out[variant] = pick(variants[column_rows[0]](tvm.transform.Sequential(before)(graph.mod)))
             finally:
-                setattr(module, name, default)
+                for module, name, value in reversed(defaults):
+                    setattr(module, name, value)
     return out
+
+
+def parse_setting(setting: str) -> list[tuple]:
+    """``"depthwise_conv_op.TX=16 _row_kernel.GROUP_BLOCKS=264"`` -> [(module, name, value)]: module-level
+    constants of ``tvm_evt.relax_passes``' stages (a module named by its file, found in any stage) set
+    together for one variant; values are Python literals (``None``, ints, tuples)."""
+    import ast
+    import importlib
+
+    from . import relax_passes
+
+    out = []
+    for item in setting.split():
+        target, sep, literal = item.partition("=")
+        file, _, name = target.rpartition(".")
+        if not sep or not file:
+            raise ValueError(f"bench_tir --set: {item!r} is not module.NAME=value")
+        found = [m for stage in ("ops", "lower", "graph", "partition", "training")
+                 if (m := _stage_module(importlib, relax_passes.__name__, stage, file)) is not None]
+        if len(found) != 1:
+            raise ValueError(f"bench_tir --set: {file!r} names {len(found)} modules of tvm_evt.relax_passes' stages")
+        if not hasattr(found[0], name):
+            raise ValueError(f"bench_tir --set: {found[0].__name__} has no {name}")
+        out.append((found[0], name, ast.literal_eval(literal)))
+    return out
+
+
+def _stage_module(importlib, package: str, stage: str, file: str):
+    try:
+        return importlib.import_module(f"{package}.{stage}.{file}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{package}.{stage}.{file}":
+            raise
+        return None
 
 
 def time_kernel(func, target) -> tuple[float, int]:
@@ -128,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wgrad-columns", default="",
                     help="comma-separated least R·S·K for the depthwise weight gradients' partial sums laid out "
                          "[G, R, S, K] (depthwise_conv_op.COLUMN_PARTIALS; 0: all)")
+    ap.add_argument("--set", action="append", default=[], metavar="'module.NAME=value ...'",
+                    help="a variant with these module constants of tvm_evt.relax_passes set together "
+                         "(e.g. 'depthwise_conv_op.TARGET_THREADS=67584 depthwise_conv_op.COLUMN_PARTIALS=0'); repeatable")
     args = ap.parse_args(argv)
     import torch
 
@@ -139,7 +183,7 @@ def main(argv=None) -> int:
     threads = [int(t) for t in args.wgrad_threads.split(",") if t]
     columns = [int(c) for c in args.wgrad_columns.split(",") if c]
     kernels = scheduled_kernels(args.model, args.precision, rows, args.match, args.dlight, args.quick, blocks, threads,
-                                columns)
+                                columns, args.set)
     print(f"{torch.cuda.get_device_name(0)}; us a launch (TB/s of its buffers)")
     for name in sorted(set().union(*kernels.values())):
         cells = []

@@ -20,9 +20,12 @@ identity (``REDUCERS``).
 
 ``v`` is the widest vector of which ``TX`` divide ``N``; where none does (``N`` not a multiple of
 64 bf16 or 32 float32 columns: EfficientNet's 96-672 channels, a depthwise weight gradient's
-``[G, R, S, K]`` partial sums) the widest vector that divides ``N``, the last thread block of
-each row of blocks partial (its threads past ``N`` idle), where such sums went to DLight's
-``Reduction`` (not timed against it yet).
+``[G, R, S, K]`` partial sums) the widest vector that divides ``N`` into a number of vectors with
+a divisor from ``TX / 2`` to ``TX``, that divisor the block's threads along ``N`` (96 float32
+columns: 24 threads of 4; 480: 30 of 4), where such sums went to DLight's ``Reduction``.  No
+block is partial: TVM 0.27's ``LowerCrossThreadReduction`` drops a predicated block's condition
+from the write of the combined result (a partial last block of 32 threads wrote its idle
+threads' zeros into the next row's columns: 3c144dc, caught by the GPU tier).
 
 A *short* reduction, at most ``SHORT_ROWS`` rows under at least ``SHORT_MIN_THREADS`` column
 vectors, is one thread's work instead: each of ``THREADS`` threads a block keeps its ``v`` columns
@@ -106,15 +109,16 @@ def fit_lanes(widest_bits: int, extent, threads: int) -> int:
     return lanes if int(extent) % (lanes * threads) == 0 else 1
 
 
-def column_lanes(block) -> int:
-    """The columns a thread takes in `block`, a `single_reduction_block` (1: the rule does not apply):
-    16 bytes of the widest type where ``TX`` such vectors divide the columns, else as few as do;
-    where none does, the widest vector that divides them, the last thread block partial."""
+def column_lanes(block) -> tuple[int, int]:
+    """(columns a thread, threads along the columns a block) in `block`, a `single_reduction_block`
+    (lanes 1: the rule does not apply): 16 bytes of the widest type where ``TX`` such vectors divide
+    the columns, else as few as do; where none does, the widest vector that divides the columns into
+    a number of vectors with a divisor of at least ``TX // 2`` threads (at most ``TX``)."""
     if len(block.iter_vars) < 2:
-        return 1
+        return 1, TX
     n, r = block.iter_vars[-2].var, block.iter_vars[-1].var
     if not block.body.indices or not block.body.indices[-1].same_as(n):
-        return 1
+        return 1, TX
     # the widest type along n sets the lanes; the accumulator counts too: its register vector is
     # as wide, and TVM 0.27's CUDA codegen has no 8-lane float (make_ulonglong4 of 8 arguments)
     widest = 8
@@ -122,14 +126,24 @@ def column_lanes(block) -> int:
         if not idx:
             continue
         if any(_uses_var(i, n) for i in idx[:-1]) or _uses_var(idx[-1], r):
-            return 1
+            return 1, TX
         if _uses_var(idx[-1], n):
             if not idx[-1].same_as(n):
-                return 1
+                return 1, TX
             widest = max(widest, tvm.DataType(str(buf.dtype)).bits)
     extent = block.iter_vars[-2].dom.extent
     full = fit_lanes(widest, extent, TX)
-    return full if full > 1 else fit_lanes(widest, extent, 1)
+    if full > 1 or not isinstance(extent, tirx.IntImm):
+        return full, TX
+    lanes = VECTOR_BYTES * 8 // widest
+    while lanes > 1:
+        if int(extent) % lanes == 0:
+            vectors = int(extent) // lanes
+            threads = max(d for d in range(1, TX + 1) if vectors % d == 0)
+            if threads >= TX // 2:
+                return lanes, threads
+        lanes //= 2
+    return 1, TX
 
 
 class ColumnReduction(GPUScheduleRule):
@@ -144,22 +158,18 @@ class ColumnReduction(GPUScheduleRule):
         if found is None:
             return None
         sch, block_rv, loops = found
-        lanes = column_lanes(sch.get(block_rv))
+        lanes, tx = column_lanes(sch.get(block_rv))
         if lanes == 1:
             return None
         extents = [int(sch.get(lp).extent) for lp in loops]
         if extents[-1] <= SHORT_ROWS and math.prod(extents[:-1]) // lanes >= SHORT_MIN_THREADS:
             return self._short(sch, block_rv, loops, lanes)
-        blocks = math.prod(extents[:-2]) * -(-extents[-2] // (TX * lanes))
+        blocks = math.prod(extents[:-1]) // (tx * lanes)
         if blocks < MIN_BLOCKS and isinstance(sch.get(block_rv).body.value, tirx.Add):
             return None  # too few blocks: DLight's rule spreads a few columns' rows over more
         *outer, n, r = loops
         ro, ry = sch.split(r, [None, self.row_groups])
-        if extents[-2] % (TX * lanes):  # a partial last block: its threads past the columns idle
-            nq, nv = sch.split(n, [None, lanes])
-            nb, nx = sch.split(nq, [None, TX])
-        else:
-            nb, nx, nv = sch.split(n, [None, TX, lanes])
+        nb, nx, nv = sch.split(n, [None, tx, lanes])
         sch.reorder(*outer, nb, nx, ry, ro, nv)
         rf = sch.rfactor(ry, 0)  # [TY, ..., N] partial results, each over its rows ro
         *rf_outer, rf_nb, rf_nx, rf_ry, rf_ro, rf_nv = sch.get_loops(rf)
@@ -174,7 +184,7 @@ class ColumnReduction(GPUScheduleRule):
         # the TY partial results of each column, combined across threadIdx.y
         sch.reverse_compute_at(block_rv, bx, preserve_unit_loops=True)
         _, w_ry, *_, w_n = sch.get_loops(block_rv)  # the block's iterators: ry, then [..., n]
-        w_nx, w_nv = sch.split(w_n, [TX, lanes])
+        w_nx, w_nv = sch.split(w_n, [tx, lanes])
         sch.reorder(w_nx, w_nv, w_ry)
         sch.bind(w_nx, "threadIdx.x")
         sch.bind(w_ry, "threadIdx.y")
