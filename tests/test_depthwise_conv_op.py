@@ -103,6 +103,22 @@ def test_column_partials_give_the_same_weight_gradient(geometry, monkeypatch):
     _check_gradients_on_llvm(geometry, mod)
 
 
+@pytest.mark.parametrize("h, c, r, stride, columns", [
+    (112, 32, 3, 1, False),   # R·S·K 288: a column sum of 288 columns over 3584 groups is slow
+    (28, 192, 3, 1, False),   # 1728
+    (28, 240, 3, 2, False),   # 2160
+    (14, 384, 3, 1, True),    # 3456
+    (14, 480, 5, 1, True),    # 12000
+    (7, 1152, 5, 1, True),
+])
+def test_weight_gradients_with_enough_taps_lay_their_partials_out_by_column(h, c, r, stride, columns):
+    """By default the partial sums are [G, R, S, K] (a warp's stores contiguous) where R·S·K
+    reaches ``COLUMN_PARTIALS``, else [K, R, S, G] (the second stage a row sum)."""
+    g = conv_op.Geometry((r // 2,) * 4, (stride, stride), (1, 1))
+    spec = dwc._spec("wgrad", (128, h, h, c), (c, r, r, 1), g, "bfloat16")
+    assert spec.get("columns", False) == columns
+
+
 def test_conv2d_to_matmul_makes_nhwc_depthwise_convolutions_the_op():
     """An NHWC/OHWI conv2d with groups = its channels becomes the op; with depthwise off (and for
     a grouped convolution) it stays a conv2d, between the NCHW transposes TVM's gradient takes."""

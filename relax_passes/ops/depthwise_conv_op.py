@@ -81,11 +81,16 @@ STRIP = 8  # pixels of a row a thread of any of the kernels sums at once, their 
 WINDOW = 32  # values a channel of an fprop / dgrad strip's input window in registers at once (more: a filter row at a time)
 # wgrad's partial sums laid out [G, R, S, K] (a warp's stores of one tap contiguous across its
 # channels) where R·S·K is at least this; else [K, R, S, G] (a thread's R·S·lanes sums at a stride
-# of R·S·G floats each: 100 scattered 4-byte stores a thread for a 5x5).  None: never (untimed;
-# ``scripts/bench_tir.py --wgrad-columns`` compares the two).  The second stage is then a column sum
-# over G, which ``ColumnReduction`` takes where it has 66 blocks of 32 4-float vectors (R·S·⌈K/128⌉:
-# EfficientNet's 5x5 at K = 480, 672, 1152, not 240), the last of each K partial.
-COLUMN_PARTIALS: int | None = None
+# of R·S·G floats each: 50 scattered 4-byte stores a thread for a 5x5).  The second stage is then
+# a column sum over G instead of a row sum, slow where its R·S·K columns are too few to spread the
+# G rows over enough thread blocks.  H200, bf16, batch 128, both stages (us, [K, R, S, G] -> [G, R,
+# S, K]; ``docs/bench/h200-2026-12-02b/``): R·S·K 288 (112²x32 3x3) 169 -> 216, 864 (112²x96 3x3/2)
+# 175 -> 190, 1296 (56²x144 3x3) 200 -> 214, 1728 (28²x192 3x3) 70.5 -> 69.0, 2160 (28²x240 3x3/2,
+# the whole op against cuDNN's, two runs) 52 -> 56-58; 3456 and up faster: 3456 (14²x384 3x3, as
+# that) 47 -> 34-43, 3600 (56²x144 5x5/2) 160 -> 139, 5184 (14²x576 3x3) 64 -> 36.5, 6000 (28²x240
+# 5x5) 158 -> 116, 8640 (7²x960 3x3) 35 -> 21, 12000 (14²x480 5x5) 126 -> 63, 16800 (14²x672 5x5)
+# 126 -> 71, 28800 (7²x1152 5x5) 90 -> 32.  None: never.
+COLUMN_PARTIALS: int | None = 3072
 
 
 # ------------------------------------------------------------------------------ shapes
