@@ -17,12 +17,12 @@ our rules do not take would get, e.g. a cross-entropy's max over the vocabulary 
 
 ``--wgrad-threads``: the depthwise weight gradients' first stage (``depthwise_conv_op.wgrad_grid``)
 cut for about that many threads in all (by default ``TARGET_THREADS``): fewer line groups, each
-walking more lines, and fewer float32 partial sums for the second stage to add.  A thread stores
-R·S·2 partial sums, a channel's R·S taps at a stride of R·S·G floats: for a 5x5 filter 100
-scattered 4-byte stores, against the few tens of loads a strip of 7 pixels takes.
-``--wgrad-columns``: those partial sums laid out [G, R, S, K] where R·S·K is at least the value
-(``depthwise_conv_op.COLUMN_PARTIALS``; 0: every weight gradient), a warp's stores of a tap
-contiguous, the second stage a column sum and a transpose of the taps.
+walking more lines, and fewer float32 partial sums for the second stage to add.
+``--wgrad-columns``: the partial sums laid out [G, R, S, K] where R·S·K is at least the value
+(``depthwise_conv_op.COLUMN_PARTIALS``, by default 3072; 0: every weight gradient), a warp's
+stores of a tap contiguous, the second stage a column sum and a transpose of the taps; below it
+[K, R, S, G], a thread's R·S·2 sums R·S·G floats apart (for a 5x5 filter 50 scattered 4-byte
+stores).
 ``--set 'module.NAME=value ...'`` (repeatable): a variant with any module constants of the
 ``relax_passes`` stages set together, e.g. both of the above:
 ``--set 'depthwise_conv_op.TARGET_THREADS=67584 depthwise_conv_op.COLUMN_PARTIALS=0'``.
