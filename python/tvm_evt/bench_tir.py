@@ -97,32 +97,26 @@ def parse_setting(setting: str) -> list[tuple]:
     together for one variant; values are Python literals (``None``, ints, tuples)."""
     import ast
     import importlib
+    import importlib.util
+    import pkgutil
 
     from . import relax_passes
 
+    stages = [f"{relax_passes.__name__}.{m.name}" for m in pkgutil.iter_modules(relax_passes.__path__) if m.ispkg]
     out = []
     for item in setting.split():
         target, sep, literal = item.partition("=")
         file, _, name = target.rpartition(".")
         if not sep or not file:
             raise ValueError(f"bench_tir --set: {item!r} is not module.NAME=value")
-        found = [m for stage in ("ops", "lower", "graph", "partition", "training")
-                 if (m := _stage_module(importlib, relax_passes.__name__, stage, file)) is not None]
+        found = [f"{stage}.{file}" for stage in stages if importlib.util.find_spec(f"{stage}.{file}") is not None]
         if len(found) != 1:
             raise ValueError(f"bench_tir --set: {file!r} names {len(found)} modules of tvm_evt.relax_passes' stages")
-        if not hasattr(found[0], name):
-            raise ValueError(f"bench_tir --set: {found[0].__name__} has no {name}")
-        out.append((found[0], name, ast.literal_eval(literal)))
+        module = importlib.import_module(found[0])
+        if not hasattr(module, name):
+            raise ValueError(f"bench_tir --set: {module.__name__} has no {name}")
+        out.append((module, name, ast.literal_eval(literal)))
     return out
-
-
-def _stage_module(importlib, package: str, stage: str, file: str):
-    try:
-        return importlib.import_module(f"{package}.{stage}.{file}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{package}.{stage}.{file}":
-            raise
-        return None
 
 
 def time_kernel(func, target) -> tuple[float, int]:
